@@ -1,0 +1,423 @@
+"""Softmax attention with exact first and second derivatives.
+
+Autograd structure (three ``torch.autograd.Function`` s, ``forward`` + ``setup_context``
+style so that ``torch.func`` transforms compose with them):
+
+* ``_Attention``: (q, k, v) -> o. Its backward calls
+* ``_AttentionBackward``: (q, k, v, o, lse, dO) -> (dq, dk, dv), the first backward as a
+  differentiable function of its inputs. Its backward calls
+* ``_AttentionBoB``: the closed-form backward-over-backward (bob-math.md), returning the
+  gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
+  third-order derivatives are not supported.
+
+This module is the only place that validates attention inputs and the only place that
+chooses between the Triton kernels and the PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+
+__all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS"]
+
+#: Accepted values of the ``backend`` argument.
+BACKENDS = ("auto", "triton", "reference")
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# --------------------------------------------------------------------------- backend choice
+
+
+def _triton_module():
+    from . import kernels  # imported lazily: importing triton is slow and optional on CPU
+
+    return kernels
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _resolve_backend(backend: str, q: Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    head_dim = q.shape[-1]
+    if backend == "auto":
+        if q.is_cuda and q.dtype in _KERNEL_DTYPES:
+            max_d = _triton_module().MAX_HEAD_DIM
+            if head_dim > max_d:
+                warnings.warn(
+                    f"head dim {head_dim} exceeds the Triton kernels' maximum {max_d}; "
+                    "using the (slower, exact) PyTorch reference backend",
+                    stacklevel=3,
+                )
+                return "reference"
+            return "triton"
+        return "reference"
+    if backend == "triton":
+        if q.dtype not in _KERNEL_DTYPES:
+            raise TypeError(
+                f"backend='triton' supports float16, bfloat16 and float32 inputs, got {q.dtype}; "
+                "use backend='reference' (or 'auto') for float64"
+            )
+        if not q.is_cuda and not _interpreting():
+            raise RuntimeError(
+                "backend='triton' needs CUDA tensors; on the CPU it runs only under the Triton "
+                "interpreter: set TRITON_INTERPRET=1 in the environment before importing "
+                "ttt_flash, or use backend='reference' (what 'auto' picks on the CPU)"
+            )
+        max_d = _triton_module().MAX_HEAD_DIM
+        if head_dim > max_d:
+            raise ValueError(
+                f"head dim (q.shape[-1] = {head_dim}) is larger than the Triton kernels support "
+                f"({max_d}); use backend='reference'"
+            )
+    return backend
+
+
+def _impl(backend: str):
+    return reference if backend == "reference" else _triton_module()
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """Everything non-tensor the composers need (hashable, passed through ``apply``)."""
+
+    scale: float
+    causal: bool
+    window: Optional[int]
+    backend: str
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+
+    def kwargs(self, cu_q, cu_k) -> dict:
+        return dict(
+            scale=self.scale,
+            causal=self.causal,
+            window=self.window,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=self.max_seqlen_q,
+            max_seqlen_k=self.max_seqlen_k,
+        )
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, spec: _Spec, cu_q, cu_k):
+        return _impl(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, spec, cu_q, cu_k = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        if do is None:
+            return None, None, None, None, None, None
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv, _ = _AttentionBackward.apply(q, k, v, o, lse, do, ctx.spec, cu_q, cu_k)
+        return dq, dk, dv, None, None, None
+
+
+class _AttentionBackward(torch.autograd.Function):
+    """(q, k, v, o, lse, dO) -> (dq, dk, dv). o and lse are functions of (q, k, v); the
+    BoB below returns the total derivative w.r.t. q, k, v, so o and lse get none."""
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
+        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k))
+        return dq, dk, dv, delta
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, o, lse, do, spec, cu_q, cu_k = inputs
+        ctx.mark_non_differentiable(output[3])
+        ctx.save_for_backward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, uq, uk, uv, _udelta):
+        if uq is None and uk is None and uv is None:
+            return (None,) * 9
+        q, k, v, o, lse, do, delta, cu_q, cu_k = ctx.saved_tensors
+        needs = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+            ctx.needs_input_grad[5],
+        )
+        qb, kb, vb, dob = _AttentionBoB.apply(
+            q, k, v, o, lse, do, delta, uq, uk, uv, ctx.spec, cu_q, cu_k, needs
+        )
+        return qb, kb, vb, None, None, dob, None, None, None
+
+
+class _AttentionBoB(torch.autograd.Function):
+    """Backward-over-backward. Differentiating it once more is not supported."""
+
+    @staticmethod
+    def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
+        out = _impl(spec.backend).attn_bob(
+            q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, **spec.kwargs(cu_q, cu_k)
+        )
+        return tuple(out)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "third-order derivatives through ttt_flash attention are not supported: "
+            "flash_attention is differentiable twice (gradients and Hessian-vector products), "
+            "not three times"
+        )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, x) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+
+
+def _check_common(q, k, v, scale, window, causal) -> float:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, x)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(
+            f"q, k and v must share one dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}; "
+            "cast them with .to(q.dtype)"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
+            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1 (the number of most recent keys a query sees), got {window}")
+        if not causal:
+            raise ValueError("window requires causal=True (a sliding window looks back from each query)")
+    if scale is None:
+        return q.shape[-1] ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _check_heads(hq: int, hkv: int) -> None:
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+            f"heads ({hkv}) (grouped-query attention)"
+        )
+
+
+def _check_cu_seqlens(name: str, cu, tokens: int, device) -> list:
+    if not isinstance(cu, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}; use {name}.to(torch.int32)")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be 1-D with batch_size + 1 >= 2 entries, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {values}")
+    if values[-1] != tokens:
+        raise ValueError(
+            f"{name}[-1] must equal the number of packed tokens ({tokens}), got {values[-1]}"
+        )
+    return values
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Softmax attention, differentiable twice exactly (FlashBoB).
+
+    ``o = softmax(scale · q kᵀ + mask) v`` for each batch and head, with exact gradients
+    and exact gradients of gradients (Hessian-vector products, MAML, gradient-written
+    memory), never materialising the N_q × N_k matrix on the Triton backend.
+
+    Args:
+        q: queries, shape (B, H_q, N_q, D).
+        k: keys, shape (B, H_kv, N_k, D). H_q must be a multiple of H_kv (grouped-query
+            attention: query head h uses key head h // (H_q / H_kv)).
+        v: values, shape (B, H_kv, N_k, D).
+        causal: mask future keys. Aligned to the bottom-right when N_q ≠ N_k: query i
+            sees key j iff j ≤ i + N_k − N_q (FlashAttention-2 convention).
+        scale: softmax scale; defaults to D^-1/2.
+        window: with ``causal=True``, each query sees only its ``window`` most recent
+            keys, its own aligned position included: j > i + N_k − N_q − window.
+        backend: ``"auto"`` (Triton kernels for CUDA float16/bfloat16/float32, the
+            PyTorch reference otherwise), ``"triton"`` or ``"reference"``.
+
+    Returns:
+        Tensor of shape (B, H_q, N_q, D), dtype of ``q``. A query row that sees no key
+        returns 0, and all its gradients are 0.
+
+    Inputs may be non-contiguous (e.g. produced by ``transpose``). Third derivatives raise
+    ``NotImplementedError``.
+
+    Example: an exact Hessian-vector product through attention::
+
+        >>> import torch
+        >>> from ttt_flash import flash_attention
+        >>> q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        >>> loss = flash_attention(q, k, v, causal=True).square().sum()
+        >>> grads = torch.autograd.grad(loss, (q, k, v), create_graph=True)
+        >>> vecs = [torch.randn_like(g) for g in grads]
+        >>> hvp = torch.autograd.grad(grads, (q, k, v), grad_outputs=vecs)
+        >>> [tuple(h.shape) for h in hvp]
+        [(1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
+    """
+    scale = _check_common(q, k, v, scale, window, causal)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions (batch, heads, seq_len, head_dim), got shape "
+                f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    _check_heads(q.shape[1], k.shape[1])
+    backend = _resolve_backend(backend, q)
+    if q.numel() == 0 or k.shape[2] == 0:
+        backend = "reference"  # nothing for a kernel to do; the reference handles empties
+    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend)
+    o, _ = _Attention.apply(q, k, v, spec, None, None)
+    return o
+
+
+def flash_attention_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: Optional[int],
+    max_seqlen_k: Optional[int],
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+    backend: str = "auto",
+) -> Tensor:
+    r"""Attention over variable-length sequences packed along the token axis.
+
+    Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
+    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
+    sequences are allowed. Masks (``causal``, ``window``) and ``scale`` are as in
+    :func:`flash_attention`, applied per sequence with that sequence's lengths.
+
+    Args:
+        q: (T_q, H_q, D) packed queries.
+        k, v: (T_k, H_kv, D) packed keys and values.
+        cu_seqlens_q, cu_seqlens_k: int32 tensors of shape (B + 1,): 0, then cumulative
+            sequence lengths; the last entry equals T_q (resp. T_k).
+        max_seqlen_q, max_seqlen_k: the longest query (key) sequence, or None to compute
+            it (one device synchronisation).
+
+    Returns:
+        (T_q, H_q, D) tensor, differentiable twice like :func:`flash_attention`.
+
+    Example::
+
+        >>> import torch
+        >>> from ttt_flash import flash_attention_varlen
+        >>> cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)  # lengths 3, 0, 5
+        >>> q, k, v = (torch.randn(8, 2, 4) for _ in range(3))
+        >>> flash_attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).shape
+        torch.Size([8, 2, 4])
+    """
+    scale = _check_common(q, k, v, scale, window, causal)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
+                f"attention, got shape {tuple(x.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    _check_heads(q.shape[1], k.shape[1])
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
+    if len(cq) != len(ck):
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{len(cq) - 1} and {len(ck) - 1}"
+        )
+    longest_q = max(b - a for a, b in zip(cq, cq[1:]))
+    longest_k = max(b - a for a, b in zip(ck, ck[1:]))
+    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
+        if given is None:
+            continue
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+        if given < longest:
+            raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
+    backend = _resolve_backend(backend, q)
+    if q.numel() == 0 or k.shape[0] == 0:
+        backend = "reference"
+    spec = _Spec(
+        scale=scale,
+        causal=causal,
+        window=None if window is None else int(window),
+        backend=backend,
+        max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
+        max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
+    )
+    o, _ = _Attention.apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
+    return o

@@ -5,6 +5,9 @@ Subcommands:
 * ``ttt-flash check``: a small end-to-end job: an exact Hessian-vector product through
   attention on random data, compared with autograd applied twice to materialised
   attention in float64. Exits non-zero if any output disagrees.
+* ``ttt-flash fit|validate|test --config recipes/NAME.yaml``: LightningCLI over any
+  LightningModule / LightningDataModule named by ``class_path`` in the recipe (CSV logs
+  and checkpoints under ``runs/`` by default; ``--print_config`` shows the full config).
 * ``ttt-flash --version`` / ``--help``.
 """
 
@@ -19,7 +22,36 @@ from . import __version__
 
 _COMMANDS = {
     "check": "exact attention Hessian-vector product vs a float64 materialised oracle",
+    "fit": "train a recipe (LightningCLI): ttt-flash fit --config recipes/NAME.yaml",
+    "validate": "validate a recipe (LightningCLI)",
+    "test": "test a recipe (LightningCLI)",
 }
+
+_LIGHTNING_COMMANDS = ("fit", "validate", "test")
+
+
+def _lightning(argv: Sequence[str]) -> int:
+    """LightningCLI with subclass mode: a recipe names its module and data by class_path."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=list(argv),
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": "runs"},
+            },
+            "default_root_dir": "runs",
+        },
+        auto_configure_optimizers=False,
+    )
+    return 0
 
 
 def _check(argv: Sequence[str]) -> int:
@@ -102,6 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not argv:
         p.print_help()
         return 0
+    if argv[0] in _LIGHTNING_COMMANDS:
+        return _lightning(argv)
     if argv[0] in _COMMANDS:
         return {"check": _check}[argv[0]](argv[1:])
     p.parse_args(argv)  # --version / --help / an unknown command (argparse reports it)

@@ -22,6 +22,7 @@ from . import __version__
 
 _COMMANDS = {
     "check": "exact attention Hessian-vector product vs a float64 materialised oracle",
+    "bench": "time the attention chain (fwd, bwd, backward-over-backward) against peers",
     "fit": "train a recipe (LightningCLI): ttt-flash fit --config recipes/NAME.yaml",
     "validate": "validate a recipe (LightningCLI)",
     "test": "test a recipe (LightningCLI)",
@@ -137,6 +138,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[0] in _LIGHTNING_COMMANDS:
         return _lightning(argv)
     if argv[0] in _COMMANDS:
+        if argv[0] == "bench":
+            from .bench import main as bench_main
+
+            return bench_main(argv[1:])
         return {"check": _check}[argv[0]](argv[1:])
     p.parse_args(argv)  # --version / --help / an unknown command (argparse reports it)
     return 0

@@ -1,0 +1,39 @@
+"""CPU smoke test of the chain benchmark (speed is measured on the GPU, not here)."""
+
+import json
+
+import pytest
+
+from ttt_flash.bench import BenchConfig, chain_flops, main
+
+
+def test_bench_cpu_smoke(tmp_path, capsys):
+    rc = main(["--device", "cpu", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8",
+               "--causal", "--rep-ms", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "ttt_flash" in out and "math" in out and "sdpa" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["check"]["ok"]
+    rows = {(r["provider"], r["N"]): r for r in data["rows"]}
+    assert set(rows) == {(p, n) for p in ("ttt_flash", "math", "sdpa") for n in (16, 32)}
+    assert all(r["ms"] > 0 for r in rows.values())
+    assert "ratio_sdpa" in rows[("ttt_flash", 32)]
+
+
+def test_flop_counts_follow_bob_math():
+    cfg = BenchConfig(seq_lens=[1024], heads=12, head_dim=64, device="cpu")
+    assert chain_flops(cfg, 16384) == pytest.approx(52 * 64 * 12 * 16384**2)  # 1.07e13 in the issue
+    assert chain_flops(cfg, 16384) == pytest.approx(1.07e13, rel=0.01)
+    causal = BenchConfig(seq_lens=[8], causal=True, device="cpu")
+    assert chain_flops(causal, 8) == pytest.approx(chain_flops(cfg, 8) / 12 * causal.heads / 2)
+    windowed = BenchConfig(seq_lens=[8], causal=True, window=3, device="cpu")
+    # 1 + 2 + 3*6 = 21 pairs
+    assert chain_flops(windowed, 8) == pytest.approx(52 * windowed.head_dim * windowed.heads * 21)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="kv_heads"):
+        BenchConfig(heads=12, kv_heads=5)
+    with pytest.raises(ValueError, match="unknown providers"):
+        BenchConfig(providers=["nope"])

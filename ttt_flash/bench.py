@@ -1,0 +1,382 @@
+"""Benchmark of the attention "chain": forward, first backward with ``create_graph=True``
+and backward-over-backward for (q, k, v, dO): one exact attention Hessian-vector product.
+
+Providers (compared in one process, one run):
+
+* ``ttt_flash``: :func:`ttt_flash.flash_attention` (Triton kernels on CUDA, the chunked
+  reference on the CPU).
+* ``math``: materialised attention in plain PyTorch ops (O(N²) memory; reported as OOM
+  when it runs out of memory).
+* ``sdpa_flash`` / ``sdpa_cudnn``: first-order fused SDPA forward + backward (CUDA only):
+  the unit for ratios. ``sdpa``: first-order SDPA with PyTorch's default choice (CPU).
+
+Flop counts per (query, key) pair (docs/bob-math.md): chain 52·d, first-order 14·d;
+causal halves both. Memory is the peak allocated above the inputs (CUDA only).
+
+Usage::
+
+    ttt-flash bench --seq-lens 1024,4096,16384 --dtype bfloat16          # GPU
+    ttt-flash bench --device cpu --seq-lens 64,128 --dtype float64      # CPU smoke test
+
+Writes ``bench.json`` (all numbers) and ``bench.png`` (time and memory vs N, log-log)
+into ``--out``; prints a table. A configuration whose correctness check fails gets no
+speed reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional, Sequence
+
+import torch
+
+from .attention import flash_attention
+from .reference import naive_attention
+
+__all__ = ["BenchConfig", "run_bench", "chain_flops", "main"]
+
+CHAIN_FLOPS_PER_PAIR_PER_D = 52
+FIRST_ORDER_FLOPS_PER_PAIR_PER_D = 14
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run: shapes, dtype, mask and providers."""
+
+    seq_lens: List[int] = field(default_factory=lambda: [1024, 4096])
+    batch: int = 1
+    heads: int = 12
+    kv_heads: Optional[int] = None  #: default: ``heads``
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    causal: bool = False
+    window: Optional[int] = None
+    providers: List[str] = field(default_factory=lambda: ["ttt_flash", "math", "sdpa_flash", "sdpa_cudnn"])
+    device: str = "cuda"
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    check: bool = True  #: compare ttt_flash with a float64 reference before timing
+    out: Optional[str] = "bench_out"
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.dtype not in ("float16", "bfloat16", "float32", "float64"):
+            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
+        if self.window is not None and not self.causal:
+            raise ValueError("window requires causal=True")
+        known = {"ttt_flash", "math", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
+        bad = [p for p in self.providers if p not in known]
+        if bad:
+            raise ValueError(f"unknown providers {bad}; choose from {sorted(known)}")
+
+
+def _pairs(n: int, causal: bool, window: Optional[int]) -> float:
+    """(query, key) pairs that attend; causal is counted as N²/2 (the usual convention)."""
+    if window is not None and window < n:
+        return window * (window + 1) / 2 + (n - window) * window
+    return n * n / 2 if causal else float(n * n)
+
+
+def chain_flops(cfg: BenchConfig, n: int, first_order: bool = False) -> float:
+    """Flops of one chain (or one first-order fwd+bwd) at sequence length n."""
+    per = FIRST_ORDER_FLOPS_PER_PAIR_PER_D if first_order else CHAIN_FLOPS_PER_PAIR_PER_D
+    return per * cfg.head_dim * cfg.batch * cfg.heads * _pairs(n, cfg.causal, cfg.window)
+
+
+# --------------------------------------------------------------------------- providers
+
+
+def _inputs(cfg: BenchConfig, n: int, dtype, requires_grad=True, seed=0):
+    g = torch.Generator(device=cfg.device).manual_seed(seed)
+
+    def r(h):
+        return torch.randn(cfg.batch, h, n, cfg.head_dim, device=cfg.device, dtype=dtype, generator=g)
+
+    q, k, v, do = r(cfg.heads), r(cfg.kv_heads), r(cfg.kv_heads), r(cfg.heads)
+    uq, uk, uv = r(cfg.heads), r(cfg.kv_heads), r(cfg.kv_heads)
+    for t in (q, k, v, do):
+        t.requires_grad_(requires_grad)
+    return q, k, v, do, (uq, uk, uv)
+
+
+def _chain_fn(attn: Callable, q, k, v, do, u) -> Callable[[], tuple]:
+    def run():
+        o = attn(q, k, v)
+        grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        inner = sum((g * w).sum() for g, w in zip(grads, u))
+        return (o, *grads, *torch.autograd.grad(inner, (q, k, v, do)))
+
+    return run
+
+
+def _sdpa_first_order_fn(cfg: BenchConfig, backend: Optional[str], q, k, v, do) -> Callable[[], tuple]:
+    import torch.nn.functional as F
+
+    kw = {}
+    if cfg.kv_heads != cfg.heads:
+        kw["enable_gqa"] = True
+
+    def attend():
+        if cfg.window is not None:
+            raise RuntimeError("SDPA has no sliding-window mask without a materialised bias")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal, **kw)
+
+    def run():
+        if backend is None:
+            o = attend()
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                o = attend()
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    return run
+
+
+def _make(cfg: BenchConfig, provider: str, n: int):
+    dtype = getattr(torch, cfg.dtype)
+    q, k, v, do, u = _inputs(cfg, n, dtype)
+    kw = dict(causal=cfg.causal, window=cfg.window)
+    if provider == "ttt_flash":
+        return _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do, u), False
+    if provider == "math":
+        return _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u), False
+    backend = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+               "sdpa_efficient": "EFFICIENT_ATTENTION"}[provider]
+    return _sdpa_first_order_fn(cfg, backend, q, k, v, do), True
+
+
+def _time(cfg: BenchConfig, fn: Callable) -> float:
+    """Median milliseconds of fn()."""
+    if cfg.device.startswith("cuda"):
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + max(cfg.rep_ms, 1.0) / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
+    cuda = cfg.device.startswith("cuda")
+    row = {"provider": provider, "N": n}
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        fn, first_order = _make(cfg, provider, n)
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            out = fn()
+            del out
+            torch.cuda.synchronize()
+            row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = _time(cfg, fn)
+        row["ms"] = ms
+        row["first_order"] = first_order
+        row["tflops"] = chain_flops(cfg, n, first_order) / (ms * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001 - OOM and refusals are results, not crashes
+        if _is_oom(e):
+            row["error"] = "OOM"
+        else:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
+    return row
+
+
+def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
+    """Relative L2 error of each chain output of ttt_flash vs float64 materialised attention."""
+    dtype = getattr(torch, cfg.dtype)
+    q, k, v, do, u = _inputs(cfg, n, torch.float64, seed=1)
+    kw = dict(causal=cfg.causal, window=cfg.window)
+    exact = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u)()
+    low = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v, do)]
+    ours = _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
+    lowmath = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
+    names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
+    res = {}
+    ok = True
+    floor = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[cfg.dtype]
+    for name, a, m, e in zip(names, ours, lowmath, exact):
+        err = ((a.double() - e).norm() / e.norm()).item()
+        err_math = ((m.double() - e).norm() / e.norm()).item()
+        res[name] = {"ttt_flash": err, "math_same_dtype": err_math}
+        ok &= math.isfinite(err) and err <= 2 * err_math + floor
+    res["ok"] = ok
+    return res
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run every (provider, N) and return a dict with the config, rows and checks."""
+    cuda = cfg.device.startswith("cuda")
+    providers = [p for p in cfg.providers if cuda or not p.startswith("sdpa_")]
+    if not cuda and "sdpa" not in providers and any(p.startswith("sdpa_") for p in cfg.providers):
+        providers.append("sdpa")
+    result = {
+        "config": asdict(cfg),
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+    }
+    if cfg.check and "ttt_flash" in providers:
+        result["check"] = check_correctness(cfg, n=min(256, max(cfg.seq_lens)))
+    checked_ok = result.get("check", {"ok": True})["ok"]
+    jobs = [(p, n) for n in cfg.seq_lens for p in providers]
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(jobs, desc="bench", disable=not progress, leave=False)
+    except ImportError:  # pragma: no cover
+        bar = jobs
+    oom = set()
+    for provider, n in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{provider} N={n}")
+        if provider in oom:
+            result["rows"].append({"provider": provider, "N": n, "error": "OOM"})
+            continue
+        if provider == "ttt_flash" and not checked_ok:
+            result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
+            continue
+        row = _measure(cfg, provider, n)
+        if row.get("error") == "OOM":
+            oom.add(provider)
+        result["rows"].append(row)
+    _add_ratios(result)
+    return result
+
+
+def _add_ratios(result: dict) -> None:
+    by = {(r["provider"], r["N"]): r for r in result["rows"]}
+    for r in result["rows"]:
+        if r["provider"] in ("ttt_flash", "math") and "ms" in r:
+            for unit in ("sdpa_flash", "sdpa_cudnn", "sdpa"):
+                u = by.get((unit, r["N"]))
+                if u and "ms" in u:
+                    r[f"ratio_{unit}"] = r["ms"] / u["ms"]
+
+
+def format_table(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"chain benchmark on {result['device_name']} ({result['date']}, torch {result['torch']}): "
+        f"B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} {cfg['dtype']} "
+        f"causal={cfg['causal']} window={cfg['window']}"
+    ]
+    if "check" in result:
+        chk = result["check"]
+        worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
+        lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {'ok' if chk['ok'] else 'FAILED'}")
+    unit = "sdpa_flash" if any(r["provider"] == "sdpa_flash" for r in result["rows"]) else "sdpa"
+    lines.append(f"ratios: time / first-order {unit} fwd+bwd ('/unit') and / sdpa_cudnn ('/cudnn')")
+    lines.append(f"{'provider':<14}{'N':>9}{'ms':>11}{'TFLOP/s':>9}{'peak GiB':>10}{'/unit':>8}{'/cudnn':>8}")
+    for r in result["rows"]:
+        if "ms" not in r:
+            lines.append(f"{r['provider']:<14}{r['N']:>9}  {r['error']}")
+            continue
+        peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-"
+        f1 = f"{r['ratio_sdpa_flash']:.2f}" if "ratio_sdpa_flash" in r else (f"{r['ratio_sdpa']:.2f}" if "ratio_sdpa" in r else "-")
+        f2 = f"{r['ratio_sdpa_cudnn']:.2f}" if "ratio_sdpa_cudnn" in r else "-"
+        lines.append(f"{r['provider']:<14}{r['N']:>9}{r['ms']:>11.3f}{r['tflops']:>9.1f}{peak:>10}{f1:>8}{f2:>8}")
+    return "\n".join(lines)
+
+
+def save(result: dict, out: str) -> List[str]:
+    """Write bench.json and (if matplotlib is installed) bench.png into ``out``."""
+    os.makedirs(out, exist_ok=True)
+    paths = [os.path.join(out, "bench.json")]
+    with open(paths[0], "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install 'ttt-flash[plot]'): no plot written")
+        return paths
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    providers = sorted({r["provider"] for r in result["rows"]})
+    for p in providers:
+        rows = [r for r in result["rows"] if r["provider"] == p and "ms" in r]
+        if rows:
+            axes[0].loglog([r["N"] for r in rows], [r["ms"] for r in rows], "o-", label=p)
+        rows = [r for r in rows if "peak_gib" in r]
+        if rows:
+            axes[1].loglog([r["N"] for r in rows], [max(r["peak_gib"], 1e-4) for r in rows], "o-", label=p)
+    axes[0].set(xlabel="sequence length N", ylabel="time (ms)", title="chain (sdpa: first order)")
+    axes[1].set(xlabel="sequence length N", ylabel="peak memory above inputs (GiB)", title="memory")
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    paths.append(os.path.join(out, "bench.png"))
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.replace(" ", "").split(",") if x]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(prog="ttt-flash bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-lens", type=_ints, default=[1024, 4096] if cuda else [64, 128],
+                   help="comma-separated sequence lengths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=12 if cuda else 2)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
+    p.add_argument("--dtype", default="bfloat16" if cuda else "float64")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--window", type=int, default=None)
+    p.add_argument("--providers", default="ttt_flash,math,sdpa_flash,sdpa_cudnn")
+    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    a = p.parse_args(argv)
+    cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+                      head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, window=a.window,
+                      providers=[x for x in a.providers.split(",") if x], device=a.device,
+                      warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check, out=a.out)
+    result = run_bench(cfg)
+    paths = save(result, cfg.out) if cfg.out else []
+    print(format_table(result))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0 if result.get("check", {"ok": True})["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -90,6 +90,58 @@ def _impl(backend: str):
     return reference if backend == "reference" else _triton_module()
 
 
+# --------------------------------------------------------------------------- vmap
+#
+# torch.func.vmap over attention folds the vmapped dimension into the head dimension:
+# V copies of H heads become V·H heads. With grouped-query attention this keeps the
+# mapping right: query head v·H_q + h uses key head (v·H_q + h) // g = v·H_kv + h // g.
+
+
+def _head_axis(kind: str, varlen: bool) -> int:
+    """Axis of the heads: 1 for (B, H, N, D) / (T, H, D) tensors and (B, H, N) rows; 0 for
+    varlen rows (H, T)."""
+    return 0 if (kind == "row" and varlen) else 1
+
+
+def _fold(x, bdim, size: int, axis: int):
+    if x is None:
+        return None
+    if bdim is None:
+        x = x.unsqueeze(axis).expand(*x.shape[:axis], size, *x.shape[axis:])
+    else:
+        x = x.movedim(bdim, axis)
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+
+
+def _unfold(x, size: int, axis: int):
+    if x is None:
+        return None
+    return x.reshape(*x.shape[:axis], size, x.shape[axis] // size, *x.shape[axis + 1 :])
+
+
+def _vmap_rule(fn, info, in_dims, args, kinds, out_kinds):
+    """Shared vmap rule: fold, apply ``fn`` once, unfold. ``kinds`` names each argument
+    "tensor", "row" or "static" (passed through; must not be vmapped)."""
+    cu_q = [a for a, k in zip(args, kinds) if k == "cu"]
+    varlen = cu_q[0] is not None
+    folded = []
+    for a, d, kind in zip(args, in_dims, kinds):
+        if kind == "static":
+            folded.append(a)
+        elif kind == "cu":
+            if d is not None:
+                raise NotImplementedError(
+                    "torch.func.vmap over cu_seqlens of flash_attention_varlen is not supported; "
+                    "vmap over q, k, v only"
+                )
+            folded.append(a)
+        else:
+            folded.append(_fold(a, d, info.batch_size, _head_axis(kind, varlen)))
+    out = fn(*folded)
+    outs = tuple(_unfold(o, info.batch_size, _head_axis(k, varlen)) for o, k in zip(out, out_kinds))
+    return outs, tuple(None if o is None else _head_axis(k, varlen) for o, k in zip(outs, out_kinds))
+
+
 # --------------------------------------------------------------------------- autograd
 
 
@@ -117,6 +169,13 @@ class _Spec:
 
 
 class _Attention(torch.autograd.Function):
+    _KINDS = ("tensor", "tensor", "tensor", "static", "cu", "cu")
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, spec, cu_q, cu_k):
+        return _vmap_rule(_Attention.apply, info, in_dims, (q, k, v, spec, cu_q, cu_k),
+                          _Attention._KINDS, ("tensor", "row"))
+
     @staticmethod
     def forward(q, k, v, spec: _Spec, cu_q, cu_k):
         return _impl(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
@@ -142,6 +201,13 @@ class _Attention(torch.autograd.Function):
 class _AttentionBackward(torch.autograd.Function):
     """(q, k, v, o, lse, dO) -> (dq, dk, dv). o and lse are functions of (q, k, v); the
     BoB below returns the total derivative w.r.t. q, k, v, so o and lse get none."""
+
+    _KINDS = ("tensor", "tensor", "tensor", "tensor", "row", "tensor", "static", "cu", "cu")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_rule(_AttentionBackward.apply, info, in_dims, args, _AttentionBackward._KINDS,
+                          ("tensor", "tensor", "tensor", "row"))
 
     @staticmethod
     def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
@@ -175,6 +241,12 @@ class _AttentionBackward(torch.autograd.Function):
 
 class _AttentionBoB(torch.autograd.Function):
     """Backward-over-backward. Differentiating it once more is not supported."""
+
+    _KINDS = ("tensor",) * 4 + ("row", "tensor", "row") + ("tensor",) * 3 + ("static", "cu", "cu", "static")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_rule(_AttentionBoB.apply, info, in_dims, args, _AttentionBoB._KINDS, ("tensor",) * 4)
 
     @staticmethod
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
@@ -254,7 +326,13 @@ def _check_cu_seqlens(name: str, cu, tokens: int, device) -> list:
         raise ValueError(f"{name} must be 1-D with batch_size + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
-    values = cu.tolist()
+    try:
+        values = cu.tolist()
+    except RuntimeError as e:  # e.g. a vmapped (batched) tensor has no data to read
+        raise NotImplementedError(
+            f"{name} must be a concrete tensor: torch.func.vmap over cu_seqlens is not supported; "
+            "vmap over q, k, v only"
+        ) from e
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):

@@ -1,0 +1,352 @@
+"""A decoder-only transformer (pre-norm, RoPE, SwiGLU, optional GQA and sliding window)
+whose attention can be differentiated twice exactly.
+
+The model is a pure function of its parameters: it works under
+``torch.func.functional_call`` and ``torch.autograd.grad(..., create_graph=True)``, including
+with activation checkpointing, which is what meta-learning and test-time-training loops need.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from .layers import ATTENTION_IMPLS, CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
+
+__all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]
+
+
+def _default_mlp_hidden(d_model: int) -> int:
+    """8/3 · d_model rounded up to a multiple of 64 (768 → 2048, 64 → 192)."""
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"GPTConfig.{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"GPTConfig.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class GPTConfig:
+    """Hyperparameters of :class:`GPT`. Validated on construction (``ValueError`` naming the
+    field); ``n_kv_head`` and ``mlp_hidden`` left as ``None`` are filled in."""
+
+    vocab_size: int
+    """Number of token ids; ``idx`` entries lie in [0, vocab_size)."""
+
+    n_layer: int
+    """Number of transformer blocks."""
+
+    n_head: int
+    """Number of query heads H_q; ``d_model`` must be divisible by it, with an even quotient
+    (the head dim D, which RoPE splits in halves)."""
+
+    d_model: int
+    """Width of the residual stream."""
+
+    n_kv_head: Optional[int] = None
+    """Number of key/value heads H_kv (grouped-query attention); ``n_head`` must be a multiple
+    of it. ``None`` means ``n_head`` (plain multi-head attention); 1 is multi-query."""
+
+    mlp_hidden: Optional[int] = None
+    """Hidden width of the SwiGLU MLP. ``None`` means 8/3 · d_model rounded up to a multiple
+    of 64 (same parameter count as a 4 · d_model GELU MLP; 768 → 2048)."""
+
+    rope_base: float = 10000.0
+    """Base θ of the rotary position embedding."""
+
+    window: Optional[int] = None
+    """Sliding-window attention in every layer: each token sees its ``window`` most recent
+    tokens, itself included. ``None`` means full causal attention."""
+
+    attention: str = "ttt_flash"
+    """Attention implementation: ``"ttt_flash"`` (exact double backward, O(N) memory on GPU),
+    ``"sdpa"`` (PyTorch's ``scaled_dot_product_attention``; its fused kernels refuse double
+    backward) or ``"math"`` (materialised softmax, any order of derivative, O(N²) memory)."""
+
+    tie_embeddings: bool = True
+    """Use the token embedding matrix as the output (LM head) matrix."""
+
+    checkpoint: bool = False
+    """Recompute each block's activations in the backward pass (non-reentrant activation
+    checkpointing: correct under ``create_graph=True`` and ``functional_call``)."""
+
+    dropout: float = 0.0
+    """Dropout probability on the embeddings and on each residual branch (not on attention
+    probabilities, so that every attention implementation computes the same function)."""
+
+    bias: bool = False
+    """Biases in the attention and MLP linear layers (the LM head never has one)."""
+
+    def __post_init__(self):
+        _check_int("vocab_size", self.vocab_size, 1)
+        _check_int("n_layer", self.n_layer, 1)
+        _check_int("n_head", self.n_head, 1)
+        _check_int("d_model", self.d_model, 1)
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        _check_int("n_kv_head", self.n_kv_head, 1)
+        if self.n_head % self.n_kv_head != 0:
+            raise ValueError(
+                f"GPTConfig.n_head ({self.n_head}) must be a multiple of GPTConfig.n_kv_head "
+                f"({self.n_kv_head}) for grouped-query attention"
+            )
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by GPTConfig.n_head "
+                f"({self.n_head})"
+            )
+        if (self.d_model // self.n_head) % 2 != 0:
+            raise ValueError(
+                f"GPTConfig.d_model / GPTConfig.n_head (the head dim, "
+                f"{self.d_model // self.n_head}) must be even for rotary embeddings"
+            )
+        if self.mlp_hidden is None:
+            self.mlp_hidden = _default_mlp_hidden(self.d_model)
+        _check_int("mlp_hidden", self.mlp_hidden, 1)
+        if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, numbers.Real):
+            raise TypeError(f"GPTConfig.rope_base must be a float, got {type(self.rope_base).__name__}")
+        if not (math.isfinite(self.rope_base) and self.rope_base > 1):
+            raise ValueError(f"GPTConfig.rope_base must be a finite number > 1, got {self.rope_base}")
+        self.rope_base = float(self.rope_base)
+        if self.window is not None:
+            _check_int("window", self.window, 1)
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"GPTConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"
+            )
+        for name in ("tie_embeddings", "checkpoint", "bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
+            raise TypeError(f"GPTConfig.dropout must be a float, got {type(self.dropout).__name__}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        """D = d_model / n_head."""
+        return self.d_model // self.n_head
+
+    @classmethod
+    def _preset(cls, defaults: dict, overrides: dict) -> "GPTConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"unknown GPTConfig field(s) {unknown}; fields are {sorted(known)}")
+        return cls(**{**defaults, **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "GPTConfig":
+        """CPU-test size: 2 layers, d_model 64, 4 heads (D = 16), byte vocabulary (256)."""
+        return cls._preset(dict(vocab_size=256, n_layer=2, n_head=4, d_model=64), overrides)
+
+    @classmethod
+    def gpt2_small(cls, **overrides) -> "GPTConfig":
+        """GPT-2 small shape: 12 layers, d_model 768, 12 heads (D = 64), MLP hidden 2048.
+
+        ``vocab_size`` defaults to 50304 (the GPT-2 BPE's 50257 padded to a multiple of 64);
+        pass ``vocab_size=256`` for byte-level modelling. About 124M parameters with the
+        default vocabulary and tied embeddings (85M without the embedding).
+        """
+        return cls._preset(dict(vocab_size=50304, n_layer=12, n_head=12, d_model=768), overrides)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.dropout = config.dropout
+        self.attn_norm = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(
+            config.d_model,
+            config.n_head,
+            config.n_kv_head,
+            impl=config.attention,
+            window=config.window,
+            bias=config.bias,
+        )
+        self.mlp_norm = RMSNorm(config.d_model)
+        self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: (B, N, d_model); cos, sin: rotary tables. Returns (B, N, d_model)."""
+        x = x + F.dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer language model.
+
+    Token embedding (no learned positions: RoPE in every attention layer), ``n_layer``
+    :class:`Block` s, a final RMSNorm and a linear LM head (the embedding matrix when
+    ``config.tie_embeddings``).
+
+    Example: a Hessian-vector product of the LM loss w.r.t. all parameters::
+
+        >>> import torch
+        >>> from ttt_flash.models import GPT, GPTConfig
+        >>> model = GPT(GPTConfig.tiny())
+        >>> idx = torch.randint(0, 256, (2, 16))
+        >>> params = [p for p in model.parameters()]
+        >>> grads = torch.autograd.grad(model.loss(idx[:, :-1], idx[:, 1:]), params, create_graph=True)
+        >>> hvp = torch.autograd.grad(grads, params, grad_outputs=[torch.randn_like(g) for g in grads])
+        >>> len(hvp) == len(params)
+        True
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model)
+        # Tied: the head is tok_emb.weight itself, so there is one parameter, one entry in
+        # state_dict and one key to replace under functional_call.
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, 0.02) weights, zero biases, unit norm gains; the residual output
+        projections (``attn.proj``, ``mlp.down``) get std 0.02 / sqrt(2 · n_layer)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.proj.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The (vocab_size, d_model) LM head matrix (``tok_emb.weight`` when tied)."""
+        return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters, each shared tensor counted once. ``exclude_embeddings``
+        leaves out the token embedding and an untied LM head."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= self.tok_emb.weight.numel()
+            if self.lm_head is not None:
+                total -= self.lm_head.weight.numel()
+        return total
+
+    def _positions(self, positions, batch: int, n: int, device) -> Tensor:
+        if positions is None:
+            return torch.arange(n, device=device)
+        if isinstance(positions, numbers.Integral) and not isinstance(positions, bool):
+            return torch.arange(int(positions), int(positions) + n, device=device)
+        if not isinstance(positions, Tensor):
+            raise TypeError(f"positions must be None, an int offset or a Tensor, got {type(positions).__name__}")
+        if positions.shape not in ((n,), (batch, n)):
+            raise ValueError(
+                f"positions must have shape (N,) = ({n},) or (B, N) = ({batch}, {n}), "
+                f"got {tuple(positions.shape)}"
+            )
+        return positions.to(device)
+
+    def _run_block(self, block: Block, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if not (self.config.checkpoint and torch.is_grad_enabled()):
+            return block(x, cos, sin)
+        # The recomputation in the backward pass must use the parameters of *this* forward
+        # pass. Under functional_call those are swapped back out by the time backward runs,
+        # so they are passed to the checkpointed function explicitly instead of being read
+        # from the module during recomputation.
+        names, tensors = zip(*block.named_parameters())
+
+        def run(x, cos, sin, *params):
+            return functional_call(block, dict(zip(names, params)), (x, cos, sin))
+
+        return checkpoint(run, x, cos, sin, *tensors, use_reentrant=False)
+
+    def forward(
+        self,
+        idx: Optional[Tensor] = None,
+        *,
+        inputs_embeds: Optional[Tensor] = None,
+        positions: Union[None, int, Tensor] = None,
+        return_hidden: bool = False,
+    ) -> Tensor:
+        """Run the model on token ids or on embeddings.
+
+        Args:
+            idx: (B, N) integer token ids. Exactly one of ``idx`` and ``inputs_embeds``.
+            inputs_embeds: (B, N, d_model) input vectors used in place of ``tok_emb(idx)``
+                (continuous inputs; learned memory tokens concatenated to token embeddings).
+            positions: RoPE positions of the N inputs: ``None`` for 0..N−1, an int ``p`` for
+                p..p+N−1, or a (N,) or (B, N) tensor (any values, e.g. to place memory
+                tokens or a chunk of a longer sequence). Attention is always causal in
+                the order of the inputs, whatever the positions.
+            return_hidden: return the final normalised hidden states instead of logits.
+
+        Returns:
+            (B, N, vocab_size) logits, or (B, N, d_model) hidden states with
+            ``return_hidden=True``.
+        """
+        if (idx is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of idx and inputs_embeds")
+        if idx is not None:
+            if not isinstance(idx, Tensor) or idx.dim() != 2 or idx.is_floating_point() or idx.is_complex():
+                raise ValueError(
+                    "idx must be an integer tensor of shape (B, N), got "
+                    + (f"{idx.dtype} of shape {tuple(idx.shape)}" if isinstance(idx, Tensor) else type(idx).__name__)
+                )
+            x = self.tok_emb(idx)
+        else:
+            if not isinstance(inputs_embeds, Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.d_model:
+                raise ValueError(
+                    f"inputs_embeds must be a tensor of shape (B, N, d_model={self.config.d_model}), got "
+                    + (str(tuple(inputs_embeds.shape)) if isinstance(inputs_embeds, Tensor) else type(inputs_embeds).__name__)
+                )
+            x = inputs_embeds
+        batch, n, _ = x.shape
+        pos = self._positions(positions, batch, n, x.device)
+        cos, sin = rope_angles(pos, self.config.head_dim, self.config.rope_base, x.dtype)
+        x = F.dropout(x, self.config.dropout, self.training)
+        for block in self.blocks:
+            x = self._run_block(block, x, cos, sin)
+        h = self.norm(x)
+        if return_hidden:
+            return h
+        return F.linear(h, self.output_weight)
+
+    def loss(
+        self,
+        idx: Tensor,
+        targets: Tensor,
+        *,
+        positions: Union[None, int, Tensor] = None,
+        ignore_index: int = -100,
+    ) -> Tensor:
+        """Mean next-token cross-entropy: ``lm_loss(self(idx, positions=positions), targets)``.
+
+        ``idx`` and ``targets`` are (B, N); shift them yourself (``idx[:, :-1]``,
+        ``idx[:, 1:]``).
+        """
+        return lm_loss(self(idx, positions=positions), targets, ignore_index=ignore_index)
+
+
+def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """Mean cross-entropy of (B, N, V) ``logits`` against (B, N) integer ``targets``, over the
+    positions whose target is not ``ignore_index``. float16/bfloat16 logits are upcast to
+    float32 first. Differentiable twice."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=ignore_index)

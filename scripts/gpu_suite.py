@@ -1,0 +1,204 @@
+"""Everything the GPU must show, in one process per stage: run on the device machine.
+
+    python scripts/gpu_suite.py --stages tests,errors,bench,startup,length --out $OUT
+
+Stages:
+  tests    pytest -m gpu (kernel accuracy against float64, every variant and dtype)
+  errors   bf16 relative L2 error table at N=1024, B=1, H=12, d=64 (ours vs PyTorch bf16 math)
+  bench    the chain benchmark (ttt-flash bench) at the anchor shapes, causal and not
+  shapes   d=128 (H=8) and GQA (H=32, H_kv=8, d=128) rows
+  startup  first chain call at N=4096 in a fresh process with an empty Triton cache
+  length   one chain at N=1,048,576 (B=1, H=12, d=64), causal and non-causal, row spot-check
+Prints a short summary table last; details go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SUMMARY: list = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def stage_tests(out: str) -> None:
+    t0 = time.time()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+                       capture_output=True, text=True)
+    with open(os.path.join(out, "gpu_tests.log"), "w") as f:
+        f.write(r.stdout + r.stderr)
+    last = [l for l in r.stdout.strip().splitlines() if l.strip()][-1:] or ["(no output)"]
+    log(r.stdout[-6000:])
+    SUMMARY.append(("gpu tests", f"{last[0]} ({time.time() - t0:.0f} s)"))
+
+
+def _chain(attn, q, k, v, do, u):
+    o = attn(q, k, v)
+    g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    inner = sum((a * b).sum() for a, b in zip(g, u))
+    return [o, *g, *torch.autograd.grad(inner, (q, k, v, do))]
+
+
+def stage_errors(out: str) -> None:
+    from ttt_flash import flash_attention
+    from ttt_flash.reference import naive_attention
+
+    names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
+    rows = {}
+    for causal in (False, True):
+        torch.manual_seed(0)
+        x = [torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.float64) for _ in range(7)]
+        q, k, v, do = (t.clone().requires_grad_(True) for t in x[:4])
+        exact = _chain(lambda a, b, c: naive_attention(a, b, c, causal=causal), q, k, v, do, x[4:])
+        low = [t.detach().bfloat16().requires_grad_(True) for t in x[:4]]
+        ul = [t.bfloat16() for t in x[4:]]
+        ours = _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), *low, ul)
+        mathp = _chain(lambda a, b, c: naive_attention(a, b, c, causal=causal), *low, ul)
+        for n, a, m, e in zip(names, ours, mathp, exact):
+            rows[(causal, n)] = (((a.double() - e).norm() / e.norm()).item(), ((m.double() - e).norm() / e.norm()).item())
+    lines = ["bf16 rel. L2 error vs float64, N=1024 B=1 H=12 d=64", f"{'output':>8} {'causal':>7} {'ttt_flash':>10} {'torch bf16 math':>16}"]
+    for (causal, n), (a, m) in rows.items():
+        lines.append(f"{n:>8} {str(causal):>7} {a:10.2e} {m:16.2e}")
+    text = "\n".join(lines)
+    log(text)
+    with open(os.path.join(out, "errors.txt"), "w") as f:
+        f.write(text + "\n")
+    worst = max(rows[(c, n)][0] for c in (False, True) for n in ("q_bar", "k_bar", "v_bar", "do_bar"))
+    SUMMARY.append(("bf16 worst BoB rel. L2 (N=1024)", f"{worst:.2e} (target <= 2.5e-3)"))
+
+
+def _bench(out: str, tag: str, args: list) -> dict:
+    from ttt_flash.bench import main as bench_main
+
+    path = os.path.join(out, tag)
+    bench_main(args + ["--out", path])
+    with open(os.path.join(path, "bench.json")) as f:
+        return json.load(f)
+
+
+def stage_bench(out: str, seq_lens: str) -> None:
+    for causal in (False, True):
+        tag = "bench_causal" if causal else "bench_noncausal"
+        res = _bench(out, tag, ["--seq-lens", seq_lens, "--heads", "12", "--head-dim", "64", "--dtype", "bfloat16",
+                                "--providers", "ttt_flash,math,sdpa_flash,sdpa_cudnn"] + (["--causal"] if causal else []))
+        for r in res["rows"]:
+            if r["provider"] == "ttt_flash" and "ms" in r:
+                SUMMARY.append((f"chain {'causal' if causal else 'non-causal'} N={r['N']}",
+                                f"{r['ms']:.2f} ms, {r['tflops']:.0f} TFLOP/s, {r.get('peak_gib', 0):.3f} GiB, "
+                                f"/flash {r.get('ratio_sdpa_flash', float('nan')):.2f}, /cudnn {r.get('ratio_sdpa_cudnn', float('nan')):.2f}"))
+
+
+def stage_shapes(out: str) -> None:
+    for tag, extra in (("bench_d128", ["--heads", "8", "--head-dim", "128"]),
+                       ("bench_gqa", ["--heads", "32", "--kv-heads", "8", "--head-dim", "128"])):
+        for causal in (False, True):
+            res = _bench(out, tag + ("_causal" if causal else ""),
+                         ["--seq-lens", "4096,16384", "--dtype", "bfloat16", "--providers", "ttt_flash,sdpa_flash,sdpa_cudnn"]
+                         + extra + (["--causal"] if causal else []))
+            for r in res["rows"]:
+                if r["provider"] == "ttt_flash" and "ms" in r:
+                    SUMMARY.append((f"{tag} {'causal' if causal else 'non-causal'} N={r['N']}",
+                                    f"{r['ms']:.2f} ms, /flash {r.get('ratio_sdpa_flash', float('nan')):.2f}"))
+
+
+def stage_startup(out: str) -> None:
+    code = (
+        "import time,torch;t=time.perf_counter();from ttt_flash import flash_attention;"
+        "x=[torch.randn(1,12,4096,64,device='cuda',dtype=torch.bfloat16,requires_grad=True) for _ in range(4)];"
+        "o=flash_attention(*x[:3]);g=torch.autograd.grad(o,x[:3],x[3],create_graph=True);"
+        "s=sum((a*a).sum() for a in g);r=torch.autograd.grad(s,x);torch.cuda.synchronize();"
+        "print(f'{time.perf_counter()-t:.2f}')"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    log(r.stdout + r.stderr[-2000:])
+    SUMMARY.append(("first chain call N=4096, empty cache", f"{r.stdout.strip()} s (target <= 15 s)"))
+
+
+def stage_length(out: str, n: int) -> None:
+    from ttt_flash import flash_attention
+    from ttt_flash.reference import naive_attention
+
+    for causal in (True, False):
+        # warm-up (compilation) on a short sequence with the same specialisation
+        w = [torch.randn(1, 12, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+        _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), *w, [t.detach() for t in w[:3]])
+        del w
+        torch.manual_seed(0)
+        x = [torch.randn(1, 12, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+        q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        res = _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do, x[4:])
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        # Row outputs (o, dq, q_bar, do_bar) of query i depend only on row i of (q, dO, U_Q)
+        # and on all the keys it sees (k, v, U_K, U_V): a one-row float64 problem over those
+        # keys reproduces them exactly (a 1-row non-causal problem over keys [0, i] is row i
+        # of the causal one).
+        errs = []
+        for i in (1, 17, n // 2, n - 1):
+            kend = i + 1 if causal else n
+            row = lambda t: t.detach()[:, :, i:i + 1].double().requires_grad_(True)
+            keys = lambda t: t.detach()[:, :, :kend].double().requires_grad_(True)
+            ref = _chain(lambda a, b, c: naive_attention(a, b, c), row(q), keys(k), keys(v), row(do),
+                         [x[4][:, :, i:i + 1].double(), x[5][:, :, :kend].double(), x[6][:, :, :kend].double()])
+            for j in (0, 1, 4, 7):  # o, dq, q_bar, do_bar
+                e = ref[j]
+                errs.append(((res[j][:, :, i:i + 1].double() - e).norm() / e.norm()).item())
+        del res
+        SUMMARY.append((f"N={n} chain {'causal' if causal else 'non-causal'}",
+                        f"{dt:.1f} s, peak {peak:.2f} GiB, row spot-check worst rel. L2 {max(errs):.2e}"))
+        log(SUMMARY[-1])
+        del q, k, v, do, x
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", default="tests,errors,bench,shapes,startup")
+    p.add_argument("--seq-lens", default="1024,4096,16384,65536")
+    p.add_argument("--length", type=int, default=1 << 20)
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
+    a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    log(f"torch {torch.__version__}, GPU {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}")
+    import triton
+
+    log(f"triton {triton.__version__}")
+    for stage in a.stages.split(","):
+        t0 = time.time()
+        try:
+            {"tests": lambda: stage_tests(a.out), "errors": lambda: stage_errors(a.out),
+             "bench": lambda: stage_bench(a.out, a.seq_lens), "shapes": lambda: stage_shapes(a.out),
+             "startup": lambda: stage_startup(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
+        except Exception as e:  # noqa: BLE001 - report and go on to the next stage
+            import traceback
+
+            traceback.print_exc()
+            SUMMARY.append((f"stage {stage}", f"FAILED: {type(e).__name__}: {str(e)[:200]}"))
+        log(f"[stage {stage}: {time.time() - t0:.0f} s]")
+    with open(os.path.join(a.out, "summary.json"), "w") as f:
+        json.dump(SUMMARY, f, indent=1)
+    print("\n==== summary ====")
+    for k, v in SUMMARY:
+        print(f"{k:<44} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+"""Triton kernels of ttt-flash: forward, first backward and exact backward-over-backward.
+
+Exports the composer contract of ``docs/architecture.md`` (same signatures as
+``ttt_flash.reference``): :func:`attn_fwd`, :func:`attn_bwd`, :func:`attn_bob`.
+Imports torch and triton only.
+"""
+
+from .attn_bwd import attn_bwd
+from .attn_fwd import attn_fwd
+from .bob import attn_bob
+from .common import MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
+
+__all__ = ["attn_fwd", "attn_bwd", "attn_bob", "MAX_HEAD_DIM", "SUPPORTED_HEAD_DIMS"]

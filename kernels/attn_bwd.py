@@ -1,0 +1,313 @@
+"""First backward: D = rowsum(dO∘O), dK/dV by key-tile programs, dQ by query-tile programs.
+
+    P = exp(S − L),  dP = dO Vᵀ,  dS = P∘(dP − D)
+    dQ = τ dS K,   dK = τ dSᵀ Q,   dV = Pᵀ dO
+
+No atomics: a dK/dV program owns one key tile of one key head and loops over the query
+tiles (and, for GQA, the g query heads) that can see it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    LOG2E,
+    _key_tile_range,
+    _load_rowvec,
+    _load_tile,
+    _lse_log2,
+    _query_tile_range,
+    _seq_info,
+    _store_tile,
+    _visible,
+    block_d,
+    cu_or_dummy,
+    dot_precision,
+    layout,
+    new_empty,
+    new_rowvec,
+    prep,
+    rowvec_strides,
+    strides,
+)
+from .configs import get_config
+
+
+@triton.jit
+def _attn_bwd_pre_kernel(
+    O, DO, DELTA, CU_Q,
+    stride_ob, stride_oh, stride_on,
+    stride_db, stride_dh, stride_dn,
+    stride_lb, stride_lh,
+    N_Q,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+):
+    """delta = rowsum(dO ∘ O) in float32."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    row0 = (q_start + m0).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = m0 + tl.arange(0, BLOCK_M) < n_q
+    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + row0 * stride_on, stride_on, m_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
+                    offs_d, HEAD_DIM, True, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + row0 + tl.arange(0, BLOCK_M), delta,
+             mask=m_ok)
+
+
+@triton.jit
+def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_dn,
+                         offs_n, offs_d, start, end, n_q, n_k, shift, window, qk_scale,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                         CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                         PREC: tl.constexpr):
+    """Accumulate dK (unscaled), dV of one key tile over query tiles [start, end)."""
+    q_ptr = q_base + start.to(tl.int64) * stride_qn
+    do_ptr = do_base + start.to(tl.int64) * stride_dn
+    l_ptr = l_base + start.to(tl.int64)
+    d_ptr = d_base + start.to(tl.int64)
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n_q
+        q = _load_tile(q_ptr, stride_qn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        do = _load_tile(do_ptr, stride_dn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_ptr, m_ok, MASK))
+        di = _load_rowvec(d_ptr, m_ok, MASK)
+        # transposed tiles (keys x queries)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        p_t = tl.exp2(s_t - lse2[None, :])
+        if MASK:
+            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            p_t = tl.where(vis, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - di[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+        q_ptr += BLOCK_M * stride_qn
+        do_ptr += BLOCK_M * stride_dn
+        l_ptr += BLOCK_M
+        d_ptr += BLOCK_M
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= n_k:
+        return
+    shift = n_k - n_q
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < n_k
+    krow0 = (k_start + n0).to(tl.int64)
+    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + krow0 * stride_kn, stride_kn, n_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + krow0 * stride_vn, stride_vn, n_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                               CAUSAL, WINDOW)
+    q_start64 = q_start.to(tl.int64)
+    for g in range(0, GROUPS):
+        h64 = hk64 * GROUPS + g
+        q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
+        do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
+        l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
+        d_base = DELTA + b64 * stride_lb + h64 * stride_lh + q_start64
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
+                                      stride_dn, offs_n, offs_d, lo, mid_lo, n_q, n_k, shift,
+                                      window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
+                                      EVEN_D, PREC)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
+                                      stride_dn, offs_n, offs_d, mid_lo, mid_hi, n_q, n_k, shift,
+                                      window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW,
+                                      EVEN_D, PREC)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
+                                      stride_dn, offs_n, offs_d, mid_hi, hi, n_q, n_k, shift,
+                                      window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
+                                      EVEN_D, PREC)
+    dk = dk * scale
+    _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + krow0 * stride_dkn, stride_dkn,
+                dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + krow0 * stride_dvn, stride_dvn,
+                dv.to(DV.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+
+
+@triton.jit
+def _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
+                       start, end, n_q, n_k, shift, window, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                       PREC: tl.constexpr):
+    """Accumulate dQ (unscaled) of one query tile over key tiles [start, end)."""
+    k_ptr = k_base + start.to(tl.int64) * stride_kn
+    v_ptr = v_base + start.to(tl.int64) * stride_vn
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_k
+        k = _load_tile(k_ptr, stride_kn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        v = _load_tile(v_ptr, stride_vn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASK:
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - di[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+        k_ptr += BLOCK_N * stride_kn
+        v_ptr += BLOCK_N * stride_vn
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_dqb, stride_dqh, stride_dqn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    hk = h // GROUPS
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    row0 = (q_start + m0).to(tl.int64)
+    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qn, stride_qn, m_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
+                    offs_d, HEAD_DIM, True, EVEN_D)
+    lse2 = _lse_log2(_load_rowvec(LSE + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True))
+    di = _load_rowvec(DELTA + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True)
+    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
+    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
+                            offs_d, lo, mid_lo, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
+                            BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
+                            offs_d, mid_lo, mid_hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
+                            BLOCK_N, False, CAUSAL, WINDOW, EVEN_D, PREC)
+    dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
+                            offs_d, mid_hi, hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
+                            BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC)
+    dq = dq * scale
+    _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqn, stride_dqn,
+                dq.to(DQ.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+
+
+def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
+    """delta = rowsum(dO ∘ O), float32 row vector in the layout of ``lse``."""
+    delta = new_rowvec(lay, o.device)
+    if delta.numel() == 0 or lay.n_q == 0:
+        return delta
+    bd = block_d(lay.head_dim)
+    cfg = get_config("bwd_pre", bd, o.dtype, o.device)
+    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    _attn_bwd_pre_kernel[grid](
+        o, do, delta, cu_or_dummy(cu_seqlens_q, o),
+        *strides(o, lay.varlen), *strides(do, lay.varlen), *rowvec_strides(lay), lay.n_q,
+        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
+        IS_VARLEN=lay.varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return delta
+
+
+def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
+             cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
+    """First-backward composer (contract: docs/architecture.md). Returns (dq, dk, dv, delta).
+
+    ``dk``/``dv`` are summed over the query heads of each key head (GQA). ``delta`` is the
+    float32 row vector rowsum(dO ∘ O), in the layout of ``lse``.
+    """
+    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v, o, do = prep(q), prep(k), prep(v), prep(o), prep(do)
+    lse = lse.contiguous()
+    scale = lay.head_dim ** -0.5 if scale is None else float(scale)
+    use_window = bool(causal) and window is not None
+    delta = attn_bwd_delta(o, do, lay, cu_seqlens_q)
+    dq = new_empty(q.shape, q.dtype, q.device)
+    dk = new_empty(k.shape, k.dtype, k.device)
+    dv = new_empty(v.shape, v.dtype, v.device)
+    bd = block_d(lay.head_dim)
+    prec = dot_precision(q.dtype, allow_tf32)
+    cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
+    common = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
+                  CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen, PREC=prec)
+    args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    if dk.numel():
+        if lay.n_k > 0:
+            cfg = get_config("bwd_dkdv", bd, q.dtype, q.device)
+            grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
+            _attn_bwd_dkdv_kernel[grid](
+                q, k, v, do, lse, delta, dk, dv, cu_q, cu_k,
+                *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
+                *strides(do, lay.varlen), *strides(dk, lay.varlen), *strides(dv, lay.varlen),
+                *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )
+    if dq.numel():
+        if lay.n_q > 0:
+            cfg = get_config("bwd_dq", bd, q.dtype, q.device)
+            grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+            _attn_bwd_dq_kernel[grid](
+                q, k, v, do, lse, delta, dq, cu_q, cu_k,
+                *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
+                *strides(do, lay.varlen), *strides(dq, lay.varlen), *rowvec_strides(lay), *args,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            )
+    return dq, dk, dv, delta

@@ -1,0 +1,474 @@
+"""FlashBoB: exact backward-over-backward of softmax attention in two passes (bob-math.md).
+
+Given cotangents U_Q, U_K, U_V of (dQ, dK, dV), with per tile
+
+    P = exp(S − L)   dP = dO Vᵀ   G = τ (U_Q Kᵀ + Q U_Kᵀ)   B = dO U_Vᵀ
+    α = rowsum(P∘G)  E = rowsum(P∘G∘dP) − 2αD + rowsum(P∘B)
+
+- the **row pass** (one program per query tile, looping over key tiles) keeps six α-free
+  tile×d accumulators
+
+      dS U_K,  (P∘(G∘(dP−D)+B)) K,  (P∘dP) K,  P K,  (P∘G) V,  P U_V
+
+  and three row sums, then forms α, E and
+
+      Q̄  = τ [dS U_K + (P∘(G∘(dP−D)+B)) K − α (P∘dP) K − E (P K)]
+      dŌ = (P∘G) V + P U_V − α O
+
+  writing Q̄, dŌ and the row vectors α, E;
+- the **column pass** (one program per key tile and key head, looping over query tiles and
+  the g query heads of the group) recomputes S, P, dP, G, B, reads L, D, α, E and
+  accumulates
+
+      K̄ = τ (dSᵀ U_Q + Rᵀ Q),   R = P∘(G∘(dP−D) − α dP + B − E)
+      V̄ = Hᵀ dO,                 H = P∘(G − α)
+
+No N×N tensor touches HBM; the extra memory is the two row vectors α, E. A missing
+cotangent removes its products at compile time (constexpr flags), and the column pass is
+skipped when neither K̄ nor V̄ is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (
+    LOG2E,
+    _key_tile_range,
+    _load_rowvec,
+    _load_tile,
+    _lse_log2,
+    _query_tile_range,
+    _seq_info,
+    _store_tile,
+    _visible,
+    block_d,
+    cu_or_dummy,
+    dot_precision,
+    layout,
+    new_empty,
+    new_rowvec,
+    prep,
+    rowvec_strides,
+    strides,
+)
+from .configs import get_config
+
+
+# --------------------------------------------------------------------------- row pass
+
+
+@triton.jit
+def _bob_row_inner(
+    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
+    q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+    stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+    start, end, n_q, n_k, shift, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
+):
+    """Row-pass accumulation of one query tile over key tiles [start, end)."""
+    k_ptr = k_base + start.to(tl.int64) * stride_kn
+    v_ptr = v_base + start.to(tl.int64) * stride_vn
+    uk_ptr = uk_base + start.to(tl.int64) * stride_ukn
+    uv_ptr = uv_base + start.to(tl.int64) * stride_uvn
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_k
+        k = _load_tile(k_ptr, stride_kn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        v = _load_tile(v_ptr, stride_vn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if MASK:
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if HAS_UK:
+            uk = _load_tile(uk_ptr, stride_ukn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        if HAS_UV:
+            uv = _load_tile(uv_ptr, stride_uvn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        if HAS_G:
+            if HAS_UK:
+                g = tl.dot(q, tl.trans(uk), input_precision=PREC)
+                if HAS_UQ:
+                    g = tl.dot(uq, tl.trans(k), g, input_precision=PREC)
+            else:
+                g = tl.dot(uq, tl.trans(k), input_precision=PREC)
+            pg = p * (g * scale)
+            r_alpha += tl.sum(pg, 1)
+            r_gdp += tl.sum(pg * dp, 1)
+        if HAS_UV:
+            pb = p * tl.dot(do, tl.trans(uv), input_precision=PREC)
+            r_b += tl.sum(pb, 1)
+        if NEED_QB:
+            if HAS_UK:
+                ds = p * (dp - di[:, None])
+                a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
+            if HAS_G:
+                t = pg * (dp - di[:, None])
+                if HAS_UV:
+                    t += pb
+                a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
+            else:
+                t = pb
+            a_tk = tl.dot(t.to(k.dtype), k, a_tk, input_precision=PREC)
+            a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
+        if NEED_DOB:
+            if HAS_G:
+                a_pgv = tl.dot(pg.to(v.dtype), v, a_pgv, input_precision=PREC)
+            if HAS_UV:
+                a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
+        k_ptr += BLOCK_N * stride_kn
+        v_ptr += BLOCK_N * stride_vn
+        uk_ptr += BLOCK_N * stride_ukn
+        uv_ptr += BLOCK_N * stride_uvn
+    return a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b
+
+
+@triton.jit
+def _bob_row_kernel(
+    Q, K, V, O, DO, UQ, UK, UV, LSE, DELTA, QB, DOB, ALPHA, EE, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_db, stride_dh, stride_dn,
+    stride_uqb, stride_uqh, stride_uqn,
+    stride_ukb, stride_ukh, stride_ukn,
+    stride_uvb, stride_uvh, stride_uvn,
+    stride_qbb, stride_qbh, stride_qbn,
+    stride_dobb, stride_dobh, stride_dobn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, WRITE_AE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUPS).to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    row0 = (q_start + m0).to(tl.int64)
+
+    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qn, stride_qn, m_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
+                    offs_d, HEAD_DIM, True, EVEN_D)
+    if HAS_UQ:
+        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + row0 * stride_uqn, stride_uqn,
+                        m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    else:
+        uq = q
+    lse2 = _lse_log2(_load_rowvec(LSE + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True))
+    di = _load_rowvec(DELTA + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
+    uv_base = UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn
+
+    a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pdpk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pgv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_puv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_gdp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
+        a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
+        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+        lo, mid_lo, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
+    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
+        a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
+        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+        mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, EVEN_D, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
+    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
+        a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
+        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+        mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
+
+    alpha = r_alpha
+    ee = r_gdp - 2.0 * alpha * di + r_b
+    if NEED_QB:
+        qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - ee[:, None] * a_pk) * scale
+        _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + row0 * stride_qbn, stride_qbn,
+                    qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    if NEED_DOB:
+        dob = a_pgv + a_puv
+        if HAS_G:
+            o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + row0 * stride_on, stride_on,
+                           m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            dob -= alpha[:, None] * o.to(tl.float32)
+        _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + row0 * stride_dobn,
+                    stride_dobn, dob.to(DOB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    if WRITE_AE:
+        rows = tl.arange(0, BLOCK_M)
+        tl.store(ALPHA + b64 * stride_lb + h64 * stride_lh + row0 + rows, alpha, mask=m_ok)
+        tl.store(EE + b64 * stride_lb + h64 * stride_lh + row0 + rows, ee, mask=m_ok)
+
+
+# --------------------------------------------------------------------------- column pass
+
+
+@triton.jit
+def _bob_col_inner(
+    kb, vb, k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
+    stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+    start, end, n_q, n_k, shift, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
+):
+    """Column-pass accumulation of one key tile over query tiles [start, end) (transposed)."""
+    start64 = start.to(tl.int64)
+    q_ptr = q_base + start64 * stride_qn
+    do_ptr = do_base + start64 * stride_dn
+    uq_ptr = uq_base + start64 * stride_uqn
+    l_ptr = l_base + start64
+    d_ptr = d_base + start64
+    a_ptr = a_base + start64
+    e_ptr = e_base + start64
+    for start_m in range(start, end, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n_q
+        q = _load_tile(q_ptr, stride_qn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        do = _load_tile(do_ptr, stride_dn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_ptr, m_ok, MASK))
+        di = _load_rowvec(d_ptr, m_ok, MASK)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+        p_t = tl.exp2(s_t - lse2[None, :])
+        if MASK:
+            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            p_t = tl.where(vis, p_t, 0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        if HAS_G:
+            al = _load_rowvec(a_ptr, m_ok, MASK)
+            if HAS_UQ:
+                uq = _load_tile(uq_ptr, stride_uqn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+                g_t = tl.dot(k, tl.trans(uq), input_precision=PREC)
+                if HAS_UK:
+                    g_t = tl.dot(uk, tl.trans(q), g_t, input_precision=PREC)
+            else:
+                g_t = tl.dot(uk, tl.trans(q), input_precision=PREC)
+            g_t = g_t * scale
+            if NEED_VB:
+                h_t = p_t * (g_t - al[None, :])
+                vb = tl.dot(h_t.to(do.dtype), do, vb, input_precision=PREC)
+        if NEED_KB:
+            ee = _load_rowvec(e_ptr, m_ok, MASK)
+            dpc = dp_t - di[None, :]
+            if HAS_G:
+                r = g_t * dpc - al[None, :] * dp_t
+                if HAS_UV:
+                    r += tl.dot(uv, tl.trans(do), input_precision=PREC)
+            else:
+                r = tl.dot(uv, tl.trans(do), input_precision=PREC)
+            r = p_t * (r - ee[None, :])
+            kb = tl.dot(r.to(q.dtype), q, kb, input_precision=PREC)
+            if HAS_UQ:
+                kb = tl.dot((p_t * dpc).to(uq.dtype), uq, kb, input_precision=PREC)
+        q_ptr += BLOCK_M * stride_qn
+        do_ptr += BLOCK_M * stride_dn
+        uq_ptr += BLOCK_M * stride_uqn
+        l_ptr += BLOCK_M
+        d_ptr += BLOCK_M
+        a_ptr += BLOCK_M
+        e_ptr += BLOCK_M
+    return kb, vb
+
+
+@triton.jit
+def _bob_col_kernel(
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, KB, VB, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_db, stride_dh, stride_dn,
+    stride_uqb, stride_uqh, stride_uqn,
+    stride_ukb, stride_ukh, stride_ukn,
+    stride_uvb, stride_uvh, stride_uvn,
+    stride_kbb, stride_kbh, stride_kbn,
+    stride_vbb, stride_vbh, stride_vbn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    n0 = pid_n * BLOCK_N
+    if n0 >= n_k:
+        return
+    shift = n_k - n_q
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < n_k
+    krow0 = (k_start + n0).to(tl.int64)
+    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + krow0 * stride_kn, stride_kn, n_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + krow0 * stride_vn, stride_vn, n_ok,
+                   offs_d, HEAD_DIM, True, EVEN_D)
+    if HAS_UK:
+        uk = _load_tile(UK + b64 * stride_ukb + hk64 * stride_ukh + krow0 * stride_ukn,
+                        stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    else:
+        uk = k
+    if HAS_UV:
+        uv = _load_tile(UV + b64 * stride_uvb + hk64 * stride_uvh + krow0 * stride_uvn,
+                        stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    else:
+        uv = v
+    kb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    vb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                               CAUSAL, WINDOW)
+    q_start64 = q_start.to(tl.int64)
+    for g in range(0, GROUPS):
+        h64 = hk64 * GROUPS + g
+        q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
+        do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
+        uq_base = UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn
+        row_off = b64 * stride_lb + h64 * stride_lh + q_start64
+        kb, vb = _bob_col_inner(
+            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+            lo, mid_lo, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, EVEN_D, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
+        kb, vb = _bob_col_inner(
+            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+            mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, EVEN_D, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
+        kb, vb = _bob_col_inner(
+            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+            mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, EVEN_D, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
+    if NEED_KB:
+        kb = kb * scale
+        _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + krow0 * stride_kbn, stride_kbn,
+                    kb.to(KB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+    if NEED_VB:
+        _store_tile(VB + b64 * stride_vbb + hk64 * stride_vbh + krow0 * stride_vbn, stride_vbn,
+                    vb.to(VB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
+             cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+             needs=(True, True, True, True), allow_tf32=False):
+    """BoB composer (contract: docs/architecture.md). Returns (qb, kb, vb, dob).
+
+    ``uq``, ``uk``, ``uv`` are the cotangents of (dq, dk, dv), any of them None (zero,
+    its work skipped at compile time). ``needs`` selects which of (qb, kb, vb, dob) are
+    computed; the others come back as None. All cotangents None: every result is None.
+    """
+    if uq is None and uk is None and uv is None:
+        return None, None, None, None
+    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v, o, do = prep(q), prep(k), prep(v), prep(o), prep(do)
+    uq, uk, uv = prep(uq), prep(uk), prep(uv)
+    lse, delta = lse.contiguous(), delta.contiguous()
+    scale = lay.head_dim ** -0.5 if scale is None else float(scale)
+    need_qb, need_kb, need_vb, need_dob = (bool(x) for x in needs)
+    has_g = uq is not None or uk is not None
+    col_kb, col_vb = need_kb, need_vb and has_g  # V̄ = Hᵀ dO vanishes without G
+    run_col = col_kb or col_vb
+
+    qb = new_empty(q.shape, q.dtype, q.device) if need_qb else None
+    dob = new_empty(do.shape, do.dtype, do.device) if need_dob else None
+    kb = new_empty(k.shape, k.dtype, k.device) if col_kb else None
+    if need_vb:
+        vb = new_empty(v.shape, v.dtype, v.device) if col_vb else torch.zeros(
+            v.shape, dtype=v.dtype, device=v.device)
+    else:
+        vb = None
+    alpha = new_rowvec(lay, q.device) if run_col else lse
+    ee = new_rowvec(lay, q.device) if run_col else lse
+
+    bd = block_d(lay.head_dim)
+    varlen = lay.varlen
+    cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
+    flags = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
+                 CAUSAL=bool(causal), WINDOW=bool(causal) and window is not None,
+                 IS_VARLEN=varlen, PREC=dot_precision(q.dtype, allow_tf32),
+                 HAS_UQ=uq is not None, HAS_UK=uk is not None, HAS_UV=uv is not None,
+                 HAS_G=has_g)
+    args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+
+    def st(x, like):
+        return strides(x if x is not None else like, varlen)
+
+    def ptr(x, like):
+        return x if x is not None else like
+
+    if (need_qb or need_dob or run_col) and q.numel() > 0 and lay.n_q > 0:
+        cfg = get_config("bob_row", bd, q.dtype, q.device)
+        grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+        _bob_row_kernel[grid](
+            q, k, v, o, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta,
+            ptr(qb, q), ptr(dob, do), alpha, ee, cu_q, cu_k,
+            *st(q, q), *st(k, k), *st(v, v), *st(o, o), *st(do, do),
+            *st(uq, q), *st(uk, k), *st(uv, v), *st(qb, q), *st(dob, do),
+            *rowvec_strides(lay), *args,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_QB=need_qb, NEED_DOB=need_dob,
+            WRITE_AE=run_col, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+    if run_col and k.numel() > 0 and lay.n_k > 0:
+        cfg = get_config("bob_col", bd, q.dtype, q.device)
+        grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
+        _bob_col_kernel[grid](
+            q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee,
+            ptr(kb, k), ptr(vb if col_vb else None, v), cu_q, cu_k,
+            *st(q, q), *st(k, k), *st(v, v), *st(do, do),
+            *st(uq, q), *st(uk, k), *st(uv, v), *st(kb, k), *st(vb if col_vb else None, v),
+            *rowvec_strides(lay), *args,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_KB=col_kb, NEED_VB=col_vb,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+    return qb, kb, vb, dob

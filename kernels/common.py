@@ -1,0 +1,280 @@
+"""Helpers shared by every kernel: masks, sequence bounds, tile ranges, tile loads.
+
+One mask implementation (:func:`_visible`) serves the forward, the first backward and
+both BoB passes. Loops over tiles are split in three by :func:`_key_tile_range` /
+:func:`_query_tile_range`: tiles entirely outside the causal band / window are never
+visited, tiles entirely inside it run without a mask, and only the boundary tiles (the
+diagonal, the window edge, the ragged tail) are masked.
+
+The host half of this file turns dense (B, H, N, D) and varlen (T, H, D) tensors into
+the (batch, head, token) strides the kernels take, so both layouts share the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+#: Largest head dimension the kernels accept (BLOCK_D = next power of two >= max(16, D)).
+MAX_HEAD_DIM = 256
+#: Every head dimension 1..256 works (masked loads along d); 16, 32, 64, 128 and 256
+#: waste nothing, other sizes pad to the next power of two.
+SUPPORTED_HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+#: Test hook: when True, every output is allocated filled with NaN, so that an element a
+#: kernel forgets to write fails loudly.
+POISON_OUTPUTS = False
+
+
+# --------------------------------------------------------------------------- jit helpers
+
+
+@triton.jit
+def _seq_info(cu_ptr, b, n_dense, IS_VARLEN: tl.constexpr):
+    """(start token, length) of sequence ``b``: from cu_seqlens, or (0, n_dense)."""
+    if IS_VARLEN:
+        start = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - start
+    else:
+        start = b * 0
+        n = n_dense + b * 0
+    return start, n
+
+
+@triton.jit
+def _visible(rows, cols, n_q, n_k, shift, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """True where query ``rows`` may attend to key ``cols`` (broadcastable index tensors).
+
+    Out-of-range rows/columns are invisible. Causal is bottom-right aligned: key j is
+    visible to query i iff j <= i + shift, shift = n_k - n_q; a window w also requires
+    j > i + shift - w.
+    """
+    ok = (rows < n_q) & (cols < n_k)
+    if CAUSAL:
+        ok = ok & (cols <= rows + shift)
+        if WINDOW:
+            ok = ok & (cols > rows + shift - window)
+    return ok
+
+
+@triton.jit
+def _floor_to(x, BLOCK: tl.constexpr):
+    """Largest multiple of BLOCK <= x, for x >= 0 (negative x gives 0)."""
+    x = tl.maximum(x, 0)
+    return (x // BLOCK) * BLOCK
+
+
+@triton.jit
+def _ceil_to(x, BLOCK: tl.constexpr):
+    """Smallest multiple of BLOCK >= x, for x >= 0 (negative x gives 0)."""
+    x = tl.maximum(x, 0)
+    return ((x + BLOCK - 1) // BLOCK) * BLOCK
+
+
+@triton.jit
+def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Key tiles a query tile [m0, m0 + BLOCK_M) visits: (lo, mid_lo, mid_hi, hi).
+
+    Tiles start at multiples of BLOCK_N. Keys outside [lo, hi) are invisible to every row
+    of the tile (they are skipped); tiles in [mid_lo, mid_hi) are visible to every valid
+    row (no mask needed); [lo, mid_lo) and [mid_hi, hi) hold the boundary tiles.
+    Rows >= n_q are ignored: in a row program they are never stored.
+    """
+    m_last = tl.minimum(m0 + BLOCK_M, n_q) - 1
+    hi = n_k + m0 * 0
+    full_hi = n_k + m0 * 0
+    lo = m0 * 0
+    full_lo = m0 * 0
+    if CAUSAL:
+        hi = tl.minimum(hi, m_last + shift + 1)
+        full_hi = tl.minimum(full_hi, m0 + shift + 1)
+        if WINDOW:
+            lo = _floor_to(m0 + shift - window + 1, BLOCK_N)
+            full_lo = m_last + shift - window + 1
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_N), lo), hi)
+    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_N), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Query tiles a key tile [n0, n0 + BLOCK_N) visits: (lo, mid_lo, mid_hi, hi).
+
+    Mirror of :func:`_key_tile_range` for column programs. Tiles start at multiples of
+    BLOCK_M; [mid_lo, mid_hi) holds tiles whose valid rows all see every valid key of the
+    tile (and lie entirely below n_q, since rows are summed over here).
+    """
+    n_last = tl.minimum(n0 + BLOCK_N, n_k) - 1
+    lo = n0 * 0
+    full_lo = n0 * 0
+    hi = n_q + n0 * 0
+    full_hi = n_q + n0 * 0
+    if CAUSAL:
+        lo = _floor_to(n0 - shift, BLOCK_M)
+        full_lo = n_last - shift
+        if WINDOW:
+            hi = tl.minimum(hi, n_last - shift + window)
+            full_hi = tl.minimum(full_hi, n0 - shift + window)
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_M), lo), hi)
+    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_M), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _load_tile(base, stride_row, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+               MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a (rows, BLOCK_D) tile; rows ``row_ok``-masked when MASK_ROWS, d padded to BLOCK_D."""
+    rows = tl.arange(0, row_ok.shape[0])
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if MASK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_tile(base, stride_row, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
+    """Store a (rows, BLOCK_D) tile, rows masked by ``row_ok`` and d by HEAD_DIM."""
+    rows = tl.arange(0, row_ok.shape[0])
+    ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
+    if EVEN_D:
+        tl.store(ptrs, x, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, x, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _load_rowvec(base, row_ok, MASK_ROWS: tl.constexpr):
+    """Load a float32 row vector slice (``row_ok.shape[0]`` entries from ``base``)."""
+    rows = tl.arange(0, row_ok.shape[0])
+    if MASK_ROWS:
+        x = tl.load(base + rows, mask=row_ok, other=0.0)
+    else:
+        x = tl.load(base + rows)
+    return x
+
+
+@triton.jit
+def _lse_log2(lse):
+    """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""
+    lse2 = lse * 1.4426950408889634
+    return tl.where(lse2 == float("-inf"), float("inf"), lse2)
+
+
+# --------------------------------------------------------------------------- host helpers
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one attention call, dense or varlen, as the kernels see them."""
+
+    varlen: bool
+    batch: int
+    h_q: int
+    h_kv: int
+    groups: int
+    head_dim: int
+    n_q: int  # dense length, or max_seqlen_q for varlen (grid size)
+    n_k: int
+    t_q: int  # total query tokens (B*N_q dense, T_q varlen)
+
+
+def check_inputs(q: torch.Tensor) -> None:
+    """Raise for dtypes / head dims the kernels do not handle (float64 goes to the reference)."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"ttt_flash.kernels supports float16, bfloat16 and float32 inputs, got {q.dtype}"
+            " (float64 runs on ttt_flash.reference)"
+        )
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM or d < 1:
+        raise ValueError(f"head dim {d} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
+
+
+def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layout:
+    check_inputs(q)
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if batch > 0 else 0
+        h_q, h_kv = q.shape[1], k.shape[1]
+        return Layout(True, batch, h_q, h_kv, h_q // h_kv, q.shape[-1], int(max_seqlen_q),
+                      int(max_seqlen_k), q.shape[0])
+    b, h_q, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    return Layout(False, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
+
+
+def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Make ``x`` kernel-readable: unit stride along d and no stride-0 (expanded) dims."""
+    if x is None:
+        return None
+    if x.stride(-1) != 1 or any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
+        x = x.contiguous()
+    return x
+
+
+def strides(x: torch.Tensor, varlen: bool):
+    """(batch, head, token) strides of a dense (B, H, N, D) or varlen (T, H, D) tensor."""
+    if varlen:
+        return 0, x.stride(1), x.stride(0)
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def rowvec_strides(lay: Layout):
+    """(batch, head) strides of a contiguous row vector: (B, H, N) dense or (H, T) varlen."""
+    if lay.varlen:
+        return 0, lay.t_q
+    return lay.h_q * lay.n_q, lay.n_q
+
+
+def new_empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised contiguous output (NaN-filled under POISON_OUTPUTS)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_rowvec(lay: Layout, device) -> torch.Tensor:
+    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
+    return new_empty(shape, torch.float32, device)
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype, allow_tf32: bool):
+    """``tl.dot`` input precision: IEEE for float32 unless TF32 is asked for."""
+    if dtype == torch.float32:
+        return "tf32" if allow_tf32 else "ieee"
+    return None
+
+
+def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls."""
+    if cu is None:
+        return torch.zeros(1, dtype=torch.int32, device=like.device)
+    return cu.to(device=like.device, dtype=torch.int32).contiguous()

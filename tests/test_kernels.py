@@ -1,0 +1,440 @@
+"""Triton kernels vs float64 autograd through the materialised oracle (CPU: Triton interpreter).
+
+Every output of ``attn_fwd`` / ``attn_bwd`` / ``attn_bob`` is compared with float64 autograd
+through :func:`ttt_flash.reference.naive_attention` (autograd twice gives the BoB oracle).
+Outputs are poisoned with NaN before launch, so an element a kernel forgets to write fails.
+float32 must match to ~1e-4 relative; float16 may err at most 2x PyTorch's own float16
+math path plus a rounding floor. bfloat16 runs only on GPU (tests/test_kernels_gpu.py):
+the interpreter's bf16 ``tl.dot`` is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # before ttt_flash.kernels (and with it triton.jit) is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from ttt_flash import reference  # noqa: E402
+from ttt_flash.kernels import (  # noqa: E402
+    MAX_HEAD_DIM,
+    SUPPORTED_HEAD_DIMS,
+    attn_bob,
+    attn_bwd,
+    attn_fwd,
+    common,
+)
+from ttt_flash.reference import naive_attention  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+
+
+# --------------------------------------------------------------------------- oracles
+
+
+def _lse_dense(q, k, *, scale, causal, window):
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    mask = reference.attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window,
+                                    device=q.device)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return torch.logsumexp(s, dim=-1)
+
+
+def _chain(attn, q, k, v, do, uq, uk, uv):
+    """o, dq, dk, dv and BoB (qb, kb, vb, dob) by autograd in the inputs' dtype."""
+    q, k, v, do = (t.detach().clone().requires_grad_() for t in (q, k, v, do))
+    o = attn(q, k, v)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    total = sum((g * u).sum() for g, u in zip((dq, dk, dv), (uq, uk, uv)) if u is not None)
+    bob = torch.autograd.grad(total, (q, k, v, do), allow_unused=True)
+    bob = tuple(torch.zeros_like(x) if b is None else b for b, x in zip(bob, (q, k, v, do)))
+    out = dict(o=o, dq=dq, dk=dk, dv=dv, qb=bob[0], kb=bob[1], vb=bob[2], dob=bob[3])
+    return {n: t.detach() for n, t in out.items()}
+
+
+def dense_oracle(case, tensors, dtype=torch.float64):
+    q, k, v, do, uq, uk, uv = (None if t is None else t.to(dtype) for t in tensors)
+    kw = dict(scale=case.scale, causal=case.causal, window=case.window)
+
+    def attn(q_, k_, v_):
+        return naive_attention(q_, k_, v_, **kw)
+
+    out = _chain(attn, q, k, v, do, uq, uk, uv)
+    out["lse"] = _lse_dense(q.double(), k.double(), **kw)
+    out["delta"] = (out["o"].double() * do.double()).sum(-1)
+    return out
+
+
+def varlen_oracle(case, tensors, dtype=torch.float64):
+    q, k, v, do, uq, uk, uv = (None if t is None else t.to(dtype) for t in tensors)
+    kw = dict(scale=case.scale, causal=case.causal, window=case.window)
+    cu_q, cu_k = case.cu_q, case.cu_k
+
+    def attn(q_, k_, v_):
+        return reference.naive_attention_varlen(q_, k_, v_, cu_q, cu_k, **kw)
+
+    out = _chain(attn, q, k, v, do, uq, uk, uv)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64)
+    for b in range(len(case.lens_q)):
+        q0, q1 = cu_q[b].item(), cu_q[b + 1].item()
+        k0, k1 = cu_k[b].item(), cu_k[b + 1].item()
+        if q1 > q0 and k1 > k0:
+            qs = q[q0:q1].double().transpose(0, 1).unsqueeze(0)
+            ks = k[k0:k1].double().transpose(0, 1).unsqueeze(0)
+            lse[:, q0:q1] = _lse_dense(qs, ks, **kw)[0]
+    out["lse"] = lse
+    out["delta"] = (out["o"].double() * do.double()).sum(-1).transpose(0, 1)
+    return out
+
+
+# --------------------------------------------------------------------------- cases
+
+
+class Case:
+    def __init__(self, id, *, nq, nk=None, d=16, hq=1, hkv=None, b=1, causal=False,
+                 window=None, lens_q=None, lens_k=None):
+        self.id, self.nq, self.nk, self.d = id, nq, nk if nk is not None else nq, d
+        self.hq, self.hkv, self.b = hq, hkv or hq, b
+        self.causal, self.window = causal, window
+        self.scale = d ** -0.5
+        self.lens_q, self.lens_k = lens_q, lens_k
+        if lens_q is not None:
+            self.cu_q = torch.tensor([0] + lens_q, dtype=torch.int32).cumsum(0).to(torch.int32)
+            self.cu_k = torch.tensor([0] + lens_k, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+    @property
+    def varlen(self):
+        return self.lens_q is not None
+
+    def kw(self):
+        kw = dict(scale=self.scale, causal=self.causal, window=self.window)
+        if self.varlen:
+            kw.update(cu_seqlens_q=self.cu_q.to(DEVICE), cu_seqlens_k=self.cu_k.to(DEVICE),
+                      max_seqlen_q=max(self.lens_q), max_seqlen_k=max(self.lens_k))
+        return kw
+
+    def tensors(self, seed=0):
+        """q, k, v, do, uq, uk, uv (float32, CPU)."""
+        g = torch.Generator().manual_seed(seed)
+        if self.varlen:
+            tq, tk = sum(self.lens_q), sum(self.lens_k)
+            qs, ks = (tq, self.hq, self.d), (tk, self.hkv, self.d)
+        else:
+            qs = (self.b, self.hq, self.nq, self.d)
+            ks = (self.b, self.hkv, self.nk, self.d)
+        shapes = [qs, ks, ks, qs, qs, ks, ks]
+        return [torch.randn(s, generator=g) for s in shapes]
+
+
+DENSE = [
+    Case("N1-d16", nq=1),
+    Case("N1-d16-causal", nq=1, causal=True),
+    Case("N17-d16-b2h2", nq=17, b=2, hq=2),
+    Case("N17-d40-causal-gqa2", nq=17, d=40, hq=2, hkv=1, causal=True),
+    Case("N100-d96-causal-gqa3", nq=100, d=96, hq=3, hkv=1, causal=True),
+    Case("N256-d64", nq=256, d=64),
+    Case("N256-d16-causal", nq=256, d=16, causal=True),
+    Case("Nq40-Nk100-d32-causal-gqa2", nq=40, nk=100, d=32, hq=2, hkv=1, causal=True),
+    Case("Nq100-Nk40-d32-causal", nq=100, nk=40, d=32, causal=True),
+    Case("Nq100-Nk70-d64-window20-mqa", nq=100, nk=70, d=64, hq=3, hkv=1, causal=True, window=20),
+    Case("Nq70-Nk100-d16-window16", nq=70, nk=100, d=16, causal=True, window=16),
+    Case("N100-d16-window1", nq=100, d=16, causal=True, window=1),
+    Case("Nq33-Nk100-d16-noncausal", nq=33, nk=100, d=16),
+]
+HALF = [c for c in DENSE if c.id in (
+    "N17-d16-b2h2", "N100-d96-causal-gqa3", "Nq100-Nk70-d64-window20-mqa", "Nq100-Nk40-d32-causal")]
+VARLEN_LENS = dict(lens_q=[17, 0, 43, 40, 1, 30], lens_k=[30, 0, 0, 40, 5, 12])
+VARLEN = [
+    Case("varlen-d16", nq=0, d=16, hq=2, **VARLEN_LENS),
+    Case("varlen-d32-causal-gqa2", nq=0, d=32, hq=2, hkv=1, causal=True, **VARLEN_LENS),
+    Case("varlen-d16-window8-mqa", nq=0, d=16, hq=3, hkv=1, causal=True, window=8, **VARLEN_LENS),
+]
+
+
+def _params(cases):
+    return [pytest.param(c, id=c.id) for c in cases]
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _dev(ts, dtype):
+    return [None if t is None else t.to(device=DEVICE, dtype=dtype) for t in ts]
+
+
+def check(name, got, ref, base=None, rtol=1e-4):
+    """``got`` (kernel) vs float64 ``ref``; with ``base`` (same-dtype PyTorch math result),
+    the kernel's error may be at most 2x the baseline's plus a rounding floor."""
+    assert got is not None, name
+    got = got.detach().cpu().double()
+    ref = ref.detach().cpu().double()
+    assert got.shape == ref.shape, (name, got.shape, ref.shape)
+    assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or invalid) elements"
+    mag = ref.abs().max().item() if ref.numel() else 0.0
+    err = (got - ref).abs().max().item() if ref.numel() else 0.0
+    if base is None:
+        tol = rtol * mag + 1e-5
+    else:
+        base_err = (base.detach().cpu().double() - ref).abs().max().item()
+        tol = 2.0 * base_err + 2.0 ** -10 * mag + 1e-4
+    assert err <= tol, f"{name}: max error {err:.3e} > tol {tol:.3e} (max |ref| {mag:.3e})"
+
+
+def check_lse(got, ref, rtol=1e-5):
+    got = got.detach().cpu().double()
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    assert not torch.isnan(got).any(), "lse: NaN"
+    inf = torch.isinf(ref)
+    assert torch.equal(torch.isinf(got), inf), "lse: -inf rows differ"
+    assert (got[inf] == float("-inf")).all()
+    if (~inf).any():
+        err = (got[~inf] - ref[~inf]).abs().max().item()
+        assert err <= rtol * max(1.0, ref[~inf].abs().max().item()), f"lse error {err:.3e}"
+
+
+def _oracle(case, ts, dtype=torch.float64):
+    return (varlen_oracle if case.varlen else dense_oracle)(case, ts, dtype)
+
+
+def run_fwd(case, dtype):
+    ts = case.tensors()
+    ref = _oracle(case, ts)
+    base = _oracle(case, ts, dtype) if dtype != torch.float32 else None
+    q, k, v = _dev(ts[:3], dtype)
+    o, lse = attn_fwd(q, k, v, **case.kw())
+    assert o.dtype == dtype and o.is_contiguous() and lse.dtype == torch.float32
+    check("o", o, ref["o"], base and base["o"])
+    check_lse(lse, ref["lse"], rtol=1e-5 if dtype == torch.float32 else 2e-3)
+
+
+def run_bwd(case, dtype):
+    ts = case.tensors()
+    ref = _oracle(case, ts)
+    base = _oracle(case, ts, dtype) if dtype != torch.float32 else None
+    q, k, v, do = _dev(ts[:4], dtype)
+    o = ref["o"].to(device=DEVICE, dtype=dtype)
+    lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
+    dq, dk, dv, delta = attn_bwd(q, k, v, o, lse, do, **case.kw())
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        check(name, got, ref[name], base and base[name])
+    assert delta.dtype == torch.float32
+    expect = (o.double() * do.double()).sum(-1).cpu()  # from the o actually passed
+    check("delta", delta, expect.transpose(0, 1) if case.varlen else expect)
+
+
+def run_bob(case, dtype, use=(True, True, True), needs=(True, True, True, True)):
+    ts = case.tensors()
+    ts = ts[:4] + [t if u else None for t, u in zip(ts[4:], use)]
+    ref = _oracle(case, ts)
+    base = _oracle(case, ts, dtype) if dtype != torch.float32 else None
+    q, k, v, do, uq, uk, uv = _dev(ts, dtype)
+    o = ref["o"].to(device=DEVICE, dtype=dtype)
+    lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
+    delta = ref["delta"].to(device=DEVICE, dtype=torch.float32)
+    res = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, **case.kw())
+    for name, got, need in zip(("qb", "kb", "vb", "dob"), res, needs):
+        if not need:
+            continue
+        check(name, got, ref[name], base and base[name])
+        assert got.dtype == dtype and got.is_contiguous()
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("case", _params(DENSE + VARLEN))
+def test_fwd_fp32(case):
+    run_fwd(case, torch.float32)
+
+
+@pytest.mark.parametrize("case", _params(DENSE + VARLEN))
+def test_bwd_fp32(case):
+    run_bwd(case, torch.float32)
+
+
+@pytest.mark.parametrize("case", _params(DENSE + VARLEN))
+def test_bob_fp32(case):
+    run_bob(case, torch.float32)
+
+
+@pytest.mark.parametrize("case", _params(HALF + VARLEN[1:2]))
+def test_chain_fp16(case):
+    run_fwd(case, torch.float16)
+    run_bwd(case, torch.float16)
+    run_bob(case, torch.float16)
+
+
+SUBSET_CASE = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)
+USES = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1)]
+
+
+@pytest.mark.parametrize("use", [pytest.param(u, id="u" + "".join(
+    n for n, f in zip(("q", "k", "v"), u) if f)) for u in USES])
+def test_bob_cotangent_subsets(use):
+    run_bob(SUBSET_CASE, torch.float32, use=tuple(bool(x) for x in use))
+
+
+NEEDS = [(True, False, False, True), (False, True, True, False), (False, False, True, False),
+         (False, True, False, False)]
+
+
+@pytest.mark.parametrize("needs", [pytest.param(n, id="needs-" + "".join(
+    s for s, f in zip(("q", "k", "v", "do"), n) if f)) for n in NEEDS])
+def test_bob_needs(needs):
+    run_bob(SUBSET_CASE, torch.float32, needs=needs)
+    q, k, v, do, uq, uk, uv = _dev(SUBSET_CASE.tensors(), torch.float32)
+    o, lse = attn_fwd(q, k, v, **SUBSET_CASE.kw())
+    delta = (o * do).sum(-1)
+    res = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, **SUBSET_CASE.kw())
+    for r, n in zip(res, needs):
+        assert (r is None) == (not n)
+
+
+def test_bob_uv_only_vb_is_zero():
+    """With only U_V, V̄ = Hᵀ dO vanishes (G = 0): returned as exact zeros."""
+    case = SUBSET_CASE
+    run_bob(case, torch.float32, use=(False, False, True), needs=(False, False, True, False))
+
+
+def test_bob_all_cotangents_none():
+    q, k, v, do = _dev(SUBSET_CASE.tensors()[:4], torch.float32)
+    o, lse = attn_fwd(q, k, v, **SUBSET_CASE.kw())
+    res = attn_bob(q, k, v, o, lse, do, (o * do).sum(-1), None, None, None, **SUBSET_CASE.kw())
+    assert res == (None, None, None, None)
+
+
+def _noncontig_dense(ts):
+    """q, do, uq as transposes of (B, N, H, D); k with stride 2 along d; v expanded over batch."""
+    q, k, v, do, uq, uk, uv = ts
+    out = []
+    for name, t in zip("q k v do uq uk uv".split(), ts):
+        if name in ("q", "do", "uq", "uk"):
+            t = t.transpose(1, 2).contiguous().transpose(1, 2)
+        elif name == "k":
+            t = torch.stack([t, torch.zeros_like(t)], dim=-1).flatten(-2)[..., ::2]
+        elif name == "v":
+            t = t[:1].expand_as(t)
+        elif name == "uv":
+            t = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("causal", [pytest.param(False, id="noncausal"), pytest.param(True, id="causal")])
+def test_noncontiguous_dense(causal):
+    case = Case("Nq50-Nk40-d16-b2-gqa2", nq=50, nk=40, d=16, b=2, hq=2, hkv=1, causal=causal)
+    ts = _noncontig_dense(case.tensors())
+    assert not ts[0].is_contiguous() and ts[1].stride(-1) == 2 and ts[2].stride(0) == 0
+    ref = dense_oracle(case, ts)
+    q, k, v, do, uq, uk, uv = ts  # CPU views keep their strides
+    if DEVICE == "cuda":
+        q, k, v, do, uq, uk, uv = (t.cuda() for t in ts)
+    o, lse = attn_fwd(q, k, v, **case.kw())
+    check("o", o, ref["o"])
+    check_lse(lse, ref["lse"])
+    o_nc = o.transpose(1, 2).contiguous().transpose(1, 2)
+    dq, dk, dv, delta = attn_bwd(q, k, v, o_nc, lse, do, **case.kw())
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        check(name, got, ref[name])
+    res = attn_bob(q, k, v, o_nc, lse, do, delta, uq, uk, uv, **case.kw())
+    for name, got in zip(("qb", "kb", "vb", "dob"), res):
+        check(name, got, ref[name])
+
+
+def test_noncontiguous_varlen():
+    """(T, H, D) slices of wider buffers: token stride != H*D."""
+    case = Case("varlen-noncontig", nq=0, d=16, hq=2, hkv=1, causal=True, **VARLEN_LENS)
+    ts = case.tensors()
+    ts = [torch.cat([t, torch.ones_like(t)], dim=-1)[..., : case.d] for t in ts]
+    assert not ts[0].is_contiguous()
+    ref = varlen_oracle(case, ts)
+    q, k, v, do, uq, uk, uv = _dev(ts, torch.float32) if DEVICE == "cuda" else ts
+    o, lse = attn_fwd(q, k, v, **case.kw())
+    check("o", o, ref["o"])
+    dq, dk, dv, delta = attn_bwd(q, k, v, o, lse, do, **case.kw())
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        check(name, got, ref[name])
+    res = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, **case.kw())
+    for name, got in zip(("qb", "kb", "vb", "dob"), res):
+        check(name, got, ref[name])
+
+
+def test_rows_that_see_no_key_are_exact_zero():
+    case = Case("Nq20-Nk5-causal", nq=20, nk=5, d=16, causal=True)
+    q, k, v, do, uq, uk, uv = _dev(case.tensors(), torch.float32)
+    o, lse = attn_fwd(q, k, v, **case.kw())
+    dq, dk, dv, delta = attn_bwd(q, k, v, o, lse, do, **case.kw())
+    qb, kb, vb, dob = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, **case.kw())
+    empty = slice(0, 15)  # query i sees j <= i - 15
+    assert (lse[..., empty] == float("-inf")).all()
+    for t in (o, dq, qb, dob):
+        assert (t[..., empty, :] == 0).all()
+    assert (delta[..., empty] == 0).all()
+    for t in (o, lse, dq, dk, dv, qb, kb, vb, dob):
+        assert not torch.isnan(t).any()
+
+
+def test_rejects_float64_and_large_head_dim():
+    q = torch.randn(1, 1, 4, 16, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(TypeError, match="float64"):
+        attn_fwd(q, q, q, scale=0.25, causal=False, window=None)
+    d = MAX_HEAD_DIM + 8
+    q = torch.randn(1, 1, 4, d, device=DEVICE)
+    with pytest.raises(ValueError, match=f"head dim {d}"):
+        attn_fwd(q, q, q, scale=0.25, causal=False, window=None)
+    assert 16 in SUPPORTED_HEAD_DIMS and 96 in SUPPORTED_HEAD_DIMS and 257 not in SUPPORTED_HEAD_DIMS
+
+
+def test_tile_overrides_square_and_wide():
+    """Other tile shapes (BLOCK_M > BLOCK_N in the column passes, square tiles)."""
+    from ttt_flash.kernels import configs
+
+    case = Case("Nq70-Nk90-d16-window30-gqa2", nq=70, nk=90, d=16, hq=2, hkv=1, causal=True,
+                window=30)
+    for bm, bn in ((16, 16), (32, 16), (16, 32)):
+        cfg = configs.TileConfig(bm, bn, 4, 1)
+        old = dict(configs.OVERRIDES)
+        try:
+            configs.OVERRIDES.update({kind: cfg for kind in configs.KINDS})
+            run_fwd(case, torch.float32)
+            run_bwd(case, torch.float32)
+            run_bob(case, torch.float32)
+        finally:
+            configs.OVERRIDES.clear()
+            configs.OVERRIDES.update(old)
+
+
+_HAS_REFERENCE_COMPOSERS = all(hasattr(reference, n) for n in ("attn_fwd", "attn_bwd", "attn_bob"))
+
+
+@pytest.mark.skipif(not _HAS_REFERENCE_COMPOSERS, reason="ttt_flash.reference composers not there yet")
+@pytest.mark.parametrize("case", _params([DENSE[4], DENSE[9], VARLEN[1]]))
+def test_matches_reference_composers(case):
+    """Same contract, same numbers: kernels vs ttt_flash.reference (float32)."""
+    q, k, v, do, uq, uk, uv = _dev(case.tensors(), torch.float32)
+    kw = case.kw()
+    o, lse = attn_fwd(q, k, v, **kw)
+    o_r, lse_r = reference.attn_fwd(q, k, v, **kw)
+    check("o", o, o_r)
+    check_lse(lse, lse_r.double().cpu())
+    grads = attn_bwd(q, k, v, o, lse, do, **kw)
+    grads_r = reference.attn_bwd(q, k, v, o, lse, do, **kw)
+    for name, a, b in zip(("dq", "dk", "dv", "delta"), grads, grads_r):
+        check(name, a, b)
+    bob = attn_bob(q, k, v, o, lse, do, grads[3], uq, uk, uv, **kw)
+    bob_r = reference.attn_bob(q, k, v, o, lse, do, grads[3], uq, uk, uv, **kw)
+    for name, a, b in zip(("qb", "kb", "vb", "dob"), bob, bob_r):
+        check(name, a, b)

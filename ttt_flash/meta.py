@@ -1,0 +1,409 @@
+"""Model-agnostic inner loops for MAML-family meta-learning.
+
+MAML (Finn et al., 2017) adapts a model to a task with a few gradient steps on the task's
+*support* set and trains the initial weights so that the adapted model does well on the
+task's *query* set. The outer (meta) gradient differentiates through every inner step,
+which needs second derivatives of the model: through a transformer, second derivatives
+of attention, which :func:`ttt_flash.flash_attention` computes exactly.
+
+Two equivalent paths are provided:
+
+* :func:`inner_loop`: functional, built on :func:`torch.func.functional_call`. The model
+  is never mutated; parameters live in a ``{name: tensor}`` dict that carries the graph.
+  Supports second- and first-order MAML, Meta-SGD (learnable per-parameter step sizes),
+  ANIL-style adaptation of a parameter subset and a differentiable Adam.
+* :func:`higher_inner_loop`: the same through ``higher.innerloop_ctx`` for any torch
+  optimizer that ``higher`` knows (SGD, Adam, RMSprop, ...).
+
+Both return the adapted parameters as a dict that :func:`functional_loss` evaluates on
+the query set::
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from ttt_flash.meta import inner_loop, functional_loss
+    >>> net = nn.Sequential(nn.Linear(1, 8), nn.Tanh(), nn.Linear(8, 1))
+    >>> mse = nn.functional.mse_loss
+    >>> support = (torch.randn(5, 1), torch.randn(5, 1))   # (inputs, target)
+    >>> query = (torch.randn(7, 1), torch.randn(7, 1))
+    >>> fast = inner_loop(net, None, mse, support, steps=2, lr=0.1)
+    >>> functional_loss(net, fast, mse, query).backward()  # second-order meta-gradient
+    >>> net[0].weight.grad.shape
+    torch.Size([8, 1])
+
+Batches are ``(inputs, target)`` pairs: ``inputs`` is one tensor or a tuple of tensors
+passed positionally to the model, and ``loss_fn(model(*inputs), target)`` must return a
+scalar. ``target`` may be anything ``loss_fn`` understands.
+
+This module is floor 1 (docs/architecture.md): it imports torch (and ``higher``, lazily)
+only and knows nothing about the model it adapts.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = [
+    "inner_loop",
+    "higher_inner_loop",
+    "functional_loss",
+    "select_adapted",
+    "meta_sgd_lrs",
+    "INNER_OPTIMIZERS",
+]
+
+#: Accepted values of the ``optimizer`` argument of :func:`inner_loop`.
+INNER_OPTIMIZERS = ("sgd", "adam")
+
+#: What :func:`select_adapted` accepts: None (all), a name, names/prefixes, or a predicate.
+Adapt = Union[None, str, Iterable[str], Callable[[str], bool]]
+LossFn = Callable[[object, object], Tensor]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _split_batch(batch, what: str) -> Tuple[tuple, object]:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(
+            f"{what} must be an (inputs, target) pair, got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    inputs, target = batch
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    return args, target
+
+
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_params(model: nn.Module, params) -> Dict[str, Tensor]:
+    if params is None:
+        return dict(model.named_parameters())
+    if not isinstance(params, Mapping):
+        raise TypeError(
+            "params must be a {name: tensor} mapping such as dict(model.named_parameters()), "
+            f"or None; got {type(params).__name__}"
+        )
+    known = dict(model.named_parameters())
+    unknown = [n for n in params if n not in known]
+    if unknown:
+        raise ValueError(
+            f"params has names that are not parameters of the model: {unknown[:5]}"
+            f"{' ...' if len(unknown) > 5 else ''}; the model's parameters are {_preview(known)}"
+        )
+    for n, p in params.items():
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params[{n!r}] must be a Tensor, got {type(p).__name__}")
+        if p.shape != known[n].shape:
+            raise ValueError(
+                f"params[{n!r}] has shape {tuple(p.shape)} but the model's parameter has shape "
+                f"{tuple(known[n].shape)}"
+            )
+    return dict(params)
+
+
+def _preview(names, k: int = 8) -> str:
+    names = list(names)
+    return str(names[:k])[:-1] + (", ...]" if len(names) > k else "]")
+
+
+def select_adapted(names: Sequence[str], adapt: Adapt = None) -> List[str]:
+    """The parameter names an inner loop adapts, in the order of ``names``.
+
+    Args:
+        names: all parameter names (e.g. ``[n for n, _ in model.named_parameters()]``).
+        adapt: ``None`` (all), a predicate ``name -> bool``, or a name / iterable of names.
+            A name selects the parameter of that exact name, or every parameter under that
+            module prefix (``"head"`` selects ``"head.weight"`` and ``"head.bias"``): the
+            ANIL recipe is ``adapt=["head"]``.
+
+    Raises:
+        ValueError: an entry of ``adapt`` matches no parameter, or nothing is selected.
+    """
+    names = list(names)
+    if adapt is None:
+        chosen = names
+    elif callable(adapt):
+        chosen = [n for n in names if adapt(n)]
+    else:
+        wanted = [adapt] if isinstance(adapt, str) else list(adapt)
+        for w in wanted:
+            if not isinstance(w, str):
+                raise TypeError(f"adapt entries must be parameter names (str), got {type(w).__name__}")
+        unknown = [w for w in wanted if not any(n == w or n.startswith(w + ".") for n in names)]
+        if unknown:
+            raise ValueError(
+                f"adapt names {unknown} match no parameter (exact name or module prefix); "
+                f"parameters are {_preview(names)}"
+            )
+        chosen = [n for n in names if any(n == w or n.startswith(w + ".") for w in wanted)]
+    if not chosen:
+        raise ValueError(f"adapt={adapt!r} selects no parameter; parameters are {_preview(names)}")
+    return chosen
+
+
+def meta_sgd_lrs(params: Mapping[str, Tensor], lr: float, *, adapt: Adapt = None,
+                 per_element: bool = True) -> Dict[str, Tensor]:
+    """Initial Meta-SGD step sizes (Li et al., 2017): one learnable tensor per adapted parameter.
+
+    Returns ``{name: tensor}`` filled with ``lr``, of the parameter's shape (``per_element``)
+    or a scalar, each a leaf with ``requires_grad=True``: pass it as ``lrs`` to
+    :func:`inner_loop` and give it to the outer optimizer (wrap it in an
+    ``nn.ParameterDict`` with dots replaced to keep it in a module).
+    """
+    out = {}
+    for n in select_adapted(list(params), adapt):
+        p = params[n]
+        shape = p.shape if per_element else ()
+        out[n] = torch.full(shape, float(lr), dtype=p.dtype, device=p.device, requires_grad=True)
+    return out
+
+
+def functional_loss(model: nn.Module, params: Optional[Mapping[str, Tensor]], loss_fn: LossFn,
+                    batch) -> Tensor:
+    """``loss_fn(model(*inputs), target)`` with the model's parameters replaced by ``params``.
+
+    ``batch`` is an ``(inputs, target)`` pair. Parameters absent from ``params`` (and all
+    buffers) are the model's own. The model is not mutated. Returns the scalar loss,
+    differentiable w.r.t. ``params`` and whatever they depend on.
+    """
+    _check_model(model)
+    args, target = _split_batch(batch, "batch")
+    out = functional_call(model, {} if params is None else dict(params), args)
+    loss = loss_fn(out, target)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(
+            "loss_fn must return a scalar tensor, got "
+            + (f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__)
+        )
+    return loss.reshape(())
+
+
+def _check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    return int(steps)
+
+
+def _check_lr(lr, name: str = "lr"):
+    if isinstance(lr, Tensor):
+        if not lr.is_floating_point():
+            raise TypeError(f"{name} must be a float or a floating-point tensor, got dtype {lr.dtype}")
+        return lr
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(lr).__name__}")
+    if not math.isfinite(lr) or lr < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {lr}")
+    return float(lr)
+
+
+def _safe_sqrt(x: Tensor) -> Tensor:
+    # sqrt has an infinite derivative at 0, which turns a parameter whose gradient is exactly
+    # zero (unused unit, masked input) into NaN second-order gradients (0 * inf). Clamping at
+    # the dtype's smallest normal changes the value by < 1e-19 and makes that derivative 0.
+    return x.clamp_min(torch.finfo(x.dtype).tiny).sqrt()
+
+
+# --------------------------------------------------------------------------- inner loops
+
+
+def inner_loop(
+    model: nn.Module,
+    params: Optional[Mapping[str, Tensor]],
+    loss_fn: LossFn,
+    support_batch,
+    steps: int,
+    lr: Union[float, Tensor],
+    *,
+    first_order: bool = False,
+    lrs: Optional[Mapping[str, Tensor]] = None,
+    adapt: Adapt = None,
+    optimizer: str = "sgd",
+    betas: Tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> Dict[str, Tensor]:
+    r"""Adapt ``params`` to one task with ``steps`` differentiable gradient steps.
+
+    Each step evaluates ``L = loss_fn(model(*inputs), target)`` on ``support_batch`` with the
+    current parameters (:func:`functional_loss`), computes
+    ``g = torch.autograd.grad(L, adapted, create_graph=not first_order)`` and updates
+
+    * ``optimizer="sgd"``: ``θ ← θ − α ∘ g``
+    * ``optimizer="adam"``: ``m ← β₁m + (1−β₁)g``, ``v ← β₂v + (1−β₂)g²``,
+      ``θ ← θ − α ∘ m̂ / (√v̂ + ε)`` with bias-corrected ``m̂ = m/(1−β₁ᵗ)``,
+      ``v̂ = v/(1−β₂ᵗ)`` (``torch.optim.Adam``'s formula, no weight decay). The state
+      ``m``, ``v`` starts at zero for every call and lives in the autograd graph, so the
+      meta-gradient differentiates through it.
+
+    where ``α`` is ``lrs[name]`` if given (Meta-SGD) else ``lr``. The returned parameters
+    are functions of the initial ``params`` (and of ``lr``/``lrs`` when they require
+    grad): a query loss computed with them backpropagates through every inner step, with
+    exact second-order terms unless ``first_order``.
+
+    Args:
+        model: any ``nn.Module``; it is called through ``torch.func.functional_call`` and
+            never mutated. Buffers are the model's own.
+        params: ``{name: tensor}`` of the weights to start from (typically
+            ``dict(model.named_parameters())``), or None for exactly that. Names must be
+            parameters of ``model``; missing names use the model's own tensors.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+        support_batch: ``(inputs, target)``; ``inputs`` a tensor or a tuple of tensors
+            passed positionally to ``model``. Shapes are whatever the model takes, e.g.
+            (K, 1) for sinusoid regression, (S, N, d_in) for sequences.
+        steps: number of inner steps (>= 0; 0 returns ``params`` unchanged).
+        lr: inner step size α (float >= 0, or a tensor, e.g. a learnable scalar).
+        first_order: drop second-order terms (FOMAML): inner gradients are computed without
+            ``create_graph`` and treated as constants. The query gradient then flows only
+            through the identity path of each update (and into ``lrs``).
+        lrs: Meta-SGD: ``{name: tensor}`` of per-parameter step sizes (scalar or the
+            parameter's shape, see :func:`meta_sgd_lrs`), used instead of ``lr`` for the
+            parameters it names; every name must be an adapted parameter.
+        adapt: which parameters to adapt (see :func:`select_adapted`): None (all), names or
+            module prefixes, or a predicate. The others are returned unchanged, as the very
+            same tensor objects (ANIL: ``adapt=["head"]``).
+        optimizer: ``"sgd"`` or ``"adam"``.
+        betas, eps: Adam's coefficients (ignored for SGD).
+
+    Returns:
+        ``{name: tensor}`` with one entry per name in ``params`` (all of the model's
+        parameters when ``params`` is None): adapted tensors for the adapted names, the
+        input tensors for the rest.
+
+    Raises:
+        TypeError / ValueError: bad model, params, batch, steps (< 0 or not an int), lr,
+            optimizer, lrs or adapt names, with a message that says which.
+
+    Gradients are computed even when called under ``torch.no_grad()`` (e.g. in a
+    validation loop): the inner loop needs them. Parameters that do not require grad (e.g.
+    detached copies) are adapted from a detached leaf copy. A parameter the support loss
+    does not depend on gets a zero gradient.
+    """
+    _check_model(model)
+    params = _check_params(model, params)
+    steps = _check_steps(steps)
+    lr = _check_lr(lr)
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    if not isinstance(first_order, bool):
+        raise TypeError(f"first_order must be a bool, got {type(first_order).__name__}")
+    _split_batch(support_batch, "support_batch")
+    names = select_adapted(list(params), adapt)
+    alphas = {n: lr for n in names}
+    if lrs is not None:
+        if not isinstance(lrs, Mapping):
+            raise TypeError(f"lrs must be a {{name: tensor}} mapping or None, got {type(lrs).__name__}")
+        stray = [n for n in lrs if n not in alphas]
+        if stray:
+            raise ValueError(
+                f"lrs has step sizes for parameters that are not adapted: {stray[:5]}; "
+                f"adapted parameters are {_preview(names)}"
+            )
+        for n, a in lrs.items():
+            a = _check_lr(a, f"lrs[{n!r}]")
+            if isinstance(a, Tensor) and a.dim() > 0 and a.shape != params[n].shape:
+                raise ValueError(
+                    f"lrs[{n!r}] must be a scalar or have the parameter's shape "
+                    f"{tuple(params[n].shape)}, got {tuple(a.shape)}"
+                )
+            alphas[n] = a
+    beta1, beta2 = betas
+    if optimizer == "adam" and not (0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0):
+        raise ValueError(f"adam needs 0 <= betas < 1 and eps > 0, got betas={betas}, eps={eps}")
+
+    fast = dict(params)
+    if steps == 0:
+        return fast
+    with torch.enable_grad():
+        for n in names:
+            if not fast[n].requires_grad:
+                fast[n] = fast[n].detach().requires_grad_(True)
+        m = {n: torch.zeros_like(fast[n]) for n in names} if optimizer == "adam" else None
+        v = {n: torch.zeros_like(fast[n]) for n in names} if optimizer == "adam" else None
+        for t in range(1, steps + 1):
+            loss = functional_loss(model, fast, loss_fn, support_batch)
+            grads = torch.autograd.grad(
+                loss,
+                [fast[n] for n in names],
+                create_graph=not first_order,
+                allow_unused=True,
+                materialize_grads=True,
+            )
+            for n, g in zip(names, grads):
+                if first_order:
+                    g = g.detach()
+                if optimizer == "sgd":
+                    update = g
+                else:
+                    m[n] = beta1 * m[n] + (1 - beta1) * g
+                    v[n] = beta2 * v[n] + (1 - beta2) * g * g
+                    m_hat = m[n] / (1 - beta1**t)
+                    v_hat = v[n] / (1 - beta2**t)
+                    update = m_hat / (_safe_sqrt(v_hat) + eps)
+                fast[n] = fast[n] - alphas[n] * update
+    return fast
+
+
+def higher_inner_loop(
+    model: nn.Module,
+    loss_fn: LossFn,
+    support_batch,
+    steps: int,
+    optimizer: Union[torch.optim.Optimizer, Callable[[Iterable[Tensor]], torch.optim.Optimizer]],
+    *,
+    first_order: bool = False,
+) -> Dict[str, Tensor]:
+    """The inner loop through ``higher.innerloop_ctx``, for any optimizer ``higher`` supports.
+
+    Equivalent to :func:`inner_loop` for ``torch.optim.SGD`` (no momentum) and all
+    parameters adapted: the same adapted weights and the same meta-gradient. Uses
+    ``copy_initial_weights=False``, so the meta-gradient reaches ``model``'s own
+    parameters.
+
+    Args:
+        model: the module to adapt (not mutated).
+        loss_fn, support_batch, steps: as in :func:`inner_loop`.
+        optimizer: a ``torch.optim.Optimizer`` over (some of) ``model.parameters()`` whose
+            hyperparameters (lr, momentum, betas, ...) the differentiable copy uses; its own
+            state is left alone. Or a callable ``params -> Optimizer``. Parameters the
+            optimizer does not hold stay fixed.
+        first_order: treat inner gradients as constants (FOMAML), by detaching them in
+            ``higher``'s ``grad_callback``.
+
+    Returns:
+        ``{name: tensor}`` of all of ``model``'s parameters after ``steps`` steps,
+        evaluable with :func:`functional_loss`.
+    """
+    import higher
+
+    _check_model(model)
+    steps = _check_steps(steps)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise TypeError(
+                "optimizer must be a torch.optim.Optimizer or a callable params -> Optimizer, "
+                f"got {type(optimizer).__name__}"
+            )
+        optimizer = optimizer(model.parameters())
+    args, target = _split_batch(support_batch, "support_batch")
+    detach = (lambda grads: [None if g is None else g.detach() for g in grads]) if first_order else None
+    names = [n for n, _ in model.named_parameters()]
+    with torch.enable_grad(), higher.innerloop_ctx(
+        model, optimizer, copy_initial_weights=False, track_higher_grads=True
+    ) as (fmodel, diffopt):
+        for _ in range(steps):
+            loss = loss_fn(fmodel(*args), target)
+            diffopt.step(loss, grad_callback=detach)
+        fast = list(fmodel.parameters())
+    if len(fast) != len(names):  # pragma: no cover - higher deduplicates shared params like we do
+        raise RuntimeError(f"higher returned {len(fast)} parameters for {len(names)} names")
+    return dict(zip(names, fast))

@@ -1,0 +1,211 @@
+"""On-the-fly few-shot task generators (nothing is downloaded).
+
+Each generator's ``sample(num_tasks, generator)`` returns a :class:`MetaBatch`: a meta-batch
+of ``num_tasks`` independent tasks, each with a support set (what the inner loop adapts
+on) and a query set (what the adapted model is scored on). Tensors are ready for a model:
+``batch.task(t)`` gives ``(support, query)`` as ``(inputs, target)`` pairs, the batch
+format of :mod:`ttt_flash.meta`.
+
+* :class:`SinusoidTasks`: sinusoid regression of Finn et al. (2017). Task: ``y = A sin(x − φ)``
+  with ``A ~ U[0.1, 5]``, ``φ ~ U[0, π]``; inputs ``x ~ U[−5, 5]``; K-shot support, K_q-shot
+  query. Inputs and targets have shape (K, 1).
+* :class:`InContextRegressionTasks`: few-shot in-context linear regression (Garg et al.,
+  2022) as a MAML task family for sequence models. Task: a weight vector ``w ~ N(0, I/d)``.
+  Each *sequence* of the task holds ``P = seq_len / 2`` points ``(x_i, y_i)``,
+  ``x_i ~ N(0, I_d)``, ``y_i = w·x_i + ε`` (``ε ~ N(0, noise_std²)``), laid out as
+  ``seq_len`` tokens of width ``d + 2``, alternating
+
+  - x-token ``[x_i, 0, 0]`` (even positions 0, 2, ...): the model predicts ``y_i`` here,
+  - y-token ``[0…0, y_i, 1]`` (odd positions), which reveals ``y_i`` to later positions.
+
+  With causal attention the prediction at point ``i`` sees the ``i − 1`` earlier pairs of
+  the same sequence: the model can regress in context, and MAML can additionally adapt
+  its weights to ``w`` on the support sequences. The support and query sets are
+  ``support_size`` and ``query_size`` sequences drawn with the same ``w``; targets have
+  shape (S, P) and are scored by :func:`incontext_mse`. ``seq_len`` is the context length
+  in tokens (32,768 in the long-context recipe).
+
+Every shape below is for one meta-batch of ``T`` tasks.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "MetaBatch",
+    "SinusoidTasks",
+    "InContextRegressionTasks",
+    "incontext_mse",
+]
+
+
+class MetaBatch(NamedTuple):
+    """A meta-batch of ``T`` tasks. Leading dimension of every tensor: the task.
+
+    Attributes:
+        support_inputs: (T, K, ...) inputs of each task's support set.
+        support_targets: (T, K, ...) targets of the support set.
+        query_inputs: (T, K_q, ...) inputs of each task's query set.
+        query_targets: (T, K_q, ...) targets of the query set.
+        task_params: (T, ...) the hidden task parameters (sinusoid: (A, φ); in-context
+            regression: ``w``), for inspection and tests; None if not known.
+    """
+
+    support_inputs: Tensor
+    support_targets: Tensor
+    query_inputs: Tensor
+    query_targets: Tensor
+    task_params: Optional[Tensor] = None
+
+    @property
+    def num_tasks(self) -> int:
+        return self.support_inputs.shape[0]
+
+    def task(self, t: int) -> Tuple[Tuple[Tensor, Tensor], Tuple[Tensor, Tensor]]:
+        """``((support_inputs, support_targets), (query_inputs, query_targets))`` of task ``t``."""
+        return (
+            (self.support_inputs[t], self.support_targets[t]),
+            (self.query_inputs[t], self.query_targets[t]),
+        )
+
+
+def _check_int(name: str, x, low: int) -> None:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < low:
+        raise ValueError(f"{name} must be >= {low}, got {x}")
+
+
+def _check_range(name: str, r) -> None:
+    if len(r) != 2 or not all(isinstance(a, numbers.Real) and math.isfinite(a) for a in r) or r[0] > r[1]:
+        raise ValueError(f"{name} must be a finite (low, high) pair with low <= high, got {r!r}")
+
+
+def _uniform(shape, low: float, high: float, generator, dtype) -> Tensor:
+    return torch.rand(shape, generator=generator, dtype=torch.float64).mul_(high - low).add_(low).to(dtype)
+
+
+@dataclass(frozen=True)
+class SinusoidTasks:
+    """Sinusoid regression tasks ``y = A sin(x − φ)`` (Finn et al., 2017).
+
+    Attributes:
+        k_shot: support points per task (K).
+        k_query: query points per task (K_q).
+        amplitude: range of ``A`` (uniform).
+        phase: range of ``φ`` (uniform).
+        x_range: range of the inputs ``x`` (uniform).
+    """
+
+    k_shot: int = 10
+    k_query: int = 10
+    amplitude: Tuple[float, float] = (0.1, 5.0)
+    phase: Tuple[float, float] = (0.0, math.pi)
+    x_range: Tuple[float, float] = (-5.0, 5.0)
+
+    def __post_init__(self):
+        _check_int("k_shot", self.k_shot, 1)
+        _check_int("k_query", self.k_query, 1)
+        _check_range("amplitude", self.amplitude)
+        _check_range("phase", self.phase)
+        _check_range("x_range", self.x_range)
+
+    def sample(self, num_tasks: int, generator: Optional[torch.Generator] = None,
+               dtype: torch.dtype = torch.float32) -> MetaBatch:
+        """A meta-batch: inputs and targets of shape (T, K, 1) / (T, K_q, 1);
+        ``task_params`` (T, 2) = (A, φ). Sampled on the CPU from ``generator``."""
+        _check_int("num_tasks", num_tasks, 1)
+        amp = _uniform((num_tasks, 1, 1), *self.amplitude, generator, torch.float64)
+        phase = _uniform((num_tasks, 1, 1), *self.phase, generator, torch.float64)
+        x = _uniform((num_tasks, self.k_shot + self.k_query, 1), *self.x_range, generator, torch.float64)
+        y = amp * torch.sin(x - phase)
+        k = self.k_shot
+        x, y = x.to(dtype), y.to(dtype)
+        params = torch.cat([amp, phase], dim=-1).reshape(num_tasks, 2).to(dtype)
+        return MetaBatch(x[:, :k], y[:, :k], x[:, k:], y[:, k:], params)
+
+
+@dataclass(frozen=True)
+class InContextRegressionTasks:
+    """Few-shot in-context linear regression sequences (see the module docstring).
+
+    Attributes:
+        dim: input dimension ``d`` of the regression; tokens have width ``d + 2``.
+        seq_len: context length in tokens (even): ``seq_len / 2`` (x, y) points per sequence.
+        support_size: sequences per task in the support set (S).
+        query_size: sequences per task in the query set (S_q).
+        noise_std: standard deviation of the label noise ε.
+    """
+
+    dim: int = 4
+    seq_len: int = 64
+    support_size: int = 4
+    query_size: int = 4
+    noise_std: float = 0.0
+
+    def __post_init__(self):
+        _check_int("dim", self.dim, 1)
+        _check_int("seq_len", self.seq_len, 2)
+        if self.seq_len % 2:
+            raise ValueError(f"seq_len must be even (an x-token and a y-token per point), got {self.seq_len}")
+        _check_int("support_size", self.support_size, 1)
+        _check_int("query_size", self.query_size, 1)
+        if not (isinstance(self.noise_std, numbers.Real) and self.noise_std >= 0):
+            raise ValueError(f"noise_std must be a float >= 0, got {self.noise_std!r}")
+
+    @property
+    def token_dim(self) -> int:
+        """Width of a token: ``dim + 2`` (x, y, is-y flag)."""
+        return self.dim + 2
+
+    @property
+    def num_points(self) -> int:
+        """(x, y) pairs per sequence: ``seq_len // 2``."""
+        return self.seq_len // 2
+
+    def sample(self, num_tasks: int, generator: Optional[torch.Generator] = None,
+               dtype: torch.dtype = torch.float32) -> MetaBatch:
+        """A meta-batch: inputs (T, S, seq_len, dim + 2), targets (T, S, seq_len / 2) (support;
+        S_q for the query); ``task_params`` (T, dim) = ``w``. Sampled on the CPU."""
+        _check_int("num_tasks", num_tasks, 1)
+        d, p = self.dim, self.num_points
+        s = self.support_size + self.query_size
+        w = torch.randn(num_tasks, d, generator=generator, dtype=torch.float64) / math.sqrt(d)
+        x = torch.randn(num_tasks, s, p, d, generator=generator, dtype=torch.float64)
+        y = torch.einsum("tspd,td->tsp", x, w)
+        if self.noise_std > 0:
+            y = y + self.noise_std * torch.randn(y.shape, generator=generator, dtype=torch.float64)
+        tokens = torch.zeros(num_tasks, s, self.seq_len, d + 2, dtype=torch.float64)
+        tokens[:, :, 0::2, :d] = x
+        tokens[:, :, 1::2, d] = y
+        tokens[:, :, 1::2, d + 1] = 1.0
+        tokens, y = tokens.to(dtype), y.to(dtype)
+        k = self.support_size
+        return MetaBatch(tokens[:, :k], y[:, :k], tokens[:, k:], y[:, k:], w.to(dtype))
+
+
+def incontext_mse(pred: Tensor, target: Tensor) -> Tensor:
+    """Mean squared error of the predictions at the x-tokens of in-context regression sequences.
+
+    Args:
+        pred: (..., seq_len, 1) or (..., seq_len) model outputs, one per token.
+        target: (..., seq_len / 2) the ``y_i``.
+
+    Returns:
+        scalar: mean over points of ``(pred[..., 2i] − y_i)²``.
+    """
+    if pred.dim() == target.dim() + 1 and pred.shape[-1] == 1:
+        pred = pred[..., 0]
+    if pred.shape[:-1] != target.shape[:-1] or pred.shape[-1] != 2 * target.shape[-1]:
+        raise ValueError(
+            f"incontext_mse expects pred (..., 2P[, 1]) and target (..., P), got pred "
+            f"{tuple(pred.shape)} and target {tuple(target.shape)}"
+        )
+    return torch.nn.functional.mse_loss(pred[..., 0::2], target)

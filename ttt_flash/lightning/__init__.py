@@ -1,0 +1,22 @@
+"""Lightning integration (the only package that imports Lightning).
+
+Public names:
+
+* :class:`MAML`: MAML / FOMAML / Meta-SGD / ANIL meta-training (manual optimization).
+* :class:`SinusoidDataModule`, :class:`InContextRegressionDataModule`: tasks generated on
+  the fly (:mod:`ttt_flash.tasks`), seedable.
+* :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`: the networks.
+"""
+
+from .data import InContextRegressionDataModule, SinusoidDataModule
+from .maml import MAML
+from .nets import NetConfig, SinusoidMLP, TinyTransformer
+
+__all__ = [
+    "MAML",
+    "SinusoidDataModule",
+    "InContextRegressionDataModule",
+    "NetConfig",
+    "SinusoidMLP",
+    "TinyTransformer",
+]

@@ -1,0 +1,145 @@
+"""LightningDataModules that generate few-shot tasks on the fly (:mod:`ttt_flash.tasks`).
+
+Every item of a dataloader is one :class:`ttt_flash.tasks.MetaBatch` of
+``meta_batch_size`` tasks (the loaders use ``batch_size=None``: the dataset already
+yields meta-batches). Meta-batch ``i`` of a split is drawn from a generator seeded with
+``(seed, split, i)``, so runs are reproducible and independent of ``num_workers``.
+Validation and test meta-batches are the same every epoch (comparable curves); training
+meta-batches are fresh every epoch (epoch ``e`` uses indices ``e·train_batches ...``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
+
+__all__ = ["SinusoidDataModule", "InContextRegressionDataModule"]
+
+_SPLITS = {"train": 0, "val": 1, "test": 2}
+
+
+class _MetaBatches(Dataset):
+    """Index ``i`` -> the ``i``-th meta-batch of a split (any non-negative ``i``)."""
+
+    def __init__(self, tasks, meta_batch_size: int, seed: int, split: str):
+        self.tasks, self.meta_batch_size, self.seed, self.split = tasks, meta_batch_size, seed, _SPLITS[split]
+
+    def __getitem__(self, i: int) -> MetaBatch:
+        state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
+        g = torch.Generator().manual_seed(int(state) & (2**63 - 1))
+        return self.tasks.sample(self.meta_batch_size, generator=g)
+
+
+class _EpochSampler(Sampler):
+    """``range(n)`` every epoch, or, with ``fresh``, ``range(e·n, (e+1)·n)`` in epoch ``e``."""
+
+    def __init__(self, n: int, fresh: bool):
+        self.n, self.fresh, self.epoch = n, fresh, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.epoch * self.n if self.fresh else 0
+        if self.fresh:
+            self.epoch += 1
+        return iter(range(start, start + self.n))
+
+
+def _check_positive(**kwargs) -> None:
+    for name, value in kwargs.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class _MetaDataModule(LightningDataModule):
+    def __init__(self, tasks, meta_batch_size: int, train_batches: int, val_batches: int,
+                 test_batches: int, seed: int, num_workers: int):
+        super().__init__()
+        _check_positive(meta_batch_size=meta_batch_size, train_batches=train_batches,
+                        val_batches=val_batches, test_batches=test_batches)
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.tasks = tasks
+        self.meta_batch_size, self.seed, self.num_workers = meta_batch_size, seed, num_workers
+        self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
+        self._train_sampler = _EpochSampler(train_batches, fresh=True)
+
+    def _loader(self, split: str) -> DataLoader:
+        sampler = self._train_sampler if split == "train" else _EpochSampler(self.batches[split], fresh=False)
+        return DataLoader(
+            _MetaBatches(self.tasks, self.meta_batch_size, self.seed, split),
+            batch_size=None,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+class SinusoidDataModule(_MetaDataModule):
+    """Sinusoid regression meta-batches (:class:`ttt_flash.tasks.SinusoidTasks`).
+
+    Args:
+        k_shot: support points per task (K).
+        k_query: query points per task.
+        meta_batch_size: tasks per meta-batch (per outer step).
+        train_batches: meta-batches per training epoch (fresh tasks every epoch).
+        val_batches: meta-batches per validation run (the same tasks every time).
+        test_batches: meta-batches in the test split.
+        seed: seed of all task sampling.
+        num_workers: DataLoader worker processes (0: generate in the main process).
+    """
+
+    def __init__(self, k_shot: int = 10, k_query: int = 10, meta_batch_size: int = 25,
+                 train_batches: int = 500, val_batches: int = 10, test_batches: int = 40,
+                 seed: int = 0, num_workers: int = 0):
+        super().__init__(SinusoidTasks(k_shot=k_shot, k_query=k_query), meta_batch_size,
+                         train_batches, val_batches, test_batches, seed, num_workers)
+        self.save_hyperparameters()
+
+
+class InContextRegressionDataModule(_MetaDataModule):
+    """In-context linear regression meta-batches (:class:`ttt_flash.tasks.InContextRegressionTasks`).
+
+    Inputs are (S, seq_len, dim + 2) token sequences: set the transformer's ``in_dim`` to
+    ``dim + 2`` (:attr:`token_dim`) and use the ``incontext_mse`` loss.
+
+    Args:
+        dim: regression input dimension d.
+        seq_len: context length in tokens (even).
+        support_size: support sequences per task.
+        query_size: query sequences per task.
+        noise_std: label noise standard deviation.
+        meta_batch_size, train_batches, val_batches, test_batches, seed, num_workers: as in
+            :class:`SinusoidDataModule`.
+    """
+
+    def __init__(self, dim: int = 4, seq_len: int = 64, support_size: int = 4, query_size: int = 4,
+                 noise_std: float = 0.0, meta_batch_size: int = 4, train_batches: int = 200,
+                 val_batches: int = 5, test_batches: int = 20, seed: int = 0, num_workers: int = 0):
+        super().__init__(
+            InContextRegressionTasks(dim=dim, seq_len=seq_len, support_size=support_size,
+                                     query_size=query_size, noise_std=noise_std),
+            meta_batch_size, train_batches, val_batches, test_batches, seed, num_workers,
+        )
+        self.save_hyperparameters()
+
+    @property
+    def token_dim(self) -> int:
+        """Token width ``dim + 2``: the transformer's ``in_dim``."""
+        return self.tasks.token_dim

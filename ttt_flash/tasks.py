@@ -209,3 +209,141 @@ def incontext_mse(pred: Tensor, target: Tensor) -> Tensor:
             f"{tuple(pred.shape)} and target {tuple(target.shape)}"
         )
     return torch.nn.functional.mse_loss(pred[..., 0::2], target)
+
+
+# =========================================================================== associative recall
+#
+# Token-sequence tasks for gradient-written memory and test-time training (ttt_flash.memory):
+# key–value retrieval (one query) and multi-query associative recall (MQAR, Arora et al.,
+# 2023). Vocabulary of a task with K keys and V values:
+#
+#   [0, K)          keys
+#   [K, K + V)      values
+#   K + V           FILL: filler between pairs (long contexts with few pairs)
+#
+# A context is ``context_len / 2`` two-token slots ``(key, value)``; ``num_pairs`` of them
+# (distinct keys, random values, random slots) hold pairs, the others hold ``(FILL, FILL)``.
+# The queries are ``num_queries`` of the stored keys (distinct when possible); the target of
+# query token j is the value stored with it. ``context_targets`` are the next-token targets
+# of the context restricted to the predictable ones (at a key: its value), ``-100`` (the
+# ``ignore_index`` of ``lm_loss``) elsewhere: the next key is random and carries nothing to
+# store. Chance accuracy of a query is ``1 / V``.
+
+
+class RecallBatch(NamedTuple):
+    """A batch of associative-recall sequences (leading dimension: the sequence).
+
+    Attributes:
+        context: (B, L) int64 tokens: key/value slots.
+        context_targets: (B, L) int64: the value at each key position, ``-100`` elsewhere.
+        query: (B, Q) int64: keys whose values are asked for.
+        query_targets: (B, Q) int64: the value of each query key.
+    """
+
+    context: Tensor
+    context_targets: Tensor
+    query: Tensor
+    query_targets: Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Context and query tokens of the whole batch (for throughput)."""
+        return self.context.numel() + self.query.numel()
+
+
+@dataclass(frozen=True)
+class AssociativeRecallTasks:
+    """Associative-recall sequences (layout above). :class:`KeyValueRetrievalTasks` and
+    :class:`MQARTasks` are this with one and with several queries.
+
+    Attributes:
+        num_keys: key vocabulary K (``num_pairs <= num_keys``: keys are distinct).
+        num_values: value vocabulary V; chance accuracy is 1 / V.
+        num_pairs: stored pairs per context.
+        num_queries: queries per sequence (at most ``num_pairs`` distinct; more repeat keys).
+        context_len: context length in tokens (even, >= 2 · num_pairs); ``None`` means
+            ``2 · num_pairs`` (no filler).
+    """
+
+    num_keys: int = 16
+    num_values: int = 16
+    num_pairs: int = 4
+    num_queries: int = 1
+    context_len: Optional[int] = None
+
+    def __post_init__(self):
+        _check_int("num_keys", self.num_keys, 1)
+        _check_int("num_values", self.num_values, 2)
+        _check_int("num_pairs", self.num_pairs, 1)
+        _check_int("num_queries", self.num_queries, 1)
+        if self.num_pairs > self.num_keys:
+            raise ValueError(f"num_pairs ({self.num_pairs}) must be <= num_keys ({self.num_keys}): keys are distinct")
+        if self.context_len is not None:
+            _check_int("context_len", self.context_len, 2)
+            if self.context_len % 2 or self.context_len < 2 * self.num_pairs:
+                raise ValueError(
+                    f"context_len must be even and >= 2 · num_pairs = {2 * self.num_pairs}, got {self.context_len}"
+                )
+
+    @property
+    def length(self) -> int:
+        """Context length L in tokens."""
+        return 2 * self.num_pairs if self.context_len is None else self.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids: keys, values and FILL."""
+        return self.num_keys + self.num_values + 1
+
+    @property
+    def fill_token(self) -> int:
+        return self.num_keys + self.num_values
+
+    @property
+    def chance(self) -> float:
+        """Accuracy of guessing a value: 1 / num_values."""
+        return 1.0 / self.num_values
+
+    def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> RecallBatch:
+        """A :class:`RecallBatch` of ``batch_size`` independent sequences, sampled on the CPU."""
+        _check_int("batch_size", batch_size, 1)
+        b, p, q = batch_size, self.num_pairs, self.num_queries
+        slots = self.length // 2
+        keys = torch.rand(b, self.num_keys, generator=generator).argsort(-1)[:, :p]
+        values = torch.randint(0, self.num_values, (b, p), generator=generator) + self.num_keys
+        if slots == p:
+            where = torch.arange(p).expand(b, p)
+        else:  # random slots, kept in increasing order
+            where = torch.rand(b, slots, generator=generator).argsort(-1)[:, :p].sort(-1).values
+        pair_keys = torch.full((b, slots), self.fill_token, dtype=torch.long)
+        pair_values = pair_keys.clone()
+        pair_keys.scatter_(1, where, keys)
+        pair_values.scatter_(1, where, values)
+        context = torch.stack([pair_keys, pair_values], dim=-1).reshape(b, 2 * slots)
+        context_targets = torch.full_like(context, -100)
+        is_pair = pair_keys != self.fill_token
+        context_targets[:, 0::2] = torch.where(is_pair, pair_values, -100)
+        # queries: a permutation of the stored pairs, repeated if num_queries > num_pairs
+        order = torch.rand(b, p, generator=generator).argsort(-1)
+        order = order.repeat(1, -(-q // p))[:, :q]
+        query = keys.gather(1, order)
+        query_targets = values.gather(1, order)
+        return RecallBatch(context, context_targets, query, query_targets)
+
+
+@dataclass(frozen=True)
+class KeyValueRetrievalTasks(AssociativeRecallTasks):
+    """Key–value retrieval: store ``num_pairs`` pairs, ask for the value of one stored key."""
+
+    num_queries: int = 1
+
+
+@dataclass(frozen=True)
+class MQARTasks(AssociativeRecallTasks):
+    """Multi-query associative recall: ask for the values of ``num_queries`` stored keys."""
+
+    num_pairs: int = 8
+    num_queries: int = 8
+
+
+__all__ += ["RecallBatch", "AssociativeRecallTasks", "KeyValueRetrievalTasks", "MQARTasks"]

@@ -1,0 +1,419 @@
+"""Second-order optimisers with a Hutchinson estimate of the Hessian diagonal.
+
+* :class:`SophiaH`: Sophia (Liu et al., 2023, "Sophia: A Scalable Stochastic Second-order
+  Optimizer for Language Model Pre-training", Algorithm 3 with the Hutchinson estimator):
+  an EMA of the Hessian diagonal refreshed every ``k`` steps, a per-coordinate clipped
+  Newton-like step, decoupled weight decay.
+* :class:`AdaHessian`: AdaHessian (Yao et al., 2021, "ADAHESSIAN: An Adaptive Second Order
+  Optimizer for Machine Learning"): Adam with the second moment of the gradient replaced by
+  that of the (optionally spatially averaged) Hessian diagonal, raised to ``hessian_power``.
+
+Both take a Hessian-vector product through the loss graph, which through a transformer
+with :func:`ttt_flash.flash_attention` is exact. They share one API:
+
+**Refreshing the Hessian estimate** needs a loss graph; pick one of
+
+1. ``loss.backward(create_graph=True)`` then ``optimizer.step()``: when the estimate is due
+   (:attr:`~SophiaH.hessian_due`), ``step`` first refreshes it from the graph carried by
+   ``p.grad``. A closure works the same way: ``step(closure)`` with a closure that runs
+   ``loss.backward(create_graph=optimizer.hessian_due)``::
+
+       for x, y in data:
+           optimizer.zero_grad()
+           loss = loss_fn(model(x), y)
+           loss.backward(create_graph=optimizer.hessian_due)  # graph only when needed
+           optimizer.step()
+
+2. ``optimizer.update_hessian()`` explicitly after ``loss.backward(create_graph=True)``
+   (before ``step``), e.g. to refresh on a schedule of your own.
+3. ``optimizer.update_hessian(loss)``: from a loss tensor (gradients taken internally with
+   ``torch.autograd.grad``; ``p.grad`` is not touched), e.g. on a separate batch after
+   ``step``, as the Sophia authors do for their Gauss-Newton estimator.
+
+After a refresh from ``p.grad`` the gradients are replaced by detached copies, which frees
+the double-backward graph and breaks the parameter ↔ gradient reference cycle that
+``backward(create_graph=True)`` creates. ``step`` on a parameter that has never had a
+Hessian estimate raises ``RuntimeError``: no step runs on a silent zero estimate.
+
+One Hutchinson probe per refresh (``n_samples`` in :meth:`~SophiaH.update_hessian` for
+more), Rademacher by default (``probe="gaussian"`` as written in the Sophia paper; both
+are unbiased, Rademacher has the lower variance). Distributed data parallel is not handled:
+each process would estimate from its own shard.
+
+Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.hessian`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Callable, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .hessian import PROBES, HessianOperator, probe_like
+
+__all__ = ["SophiaH", "AdaHessian", "HessianOptimizer"]
+
+
+def _check_real(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if not math.isfinite(value) or bad_lo or bad_hi:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+    return value
+
+
+def _check_betas(betas) -> Tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    return (
+        _check_real("betas[0]", betas[0], 0.0, 1.0, hi_open=True),
+        _check_real("betas[1]", betas[1], 0.0, 1.0, hi_open=True),
+    )
+
+
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k (refresh the Hessian estimate every k steps) must be an int >= 1, got {k!r}")
+    return int(k)
+
+
+class HessianOptimizer(torch.optim.Optimizer):
+    """Base of :class:`SophiaH` and :class:`AdaHessian`: the Hessian-refresh machinery.
+
+    Subclasses define :meth:`_absorb_hessian` (fold one diagonal estimate into the state)
+    and :meth:`_update` (one parameter's step). Every param group has ``k`` (refresh every
+    k steps) and ``probe`` (:data:`ttt_flash.hessian.PROBES`).
+    """
+
+    _hessian_state_key = "hessian"
+
+    def __init__(self, params, defaults: dict):
+        defaults = dict(defaults)
+        defaults["k"] = _check_k(defaults["k"])
+        if defaults["probe"] not in PROBES:
+            raise ValueError(f"probe must be one of {PROBES}, got {defaults['probe']!r}")
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _group_steps(self, group) -> int:
+        for p in group["params"]:
+            state = self.state.get(p)
+            if state:
+                return int(state["step"])
+        return 0
+
+    @property
+    def hessian_due(self) -> bool:
+        """Whether the next :meth:`step` is one where the Hessian estimate is refreshed:
+        steps 0, k, 2k, ... (counted before the step) of any param group."""
+        return any(self._group_steps(g) % g["k"] == 0 for g in self.param_groups)
+
+    def _init_state(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["hessian_step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state[self._hessian_state_key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    # ------------------------------------------------------------------ Hessian
+
+    def _trainable(self) -> List[Tuple[dict, Tensor]]:
+        return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def update_hessian(
+        self,
+        loss: Optional[Tensor] = None,
+        *,
+        n_samples: int = 1,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        """Refresh the Hessian-diagonal estimate with ``n_samples`` Hutchinson probes.
+
+        Args:
+            loss: ``None``: use the graph carried by ``p.grad`` (after
+                ``loss.backward(create_graph=True)``); the gradients are detached afterwards.
+                A scalar loss tensor: take ∇loss with ``create_graph=True`` internally
+                (``p.grad`` untouched).
+            n_samples: probes averaged into this refresh.
+            generator: random generator for the probes (default: the global one).
+
+        Only parameters the loss reaches are refreshed. Runs regardless of
+        :attr:`hessian_due` (you decide when); does not count as a step.
+
+        Raises:
+            ValueError: ``loss=None`` and no ``p.grad`` carries a graph.
+        """
+        pairs = self._trainable()
+        if loss is None:
+            pairs = [(g, p) for g, p in pairs if p.grad is not None]
+            if not pairs:
+                raise ValueError(
+                    "update_hessian() found no gradients: call loss.backward(create_graph=True) "
+                    "first, or pass the loss: update_hessian(loss)"
+                )
+            grads = [p.grad for _, p in pairs]
+            if not any(gr.requires_grad for gr in grads):
+                raise ValueError(
+                    "update_hessian() needs the loss graph, but p.grad carries none: run "
+                    "loss.backward(create_graph=True) (not plain loss.backward()) before it, or pass "
+                    "the loss: update_hessian(loss)"
+                )
+            op = HessianOperator.from_grads(grads, [p for _, p in pairs])
+        else:
+            if not pairs:
+                raise ValueError("the optimizer has no parameter that requires grad")
+            op = HessianOperator(loss, [p for _, p in pairs])
+        if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 1:
+            raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
+
+        live = [i for i, r in enumerate(op.reached) if r]
+        acc = [None] * len(pairs)
+        for _ in range(n_samples):
+            z = [probe_like([p], g["probe"], generator)[0] for g, p in pairs]
+            hz = op.mv(z)
+            for i in live:
+                sample = z[i] * hz[i]
+                acc[i] = sample if acc[i] is None else acc[i].add_(sample)
+        with torch.no_grad():
+            for i in live:
+                group, p = pairs[i]
+                state = self._init_state(p)
+                self._absorb_hessian(group, p, state, acc[i].div_(n_samples))
+                state["hessian_step"] += 1
+        del op
+        if loss is None:
+            for _, p in pairs:
+                if p.grad is not None and p.grad.requires_grad:
+                    p.grad = p.grad.detach()
+
+    def _absorb_hessian(self, group: dict, p: Tensor, state: dict, diag: Tensor) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ step
+
+    def _update(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+        raise NotImplementedError
+
+    def step(self, closure: Optional[Callable[[], Tensor]] = None):
+        """One update of every parameter with a gradient; returns the closure's loss.
+
+        If the Hessian estimate is due (:attr:`hessian_due`) and ``p.grad`` carries a graph
+        (backward ran with ``create_graph=True``), the estimate is refreshed first. Any graph
+        on ``p.grad`` is dropped before the update.
+
+        Raises:
+            RuntimeError: a parameter to update has no Hessian estimate yet.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pairs = [(g, p) for g, p in self._trainable() if p.grad is not None]
+        if any(p.grad.requires_grad for _, p in pairs):
+            if self.hessian_due:
+                self.update_hessian()
+            else:
+                for _, p in pairs:
+                    p.grad = p.grad.detach()
+        with torch.no_grad():
+            for group, p in pairs:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self._init_state(p)
+                if state["hessian_step"] == 0:
+                    raise RuntimeError(
+                        f"{type(self).__name__}.step(): a parameter of shape {tuple(p.shape)} has no "
+                        "Hessian estimate yet. Refresh it before the first step: "
+                        "loss.backward(create_graph=True) then step() (refreshed when hessian_due), "
+                        "or optimizer.update_hessian() / update_hessian(loss) (see ttt_flash.optim)"
+                    )
+                state["step"] += 1
+                self._update(group, p, p.grad, state)
+        return loss
+
+
+class SophiaH(HessianOptimizer):
+    r"""Sophia with the Hutchinson estimator of the Hessian diagonal (Liu et al., 2023).
+
+    Per coordinate, with g_t the gradient and ĥ the Hutchinson estimate z ∘ (H z):
+
+    * every ``k`` steps (steps 0, k, 2k, ...: :attr:`hessian_due`):
+      ``h ← β₂ h + (1 − β₂) ĥ`` (:meth:`update_hessian`, or inside :meth:`step`);
+    * every step: ``m ← β₁ m + (1 − β₁) g``; ``θ ← θ − lr · weight_decay · θ``;
+      ``θ ← θ − lr · clip(m / max(ρ · h, ε), 1)``, where clip(x, 1) = max(min(x, 1), −1).
+
+    Where h ≤ 0 (negative curvature or not yet estimated) or |m| ≥ ρ h the step is the
+    sign step ``lr · sign(m)``: each coordinate moves by at most ``lr``. No bias
+    correction, as in the paper's Algorithm 3. ``h`` starts at 0.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate η (the largest move of one coordinate per step).
+        betas: (β₁, β₂): EMA rates of the gradient and of the Hessian diagonal.
+        rho: ρ (γ in the paper's final version), scales h in the denominator; larger ρ
+            means smaller, less often clipped steps.
+        weight_decay: decoupled weight decay λ (θ ← θ − η λ θ).
+        k: refresh the Hessian estimate every k steps.
+        eps: ε, floor of ρ·h.
+        probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+
+    Defaults are those of the authors' release (lr 1e-4, betas (0.965, 0.99), rho 0.04,
+    weight decay 0.1, k = 10). The released Sophia-G multiplies h by the tokens per
+    batch because its Gauss-Newton estimate is of a summed loss; this Hutchinson estimate
+    is of the loss itself, so ρ applies to h directly.
+
+    After each :meth:`step`, :attr:`clip_fraction` holds (as a 0-dim tensor) the fraction
+    of updated coordinates whose step was clipped to ±lr.
+
+    Example (see the module docstring for the other ways to refresh)::
+
+        >>> import torch
+        >>> w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        >>> opt = SophiaH([w], lr=0.1, weight_decay=0.0)
+        >>> loss = (torch.tensor([3.0, 0.5]) * w * w).sum() / 2   # H = diag(3, 0.5)
+        >>> loss.backward(create_graph=opt.hessian_due)
+        >>> opt.step()
+        >>> opt.state[w]["hessian"]                               # (1 − β₂) · diag(H)
+        tensor([0.0300, 0.0050])
+    """
+
+    _hessian_state_key = "hessian"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-4,
+        betas: Tuple[float, float] = (0.965, 0.99),
+        rho: float = 0.04,
+        weight_decay: float = 1e-1,
+        k: int = 10,
+        eps: float = 1e-15,
+        probe: str = "rademacher",
+    ):
+        defaults = dict(
+            lr=_check_real("lr", lr, 0.0),
+            betas=_check_betas(betas),
+            rho=_check_real("rho", rho, 0.0, lo_open=True),
+            weight_decay=_check_real("weight_decay", weight_decay, 0.0),
+            k=k,
+            eps=_check_real("eps", eps, 0.0, lo_open=True),
+            probe=probe,
+        )
+        super().__init__(params, defaults)
+        self.clip_fraction: Optional[Tensor] = None
+        self._clipped: List[Tensor] = []
+        self._counted = 0
+
+    def _absorb_hessian(self, group, p, state, diag):
+        beta2 = group["betas"][1]
+        state["hessian"].mul_(beta2).add_(diag.to(p.dtype), alpha=1 - beta2)
+
+    def _update(self, group, p, grad, state):
+        beta1 = group["betas"][0]
+        lr = group["lr"]
+        m = state["exp_avg"]
+        if group["weight_decay"] != 0:
+            p.mul_(1 - lr * group["weight_decay"])
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        ratio = (m.abs() / (group["rho"] * state["hessian"]).clamp_min(group["eps"])).clamp_max_(1.0)
+        self._clipped.append((ratio >= 1.0).sum())
+        self._counted += ratio.numel()
+        p.addcmul_(m.sign(), ratio, value=-lr)
+
+    def step(self, closure: Optional[Callable[[], Tensor]] = None):
+        self._clipped, self._counted = [], 0
+        loss = super().step(closure)
+        if self._clipped:
+            self.clip_fraction = torch.stack(self._clipped).sum() / self._counted
+        self._clipped = []
+        return loss
+
+    step.__doc__ = HessianOptimizer.step.__doc__
+
+
+class AdaHessian(HessianOptimizer):
+    r"""AdaHessian (Yao et al., 2021): Adam with the squared Hessian diagonal as second moment.
+
+    Per coordinate, with D the Hutchinson estimate z ∘ (H z) (spatially averaged, see below):
+
+    * every ``k`` steps (the paper refreshes every step: ``k = 1``):
+      ``v ← β₂ v + (1 − β₂) D²``, counted by ``hessian_step`` s;
+    * every step t: ``m ← β₁ m + (1 − β₁) g``;
+      ``θ ← θ − lr · (m / (1 − β₁ᵗ) / ((√v / √(1 − β₂ˢ))^hessian_power + eps) + weight_decay · θ)``.
+
+    Spatial averaging (``spatial_average=True``): for a parameter with 3 or more dimensions
+    (a convolution kernel (C_out, C_in, *kernel)), D is replaced by the mean of |D| over the
+    kernel dimensions, one value per (C_out, C_in) pair, as in the authors' release. Vectors
+    and matrices (all of a transformer) are not averaged.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: (β₁, β₂): EMA rates of the gradient and of the squared Hessian diagonal.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay (θ ← θ − lr · weight_decay · θ).
+        hessian_power: exponent in (0, 1] of the Hessian term (1: Newton-like, 0.5: Adam-like).
+        k: refresh the Hessian estimate every k steps (the bias correction counts refreshes).
+        spatial_average: average conv kernels' Hessian diagonals spatially.
+        probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+
+    Defaults are the authors' (lr 0.15, betas (0.9, 0.999), eps 1e-4, no weight decay,
+    hessian_power 1).
+    """
+
+    _hessian_state_key = "exp_hessian_diag_sq"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.15,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-4,
+        weight_decay: float = 0.0,
+        hessian_power: float = 1.0,
+        k: int = 1,
+        spatial_average: bool = True,
+        probe: str = "rademacher",
+    ):
+        if not isinstance(spatial_average, bool):
+            raise TypeError(f"spatial_average must be a bool, got {type(spatial_average).__name__}")
+        defaults = dict(
+            lr=_check_real("lr", lr, 0.0),
+            betas=_check_betas(betas),
+            eps=_check_real("eps", eps, 0.0),
+            weight_decay=_check_real("weight_decay", weight_decay, 0.0),
+            hessian_power=_check_real("hessian_power", hessian_power, 0.0, 1.0, lo_open=True),
+            k=k,
+            spatial_average=spatial_average,
+            probe=probe,
+        )
+        super().__init__(params, defaults)
+
+    def _absorb_hessian(self, group, p, state, diag):
+        if group["spatial_average"] and diag.dim() >= 3:
+            diag = diag.abs().mean(dim=tuple(range(2, diag.dim())), keepdim=True).expand_as(diag)
+        beta2 = group["betas"][1]
+        diag = diag.to(p.dtype)
+        state["exp_hessian_diag_sq"].mul_(beta2).addcmul_(diag, diag, value=1 - beta2)
+
+    def _update(self, group, p, grad, state):
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        m, v = state["exp_avg"], state["exp_hessian_diag_sq"]
+        m.mul_(beta1).add_(grad, alpha=1 - beta1)
+        bias1 = 1 - beta1 ** state["step"]
+        bias2 = 1 - beta2 ** state["hessian_step"]
+        denom = (v.sqrt() / math.sqrt(bias2)).pow_(group["hessian_power"]).add_(group["eps"])
+        if group["weight_decay"] != 0:
+            p.mul_(1 - lr * group["weight_decay"])
+        p.addcdiv_(m, denom, value=-lr / bias1)

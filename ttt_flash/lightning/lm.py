@@ -1,0 +1,509 @@
+"""Language modelling with second-order optimisers: a LightningModule for
+:class:`ttt_flash.models.GPT`, a byte-level text DataModule and a Hessian-refresh callback.
+
+* :class:`LanguageModel`: next-token training of a GPT with ``optimizer`` one of
+  ``"sophiah"`` (:class:`ttt_flash.optim.SophiaH`), ``"adamw"`` or ``"adahessian"``
+  (:class:`ttt_flash.optim.AdaHessian`); linear warm-up then cosine decay of the learning rate.
+* :class:`HessianRefresh`: on the steps where the Hessian estimate is due, the module's
+  backward pass runs with ``create_graph=True`` and, before the optimizer step, the
+  optimizer's Hutchinson estimate is refreshed from that graph
+  (:meth:`ttt_flash.optim.SophiaH.update_hessian`). With ``attention="ttt_flash"`` every
+  Hessian-vector product is exact. :class:`LanguageModel` adds one by itself when its
+  optimizer is second-order and the Trainer has none.
+* :class:`ByteTextDataModule`: byte-level tokens (vocabulary 256) from text files, by
+  default the running Python's standard-library sources (no download); random windows
+  for training, fixed evenly spaced windows for validation.
+
+Logged: ``train/loss``, ``train/lr``, ``train/step_time_s`` (wall clock of the whole step,
+Hessian refresh included), on CUDA ``train/peak_mem_gib``; with Sophia-H
+``train/clip_fraction`` (coordinates whose step was clipped); on refresh steps
+``train/hessian_refresh_s`` (the Hessian-vector product and update, without the
+``create_graph`` backward); ``val/loss`` and ``val/bits_per_token`` (loss / ln 2: bits per
+byte for byte tokens).
+
+Example (a CPU smoke run)::
+
+    >>> import lightning.pytorch as pl
+    >>> from ttt_flash.models import GPTConfig
+    >>> from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    >>> model = LanguageModel(GPTConfig.tiny(n_layer=1), optimizer="sophiah", lr=1e-3)
+    >>> data = ByteTextDataModule(seq_len=32, batch_size=2, max_bytes=2**16)
+    >>> trainer = pl.Trainer(fast_dev_run=1, logger=False, enable_progress_bar=False,
+    ...                      enable_model_summary=False, accelerator="cpu")
+    >>> trainer.fit(model, data)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator, List, Literal, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningDataModule, LightningModule
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..models import GPT, GPTConfig
+from ..optim import AdaHessian, HessianOptimizer, SophiaH
+
+__all__ = [
+    "LanguageModel",
+    "HessianRefresh",
+    "ByteTextDataModule",
+    "OPTIMIZERS",
+    "stdlib_source_files",
+    "read_corpus",
+]
+
+#: Accepted values of ``LanguageModel(optimizer=...)``.
+OPTIMIZERS = ("sophiah", "adamw", "adahessian")
+
+_CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
+
+
+# --------------------------------------------------------------------------- callback
+
+
+class HessianRefresh(Callback):
+    """Refresh a second-order optimizer's Hessian estimate on schedule, from the training
+    step's own loss graph (exact second-order products; no extra forward pass).
+
+    On a refresh step the callback sets ``pl_module.hessian_refresh_pending = True`` before
+    the batch; the module's ``backward`` must then run ``loss.backward(create_graph=True)``
+    (:class:`LanguageModel` does). Before the optimizer step (``on_before_optimizer_step``,
+    i.e. before gradient clipping) it calls ``optimizer.update_hessian()``, which takes the
+    Hutchinson product through that graph and frees it. With gradient accumulation every
+    micro-batch of the step keeps its graph, and the estimate is that of the summed loss.
+
+    Args:
+        every_k: refresh every ``every_k`` optimizer steps (global steps 0, k, 2k, ...).
+            ``None``: when the optimizer says so (its ``hessian_due``, i.e. its own ``k``).
+        n_samples: Hutchinson probes per refresh (each one Hessian-vector product).
+
+    Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
+    optimization only; fp16 loss scaling is not supported (the estimate would be scaled):
+    use ``precision="bf16-mixed"`` or 32-bit.
+    """
+
+    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1):
+        if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1):
+            raise ValueError(f"every_k must be an int >= 1 or None, got {every_k!r}")
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
+        self.every_k, self.n_samples = every_k, n_samples
+        self.refreshes = 0
+
+    @staticmethod
+    def _second_order(trainer) -> List[HessianOptimizer]:
+        return [o for o in trainer.optimizers if hasattr(o, "update_hessian")]
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self._second_order(trainer) and str(trainer.precision) in ("16-mixed", "16", "16-true"):
+            raise ValueError(
+                f"HessianRefresh does not support precision={trainer.precision!r} (fp16 loss scaling "
+                "would scale the Hessian estimate): use 'bf16-mixed' or '32-true'"
+            )
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        opts = self._second_order(trainer)
+        if not opts:
+            due = False
+        elif self.every_k is not None:
+            due = trainer.global_step % self.every_k == 0
+        else:
+            due = any(o.hessian_due for o in opts)
+        pl_module.hessian_refresh_pending = due
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if not getattr(pl_module, "hessian_refresh_pending", False) or not hasattr(optimizer, "update_hessian"):
+            return
+        cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            optimizer.update_hessian(n_samples=self.n_samples)
+        except ValueError as e:
+            raise RuntimeError(
+                f"HessianRefresh: {e}. The LightningModule's backward must call "
+                "loss.backward(create_graph=True) while `self.hessian_refresh_pending` is True "
+                "(ttt_flash.lightning.lm.LanguageModel does)"
+            ) from e
+        if cuda:
+            torch.cuda.synchronize()
+        pl_module.hessian_refresh_pending = False
+        self.refreshes += 1
+        pl_module.log("train/hessian_refresh_s", time.perf_counter() - start, on_step=True, on_epoch=False)
+
+
+# --------------------------------------------------------------------------- module
+
+
+class LanguageModel(LightningModule):
+    """Next-token language modelling with :class:`ttt_flash.models.GPT`.
+
+    Batches are ``(x, y)`` pairs of (B, N) token ids with ``y`` the next tokens of ``x``
+    (:class:`ByteTextDataModule`). Weight decay applies to the matrices (2-D parameters)
+    only, not to norm gains or biases.
+
+    Args:
+        gpt: the model's :class:`~ttt_flash.models.GPTConfig` (default: ``GPTConfig.tiny()``).
+            ``attention="ttt_flash"`` makes every Hessian-vector product exact with O(N)
+            memory; ``"math"`` materialises attention (exact, O(N²) memory).
+        optimizer: ``"sophiah"``, ``"adamw"`` or ``"adahessian"``.
+        lr: peak learning rate.
+        betas: (β₁, β₂); ``None``: the optimizer's default ((0.965, 0.99) Sophia-H,
+            (0.9, 0.999) AdamW and AdaHessian).
+        weight_decay: decoupled weight decay of the matrices.
+        rho: Sophia-H's ρ (clipping scale of the Hessian-preconditioned step).
+        hessian_every: refresh the Hessian estimate every this many steps; ``None``: the
+            optimizer's default (10 for Sophia-H, 1 for AdaHessian). Unused by AdamW.
+        hessian_power: AdaHessian's exponent of the Hessian term.
+        eps: the optimizer's ε; ``None``: its default (1e-15 Sophia-H, 1e-8 AdamW, 1e-4
+            AdaHessian).
+        warmup_steps: linear learning-rate warm-up from 0 over this many steps.
+        min_lr_ratio: with ``schedule="cosine"``, the final learning rate as a fraction of ``lr``.
+        schedule: ``"cosine"`` (decay to ``min_lr_ratio · lr`` over the run's optimizer
+            steps, ``trainer.estimated_stepping_batches``) or ``"constant"``.
+    """
+
+    def __init__(
+        self,
+        gpt: GPTConfig = GPTConfig.tiny(),
+        optimizer: Literal["sophiah", "adamw", "adahessian"] = "sophiah",
+        lr: float = 1e-3,
+        betas: Optional[Tuple[float, float]] = None,
+        weight_decay: float = 0.1,
+        rho: float = 0.04,
+        hessian_every: Optional[int] = None,
+        hessian_power: float = 1.0,
+        eps: Optional[float] = None,
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        schedule: Literal["cosine", "constant"] = "cosine",
+    ):
+        super().__init__()
+        if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
+            gpt = GPTConfig(**gpt)
+        if not isinstance(gpt, GPTConfig):
+            raise TypeError(f"gpt must be a GPTConfig, got {type(gpt).__name__}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if schedule not in ("cosine", "constant"):
+            raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        if hessian_every is not None and (isinstance(hessian_every, bool) or not isinstance(hessian_every, int) or hessian_every < 1):
+            raise ValueError(f"hessian_every must be an int >= 1 or None, got {hessian_every!r}")
+        self.save_hyperparameters()
+        self.gpt_config = gpt
+        self.model = GPT(gpt)
+        #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
+        self.hessian_refresh_pending = False
+        self._step_start: Optional[float] = None
+
+    @property
+    def second_order(self) -> bool:
+        """Whether the optimizer needs Hessian refreshes."""
+        return self.hparams.optimizer in ("sophiah", "adahessian")
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """(B, N) token ids → (B, N, vocab) logits."""
+        return self.model(idx)
+
+    # ------------------------------------------------------------------ optimisation
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        kw = {}
+        if hp.betas is not None:
+            kw["betas"] = tuple(hp.betas)
+        if hp.eps is not None:
+            kw["eps"] = hp.eps
+        if hp.hessian_every is not None and self.second_order:
+            kw["k"] = hp.hessian_every
+        if hp.optimizer == "sophiah":
+            opt = SophiaH(groups, lr=hp.lr, rho=hp.rho, **kw)
+        elif hp.optimizer == "adahessian":
+            opt = AdaHessian(groups, lr=hp.lr, hessian_power=hp.hessian_power, **kw)
+        else:
+            opt = torch.optim.AdamW(groups, lr=hp.lr, **kw)
+        if hp.schedule == "constant" and hp.warmup_steps == 0:
+            return opt
+        total = max(1, int(self.trainer.estimated_stepping_batches)) if self._trainer is not None else 1
+        warmup, floor, cosine = hp.warmup_steps, hp.min_lr_ratio, hp.schedule == "cosine"
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if not cosine:
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_callbacks(self):
+        if not self.second_order:
+            return []
+        trainer = self._trainer
+        if trainer is not None and any(isinstance(c, HessianRefresh) for c in trainer.callbacks):
+            return []  # the user's own HessianRefresh (e.g. a different every_k) stays
+        return [HessianRefresh()]
+
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        if self.hessian_refresh_pending:
+            with warnings.catch_warnings():
+                # The parameter <-> gradient cycle is broken by update_hessian(), which
+                # replaces p.grad with a detached copy.
+                warnings.filterwarnings("ignore", message=_CYCLE_WARNING)
+                super().backward(loss, *args, create_graph=True, **kwargs)
+        else:
+            super().backward(loss, *args, **kwargs)
+
+    # ------------------------------------------------------------------ steps
+
+    def _check_batch(self, batch) -> Tuple[Tensor, Tensor]:
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError("a batch must be an (x, y) pair of (B, N) token-id tensors")
+        x, y = batch
+        if x.shape != y.shape or x.dim() != 2:
+            raise ValueError(f"x and y must both be (B, N), got {tuple(x.shape)} and {tuple(y.shape)}")
+        return x, y
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        if batch[0].is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self._step_start = time.perf_counter()
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = self._check_batch(batch)
+        loss = self.model.loss(x, y)
+        self.log("train/loss", loss, prog_bar=True, batch_size=x.shape[0])
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=x.shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        cuda = batch[0].is_cuda
+        if cuda:
+            torch.cuda.synchronize()
+            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch[0].shape[0])
+        if self._step_start is not None:
+            self.log("train/step_time_s", time.perf_counter() - self._step_start, batch_size=batch[0].shape[0])
+        opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
+        if isinstance(opt, SophiaH) and opt.clip_fraction is not None:
+            self.log("train/clip_fraction", opt.clip_fraction, batch_size=batch[0].shape[0])
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        x, y = self._check_batch(batch)
+        loss = self.model.loss(x, y)
+        self.log("val/loss", loss, prog_bar=True, batch_size=x.shape[0], on_epoch=True)
+        self.log("val/bits_per_token", loss / math.log(2), batch_size=x.shape[0], on_epoch=True)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        x, y = self._check_batch(batch)
+        loss = self.model.loss(x, y)
+        self.log("test/loss", loss, batch_size=x.shape[0], on_epoch=True)
+        self.log("test/bits_per_token", loss / math.log(2), batch_size=x.shape[0], on_epoch=True)
+
+
+# --------------------------------------------------------------------------- data
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_source_files() -> List[Path]:
+    """The running Python's standard-library ``*.py`` files, sorted by relative path.
+
+    From ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``
+    (third-party code) and ``__pycache__``. The order is deterministic for one Python
+    installation.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library directory {root} does not exist; pass paths=[...] instead")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _expand(paths: Sequence[str]) -> List[Path]:
+    out: List[Path] = []
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            found = []
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+            out.extend(sorted(found, key=lambda q: q.relative_to(p).as_posix()))
+        elif any(ch in entry for ch in "*?["):
+            out.extend(Path(m) for m in sorted(glob.glob(str(p), recursive=True)) if Path(m).is_file())
+        else:
+            raise FileNotFoundError(f"{entry!r} is not a file, a directory or a glob pattern that matches a file")
+    if not out:
+        raise FileNotFoundError(f"paths={list(paths)!r} match no file")
+    return out
+
+
+def read_corpus(files: Sequence[Path], max_bytes: Optional[int] = None) -> bytes:
+    """The files' bytes concatenated in order, each followed by a newline, cut at ``max_bytes``."""
+    chunks, total = [], 0
+    for f in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = Path(f).read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+    corpus = b"".join(chunks)
+    return corpus if max_bytes is None else corpus[:max_bytes]
+
+
+class _Windows(Dataset):
+    """Item i → (x, y), each (seq_len,) int64: bytes [s, s + N) and [s + 1, s + N + 1).
+
+    ``random``: s drawn from a generator seeded with (seed, i), so any index is a fresh,
+    reproducible window whatever the number of workers. Otherwise s is the i-th of
+    ``count`` evenly spaced starts."""
+
+    def __init__(self, tokens: Tensor, seq_len: int, seed: int, random: bool, count: int):
+        self.tokens, self.seq_len, self.seed, self.random, self.count = tokens, seq_len, seed, random, count
+        self.last_start = tokens.numel() - seq_len - 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
+        if self.random:
+            state = np.random.SeedSequence([self.seed, int(i)]).generate_state(1, dtype=np.uint64)[0]
+            start = int(state % np.uint64(self.last_start + 1))
+        else:
+            start = 0 if self.count == 1 else (int(i) * self.last_start) // (self.count - 1)
+        w = self.tokens[start : start + self.seq_len + 1].long()
+        return w[:-1], w[1:]
+
+
+class _FreshSampler(Sampler):
+    """``range(e·n, (e+1)·n)`` in epoch e: new random windows every epoch."""
+
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.epoch * self.n
+        self.epoch += 1
+        return iter(range(start, start + self.n))
+
+
+class ByteTextDataModule(LightningDataModule):
+    """Byte-level language-modelling data: tokens are the bytes of text files (vocabulary 256).
+
+    The corpus is the concatenation of the files (each followed by a newline), capped at
+    ``max_bytes``; the last ``val_fraction`` of it is the validation split (contiguous, so
+    no window straddles the two). Batches are ``(x, y)`` pairs of (batch_size, seq_len)
+    int64 tensors, ``y`` the next bytes of ``x``.
+
+    Args:
+        paths: text files, directories (all their files, recursively, sorted) or glob
+            patterns, read in the given order. ``None``: the running Python's
+            standard-library sources (:func:`stdlib_source_files`): no download needed.
+        seq_len: N, tokens per window.
+        batch_size: windows per batch.
+        max_bytes: corpus size cap (``None``: no cap).
+        val_fraction: fraction of the corpus held out for validation, in (0, 1).
+        train_batches: training batches per epoch; each epoch draws fresh random windows.
+        val_batches: validation batches; the same evenly spaced windows every epoch.
+        seed: seeds the training windows (window i of the run is a function of (seed, i)).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        paths: Optional[List[str]] = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        max_bytes: Optional[int] = 8 * 2**20,
+        val_fraction: float = 0.05,
+        train_batches: int = 1000,
+        val_batches: int = 16,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("train_batches", train_batches),
+                            ("val_batches", val_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2):
+            raise ValueError(f"max_bytes must be an int >= 2 or None, got {max_bytes!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if isinstance(paths, str):
+            paths = [paths]
+        self.save_hyperparameters()
+        self.paths = paths
+        self.train_tokens: Optional[Tensor] = None
+        self.val_tokens: Optional[Tensor] = None
+        self.files: List[Path] = []
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_tokens is not None:
+            return
+        hp = self.hparams
+        self.files = stdlib_source_files() if self.paths is None else _expand(self.paths)
+        corpus = read_corpus(self.files, hp.max_bytes)
+        tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+        n_val = int(round(tokens.numel() * hp.val_fraction))
+        self.train_tokens, self.val_tokens = tokens[: tokens.numel() - n_val], tokens[tokens.numel() - n_val :]
+        need = hp.seq_len + 1
+        for split, t in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if t.numel() < need:
+                raise ValueError(
+                    f"the {split} split has {t.numel()} bytes, fewer than seq_len + 1 = {need} "
+                    f"(corpus {tokens.numel()} bytes from {len(self.files)} files, val_fraction "
+                    f"{hp.val_fraction}): give more text, a larger max_bytes or a shorter seq_len"
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        n = hp.train_batches * hp.batch_size
+        ds = _Windows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
+        return DataLoader(ds, batch_size=hp.batch_size, sampler=_FreshSampler(n), num_workers=hp.num_workers,
+                          drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        n = hp.val_batches * hp.batch_size
+        ds = _Windows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
+        return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

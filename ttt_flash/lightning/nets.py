@@ -6,6 +6,8 @@
   materialised attention or PyTorch SDPA). No positional embedding: the causal mask and
   the token contents carry the order the in-context regression task needs, and the model
   runs at any context length.
+* :class:`GPTRegressor`: the library's :class:`ttt_flash.models.GPT` (RoPE, RMSNorm, SwiGLU)
+  between a linear token embedding and a linear head, for real-valued tokens.
 * :class:`NetConfig`: the option group that picks and sizes one of them (the ``net``
   argument of :class:`ttt_flash.lightning.MAML`).
 
@@ -24,7 +26,7 @@ from torch import Tensor, nn
 from ..attention import flash_attention
 from ..reference import naive_attention
 
-__all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "ATTENTIONS"]
+__all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "ATTENTIONS"]
 
 #: Attention implementations :class:`TinyTransformer` can use.
 ATTENTIONS = ("ttt_flash", "math", "sdpa")
@@ -105,24 +107,52 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(h))
 
 
+class GPTRegressor(nn.Module):
+    """:class:`ttt_flash.models.GPT` over real-valued tokens: (B, N, in_dim) -> (B, N, out_dim).
+
+    ``embed`` (linear in_dim → d_model) → ``GPT(inputs_embeds=..., return_hidden=True)``
+    (``n_layers`` causal blocks with RoPE positions, final RMSNorm) → ``head`` (linear).
+    ``attention`` is ``GPTConfig.attention`` (``"ttt_flash"``, ``"math"`` or ``"sdpa"``). The
+    GPT's token embedding is unused (its vocabulary is 1).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int = 1, d_model: int = 64, n_heads: int = 4,
+                 n_layers: int = 2, attention: str = "ttt_flash"):
+        super().__init__()
+        from ..models import GPT, GPTConfig
+
+        config = GPTConfig.tiny(vocab_size=1, n_layer=n_layers, n_head=n_heads, d_model=d_model,
+                                attention=attention)
+        self.embed = nn.Linear(in_dim, d_model)
+        self.gpt = GPT(config)
+        self.head = nn.Linear(d_model, out_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"GPTRegressor takes (batch, seq_len, in_dim) inputs, got shape {tuple(x.shape)}")
+        return self.head(self.gpt(inputs_embeds=self.embed(x), return_hidden=True))
+
+
 @dataclass(frozen=True)
 class NetConfig:
     """The network MAML meta-trains.
 
     Attributes:
-        kind: ``"mlp"`` (:class:`SinusoidMLP`) or ``"transformer"`` (:class:`TinyTransformer`).
+        kind: ``"mlp"`` (:class:`SinusoidMLP`), ``"transformer"`` (:class:`TinyTransformer`) or
+            ``"gpt"`` (:class:`GPTRegressor`: :class:`ttt_flash.models.GPT`).
         in_dim: input width (1 for sinusoid; ``dim + 2`` for in-context regression).
         out_dim: output width.
         hidden: MLP hidden width.
         depth: MLP hidden layers.
         d_model: transformer width.
-        n_heads: attention heads (``d_model`` must be a multiple).
+        n_heads: attention heads (``d_model`` must be a multiple; for ``gpt`` the head dim
+            ``d_model / n_heads`` must be even, for RoPE).
         n_layers: transformer blocks.
         attention: ``"ttt_flash"``, ``"math"`` or ``"sdpa"`` (see :class:`TinyTransformer`).
-        causal: causal attention mask.
+        causal: causal attention mask (``transformer`` only; ``gpt`` is always causal).
     """
 
-    kind: Literal["mlp", "transformer"] = "mlp"
+    kind: Literal["mlp", "transformer", "gpt"] = "mlp"
     in_dim: int = 1
     out_dim: int = 1
     hidden: int = 40
@@ -134,19 +164,23 @@ class NetConfig:
     causal: bool = True
 
     def __post_init__(self):
-        if self.kind not in ("mlp", "transformer"):
-            raise ValueError(f"kind must be 'mlp' or 'transformer', got {self.kind!r}")
+        if self.kind not in ("mlp", "transformer", "gpt"):
+            raise ValueError(f"kind must be 'mlp', 'transformer' or 'gpt', got {self.kind!r}")
         for name in ("in_dim", "out_dim", "hidden", "depth", "d_model", "n_heads", "n_layers"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "depth" else 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if self.kind == "transformer" and self.d_model % self.n_heads:
+        if self.kind in ("transformer", "gpt") and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
+        if self.kind == "gpt" and (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"gpt needs an even head dim d_model / n_heads for RoPE, got {self.d_model // self.n_heads}")
 
     def build(self) -> nn.Module:
         if self.kind == "mlp":
             return SinusoidMLP(self.in_dim, self.out_dim, self.hidden, self.depth)
+        if self.kind == "gpt":
+            return GPTRegressor(self.in_dim, self.out_dim, self.d_model, self.n_heads, self.n_layers, self.attention)
         return TinyTransformer(self.in_dim, self.out_dim, self.d_model, self.n_heads, self.n_layers,
                                self.attention, self.causal)

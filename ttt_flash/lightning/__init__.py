@@ -5,12 +5,13 @@ Public names:
 * :class:`MAML`: MAML / FOMAML / Meta-SGD / ANIL meta-training (manual optimization).
 * :class:`SinusoidDataModule`, :class:`InContextRegressionDataModule`: tasks generated on
   the fly (:mod:`ttt_flash.tasks`), seedable.
-* :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`: the networks.
+* :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`:
+  the networks MAML meta-trains.
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
 from .maml import MAML
-from .nets import NetConfig, SinusoidMLP, TinyTransformer
+from .nets import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
 
 __all__ = [
     "MAML",
@@ -19,4 +20,5 @@ __all__ = [
     "NetConfig",
     "SinusoidMLP",
     "TinyTransformer",
+    "GPTRegressor",
 ]

@@ -232,6 +232,8 @@ def test_zero_steps_and_no_grad_context():
     with torch.no_grad():  # as in a validation loop
         fast = inner_loop(model, params, mse, support, 1, 0.1, first_order=True)
     assert not torch.equal(fast["0.weight"], params["0.weight"])
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="inference_mode"):
+        inner_loop(model, params, mse, support, 1, 0.1)
 
 
 @pytest.mark.parametrize(

@@ -284,7 +284,8 @@ def inner_loop(
             optimizer, lrs or adapt names, with a message that says which.
 
     Gradients are computed even when called under ``torch.no_grad()`` (e.g. in a
-    validation loop): the inner loop needs them. Parameters that do not require grad (e.g.
+    validation loop): the inner loop needs them. ``torch.inference_mode()`` is refused with
+    an explanation (autograd cannot run there). Parameters that do not require grad (e.g.
     detached copies) are adapted from a detached leaf copy. A parameter the support loss
     does not depend on gets a zero gradient.
     """
@@ -323,6 +324,12 @@ def inner_loop(
     fast = dict(params)
     if steps == 0:
         return fast
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "inner_loop needs autograd and cannot run under torch.inference_mode() (Lightning "
+            "evaluates in it by default): wrap the call in torch.inference_mode(False) and clone "
+            "tensors created in inference mode (the batch) first"
+        )
     with torch.enable_grad():
         for n in names:
             if not fast[n].requires_grad:

@@ -15,9 +15,11 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    _NO_SPECIALIZE,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
+    _rows,
     _lse_log2,
     _query_tile_range,
     _seq_info,
@@ -27,6 +29,7 @@ from .common import (
     cu_or_dummy,
     dot_precision,
     layout,
+    long_rows,
     new_empty,
     new_rowvec,
     prep,
@@ -36,7 +39,7 @@ from .common import (
 from .configs import get_config
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N_Q"])
 def _attn_bwd_pre_kernel(
     O, DO, DELTA, CU_Q,
     stride_ob, stride_oh, stride_on,
@@ -44,7 +47,7 @@ def _attn_bwd_pre_kernel(
     stride_lb, stride_lh,
     N_Q,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_VARLEN: tl.constexpr,
+    EVEN_D: tl.constexpr, IS_VARLEN: tl.constexpr, LONG: tl.constexpr,
 ):
     """delta = rowsum(dO ∘ O) in float32."""
     pid_m = tl.program_id(0)
@@ -56,54 +59,48 @@ def _attn_bwd_pre_kernel(
         return
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    row0 = (q_start + m0).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    m_ok = m0 + tl.arange(0, BLOCK_M) < n_q
-    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + row0 * stride_on, stride_on, m_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
-                    offs_d, HEAD_DIM, True, EVEN_D)
+    m_ok = offs_m < n_q
+    rows = _rows(offs_m, LONG)
+    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows, stride_on,
+                   m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows,
+                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + row0 + tl.arange(0, BLOCK_M), delta,
-             mask=m_ok)
+    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start64 + offs_m, delta, mask=m_ok)
 
 
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_dn,
-                         offs_n, offs_d, start, end, n_q, n_k, shift, window, qk_scale,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+                         offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
+                         qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                         PREC: tl.constexpr):
-    """Accumulate dK (unscaled), dV of one key tile over query tiles [start, end)."""
-    q_ptr = q_base + start.to(tl.int64) * stride_qn
-    do_ptr = do_base + start.to(tl.int64) * stride_dn
-    l_ptr = l_base + start.to(tl.int64)
-    d_ptr = d_base + start.to(tl.int64)
-    for start_m in range(start, end, BLOCK_M):
+                         LONG: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dK (unscaled), dV of one key tile over query tiles [lo, hi)."""
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_q
-        q = _load_tile(q_ptr, stride_qn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        do = _load_tile(do_ptr, stride_dn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        lse2 = _lse_log2(_load_rowvec(l_ptr, m_ok, MASK))
-        di = _load_rowvec(d_ptr, m_ok, MASK)
+        rows = _rows(offs_m, LONG)
+        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
+        di = _load_rowvec(d_base, offs_m, m_ok, True)
         # transposed tiles (keys x queries)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         p_t = tl.exp2(s_t - lse2[None, :])
-        if MASK:
+        if (start_m < mid_lo) | (start_m >= mid_hi):
             vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         ds_t = p_t * (dp_t - di[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
-        q_ptr += BLOCK_M * stride_qn
-        do_ptr += BLOCK_M * stride_dn
-        l_ptr += BLOCK_M
-        d_ptr += BLOCK_M
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
@@ -116,7 +113,7 @@ def _attn_bwd_dkdv_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -129,19 +126,20 @@ def _attn_bwd_dkdv_kernel(
     shift = n_k - n_q
     b64 = b.to(tl.int64)
     hk64 = hk.to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < n_k
-    krow0 = (k_start + n0).to(tl.int64)
-    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + krow0 * stride_kn, stride_kn, n_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
-    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + krow0 * stride_vn, stride_vn, n_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
+    rows_n = _rows(offs_n, LONG)
+    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn, rows_n,
+                   stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn, rows_n,
+                   stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW)
-    q_start64 = q_start.to(tl.int64)
     for g in range(0, GROUPS):
         h64 = hk64 * GROUPS + g
         q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
@@ -149,52 +147,41 @@ def _attn_bwd_dkdv_kernel(
         l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
         d_base = DELTA + b64 * stride_lb + h64 * stride_lh + q_start64
         dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
-                                      stride_dn, offs_n, offs_d, lo, mid_lo, n_q, n_k, shift,
-                                      window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
-                                      EVEN_D, PREC)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
-                                      stride_dn, offs_n, offs_d, mid_lo, mid_hi, n_q, n_k, shift,
-                                      window, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW,
-                                      EVEN_D, PREC)
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
-                                      stride_dn, offs_n, offs_d, mid_hi, hi, n_q, n_k, shift,
-                                      window, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW,
-                                      EVEN_D, PREC)
+                                      stride_dn, offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q,
+                                      n_k, shift, window, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL,
+                                      WINDOW, EVEN_D, LONG, PREC)
     dk = dk * scale
-    _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + krow0 * stride_dkn, stride_dkn,
-                dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
-    _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + krow0 * stride_dvn, stride_dvn,
-                dv.to(DV.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start64 * stride_dkn, rows_n,
+                stride_dkn, dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + k_start64 * stride_dvn, rows_n,
+                stride_dvn, dv.to(DV.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 @triton.jit
 def _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-                       start, end, n_q, n_k, shift, window, qk_scale,
-                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                       lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                       PREC: tl.constexpr):
-    """Accumulate dQ (unscaled) of one query tile over key tiles [start, end)."""
-    k_ptr = k_base + start.to(tl.int64) * stride_kn
-    v_ptr = v_base + start.to(tl.int64) * stride_vn
-    for start_n in range(start, end, BLOCK_N):
+                       LONG: tl.constexpr, PREC: tl.constexpr):
+    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_k
-        k = _load_tile(k_ptr, stride_kn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        v = _load_tile(v_ptr, stride_vn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        rows = _rows(offs_n, LONG)
+        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse2[:, None])
-        if MASK:
+        if (start_n < mid_lo) | (start_n >= mid_hi):
             vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - di[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
-        k_ptr += BLOCK_N * stride_kn
-        v_ptr += BLOCK_N * stride_vn
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
@@ -206,7 +193,7 @@ def _attn_bwd_dq_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -217,36 +204,33 @@ def _attn_bwd_dq_kernel(
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    hk = h // GROUPS
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
+    hk64 = (h // GROUPS).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
-    row0 = (q_start + m0).to(tl.int64)
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qn, stride_qn, m_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
-                    offs_d, HEAD_DIM, True, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True))
-    di = _load_rowvec(DELTA + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True)
-    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    rows_m = _rows(offs_m, LONG)
+    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
+                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
+                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
+    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
-                            offs_d, lo, mid_lo, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
-                            BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
-                            offs_d, mid_lo, mid_hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
-                            BLOCK_N, False, CAUSAL, WINDOW, EVEN_D, PREC)
-    dq = _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
-                            offs_d, mid_hi, hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
-                            BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC)
+                            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+                            HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
     dq = dq * scale
-    _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqn, stride_dqn,
-                dq.to(DQ.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start64 * stride_dqn, rows_m,
+                stride_dqn, dq.to(DQ.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
@@ -261,7 +245,7 @@ def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
         o, do, delta, cu_or_dummy(cu_seqlens_q, o),
         *strides(o, lay.varlen), *strides(do, lay.varlen), *rowvec_strides(lay), lay.n_q,
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
-        IS_VARLEN=lay.varlen, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_VARLEN=lay.varlen, LONG=long_rows(lay, o, do), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return delta
 
@@ -286,7 +270,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     prec = dot_precision(q.dtype, allow_tf32)
     cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
     common = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
-                  CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen, PREC=prec)
+                  CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen, PREC=prec,
+                  LONG=long_rows(lay, q, k, v, do, dq, dk, dv))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
     if dk.numel():
         if lay.n_k > 0:

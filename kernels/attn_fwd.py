@@ -12,8 +12,10 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    _NO_SPECIALIZE,
     _key_tile_range,
     _load_tile,
+    _rows,
     _seq_info,
     _store_tile,
     _visible,
@@ -21,6 +23,7 @@ from .common import (
     cu_or_dummy,
     dot_precision,
     layout,
+    long_rows,
     new_empty,
     new_rowvec,
     prep,
@@ -32,41 +35,34 @@ from .configs import get_config
 
 @triton.jit
 def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d,
-                    start, end, n_q, n_k, shift, window, qk_scale,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                    lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
                     PREC: tl.constexpr):
-    """Online-softmax accumulation over key tiles [start, end); masked when MASK."""
-    k_ptr = k_base + start.to(tl.int64) * stride_kn
-    v_ptr = v_base + start.to(tl.int64) * stride_vn
-    for start_n in range(start, end, BLOCK_N):
+    """Online-softmax accumulation over key tiles [lo, hi); only tiles outside
+    [mid_lo, mid_hi) (band edges, ragged tail) are masked."""
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        row_ok = offs_n < n_k
-        k = _load_tile(k_ptr, stride_kn, row_ok, offs_d,
-                       HEAD_DIM, MASK, EVEN_D)
+        n_ok = offs_n < n_k
+        rows = _rows(offs_n, LONG)
+        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if MASK:
+        if (start_n < mid_lo) | (start_n >= mid_hi):
             vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp2(s - m_use[:, None])
         corr = tl.exp2(m_i - m_use)
         l_i = l_i * corr + tl.sum(p, 1)
-        v = _load_tile(v_ptr, stride_vn, row_ok, offs_d,
-                       HEAD_DIM, MASK, EVEN_D)
+        v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         acc = acc * corr[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         m_i = m_new
-        k_ptr += BLOCK_N * stride_kn
-        v_ptr += BLOCK_N * stride_vn
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
@@ -77,7 +73,7 @@ def _attn_fwd_kernel(
     N_Q, N_K, GROUPS, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -88,17 +84,23 @@ def _attn_fwd_kernel(
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    hk = h // GROUPS
     b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUPS).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
+    # int64 bases of this (batch, head, sequence); tiles add int32 in-sequence offsets
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
+    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
+    l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
-    row0 = (q_start + m0).to(tl.int64)
-    q_base = Q + b64 * stride_qb + h.to(tl.int64) * stride_qh + row0 * stride_qn
-    q = _load_tile(q_base, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    k_base = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh + k_start.to(tl.int64) * stride_kn
-    v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh + k_start.to(tl.int64) * stride_vn
+    rows_m = _rows(offs_m, LONG)
+    q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -107,27 +109,17 @@ def _attn_fwd_kernel(
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                    offs_m, offs_d, lo, mid_lo, n_q, n_k, shift, window,
-                                    qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D,
-                                    PREC)
-    acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                    offs_m, offs_d, mid_lo, mid_hi, n_q, n_k, shift, window,
-                                    qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, EVEN_D,
-                                    PREC)
-    acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
-                                    offs_m, offs_d, mid_hi, hi, n_q, n_k, shift, window,
-                                    qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D,
-                                    PREC)
+                                    offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift,
+                                    window, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D,
+                                    LONG, PREC)
 
     # rows that saw no key: l = 0 -> O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    o_base = O + b64 * stride_ob + h.to(tl.int64) * stride_oh + row0 * stride_on
-    _store_tile(o_base, stride_on, o.to(O.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
-    l_base = LSE + b64 * stride_lb + h.to(tl.int64) * stride_lh + row0
-    tl.store(l_base + tl.arange(0, BLOCK_M), lse, mask=m_ok)
+    _store_tile(o_base, rows_m, stride_on, o.to(O.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    tl.store(l_base + offs_m, lse, mask=m_ok)
 
 
 def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -158,7 +150,7 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
         lay.n_q, lay.n_k, lay.groups, scale * LOG2E, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
-        PREC=dot_precision(q.dtype, allow_tf32),
+        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype, allow_tf32),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse

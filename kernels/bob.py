@@ -36,9 +36,11 @@ import triton.language as tl
 
 from .common import (
     LOG2E,
+    _NO_SPECIALIZE,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
+    _rows,
     _lse_log2,
     _query_tile_range,
     _seq_info,
@@ -48,6 +50,7 @@ from .common import (
     cu_or_dummy,
     dot_precision,
     layout,
+    long_rows,
     new_empty,
     new_rowvec,
     prep,
@@ -65,32 +68,30 @@ def _bob_row_inner(
     a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
     q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
     stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-    start, end, n_q, n_k, shift, window, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
-    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
 ):
-    """Row-pass accumulation of one query tile over key tiles [start, end)."""
-    k_ptr = k_base + start.to(tl.int64) * stride_kn
-    v_ptr = v_base + start.to(tl.int64) * stride_vn
-    uk_ptr = uk_base + start.to(tl.int64) * stride_ukn
-    uv_ptr = uv_base + start.to(tl.int64) * stride_uvn
-    for start_n in range(start, end, BLOCK_N):
+    """Row-pass accumulation of one query tile over key tiles [lo, hi); tiles outside
+    [mid_lo, mid_hi) are masked."""
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_k
-        k = _load_tile(k_ptr, stride_kn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        v = _load_tile(v_ptr, stride_vn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+        rows = _rows(offs_n, LONG)
+        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse2[:, None])
-        if MASK:
+        if (start_n < mid_lo) | (start_n >= mid_hi):
             vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_UK:
-            uk = _load_tile(uk_ptr, stride_ukn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+            uk = _load_tile(uk_base, rows, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         if HAS_UV:
-            uv = _load_tile(uv_ptr, stride_uvn, n_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+            uv = _load_tile(uv_base, rows, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         if HAS_G:
             if HAS_UK:
                 g = tl.dot(q, tl.trans(uk), input_precision=PREC)
@@ -122,14 +123,10 @@ def _bob_row_inner(
                 a_pgv = tl.dot(pg.to(v.dtype), v, a_pgv, input_precision=PREC)
             if HAS_UV:
                 a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
-        k_ptr += BLOCK_N * stride_kn
-        v_ptr += BLOCK_N * stride_vn
-        uk_ptr += BLOCK_N * stride_ukn
-        uv_ptr += BLOCK_N * stride_uvn
     return a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_row_kernel(
     Q, K, V, O, DO, UQ, UK, UV, LSE, DELTA, QB, DOB, ALPHA, EE, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
@@ -146,7 +143,7 @@ def _bob_row_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, WRITE_AE: tl.constexpr,
 ):
@@ -162,23 +159,25 @@ def _bob_row_kernel(
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     hk64 = (h // GROUPS).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
     k_start64 = k_start.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
-    row0 = (q_start + m0).to(tl.int64)
+    rows_m = _rows(offs_m, LONG)
+    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
 
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qn, stride_qn, m_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + row0 * stride_dn, stride_dn, m_ok,
-                    offs_d, HEAD_DIM, True, EVEN_D)
+    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
+                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
+                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     if HAS_UQ:
-        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + row0 * stride_uqn, stride_uqn,
-                        m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn, rows_m,
+                        stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     else:
         uq = q
-    lse2 = _lse_log2(_load_rowvec(LSE + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True))
-    di = _load_rowvec(DELTA + b64 * stride_lb + h64 * stride_lh + row0, m_ok, True)
+    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
     uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
@@ -200,42 +199,27 @@ def _bob_row_kernel(
         a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
         q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
         stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-        lo, mid_lo, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
-    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
-        a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
-        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
-        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-        mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_N, False, CAUSAL, WINDOW, EVEN_D, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
-    a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
-        a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
-        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
-        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-        mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_N, True, CAUSAL, WINDOW, EVEN_D, PREC,
+        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
         HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
 
     alpha = r_alpha
     ee = r_gdp - 2.0 * alpha * di + r_b
     if NEED_QB:
         qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - ee[:, None] * a_pk) * scale
-        _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + row0 * stride_qbn, stride_qbn,
-                    qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn, rows_m,
+                    stride_qbn, qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_DOB:
         dob = a_pgv + a_puv
         if HAS_G:
-            o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + row0 * stride_on, stride_on,
-                           m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
+                           stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
             dob -= alpha[:, None] * o.to(tl.float32)
-        _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + row0 * stride_dobn,
+        _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + q_start64 * stride_dobn, rows_m,
                     stride_dobn, dob.to(DOB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
     if WRITE_AE:
-        rows = tl.arange(0, BLOCK_M)
-        tl.store(ALPHA + b64 * stride_lb + h64 * stride_lh + row0 + rows, alpha, mask=m_ok)
-        tl.store(EE + b64 * stride_lb + h64 * stride_lh + row0 + rows, ee, mask=m_ok)
+        tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+        tl.store(EE + row_off + offs_m, ee, mask=m_ok)
 
 
 # --------------------------------------------------------------------------- column pass
@@ -245,38 +229,32 @@ def _bob_row_kernel(
 def _bob_col_inner(
     kb, vb, k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
     stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-    start, end, n_q, n_k, shift, window, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
-    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
 ):
-    """Column-pass accumulation of one key tile over query tiles [start, end) (transposed)."""
-    start64 = start.to(tl.int64)
-    q_ptr = q_base + start64 * stride_qn
-    do_ptr = do_base + start64 * stride_dn
-    uq_ptr = uq_base + start64 * stride_uqn
-    l_ptr = l_base + start64
-    d_ptr = d_base + start64
-    a_ptr = a_base + start64
-    e_ptr = e_base + start64
-    for start_m in range(start, end, BLOCK_M):
+    """Column-pass accumulation of one key tile over query tiles [lo, hi), in transposed
+    (keys x queries) tiles; tiles outside [mid_lo, mid_hi) are masked."""
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_q
-        q = _load_tile(q_ptr, stride_qn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        do = _load_tile(do_ptr, stride_dn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
-        lse2 = _lse_log2(_load_rowvec(l_ptr, m_ok, MASK))
-        di = _load_rowvec(d_ptr, m_ok, MASK)
+        rows = _rows(offs_m, LONG)
+        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
+        di = _load_rowvec(d_base, offs_m, m_ok, True)
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         p_t = tl.exp2(s_t - lse2[None, :])
-        if MASK:
+        if (start_m < mid_lo) | (start_m >= mid_hi):
             vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if HAS_G:
-            al = _load_rowvec(a_ptr, m_ok, MASK)
+            al = _load_rowvec(a_base, offs_m, m_ok, True)
             if HAS_UQ:
-                uq = _load_tile(uq_ptr, stride_uqn, m_ok, offs_d, HEAD_DIM, MASK, EVEN_D)
+                uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
                 g_t = tl.dot(k, tl.trans(uq), input_precision=PREC)
                 if HAS_UK:
                     g_t = tl.dot(uk, tl.trans(q), g_t, input_precision=PREC)
@@ -287,7 +265,7 @@ def _bob_col_inner(
                 h_t = p_t * (g_t - al[None, :])
                 vb = tl.dot(h_t.to(do.dtype), do, vb, input_precision=PREC)
         if NEED_KB:
-            ee = _load_rowvec(e_ptr, m_ok, MASK)
+            ee = _load_rowvec(e_base, offs_m, m_ok, True)
             dpc = dp_t - di[None, :]
             if HAS_G:
                 r = g_t * dpc - al[None, :] * dp_t
@@ -299,17 +277,10 @@ def _bob_col_inner(
             kb = tl.dot(r.to(q.dtype), q, kb, input_precision=PREC)
             if HAS_UQ:
                 kb = tl.dot((p_t * dpc).to(uq.dtype), uq, kb, input_precision=PREC)
-        q_ptr += BLOCK_M * stride_qn
-        do_ptr += BLOCK_M * stride_dn
-        uq_ptr += BLOCK_M * stride_uqn
-        l_ptr += BLOCK_M
-        d_ptr += BLOCK_M
-        a_ptr += BLOCK_M
-        e_ptr += BLOCK_M
     return kb, vb
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_col_kernel(
     Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, KB, VB, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
@@ -325,7 +296,7 @@ def _bob_col_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
 ):
@@ -343,19 +314,20 @@ def _bob_col_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < n_k
-    krow0 = (k_start + n0).to(tl.int64)
-    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + krow0 * stride_kn, stride_kn, n_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
-    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + krow0 * stride_vn, stride_vn, n_ok,
-                   offs_d, HEAD_DIM, True, EVEN_D)
+    k_start64 = k_start.to(tl.int64)
+    rows_n = _rows(offs_n, LONG)
+    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn, rows_n,
+                   stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn, rows_n,
+                   stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
     if HAS_UK:
-        uk = _load_tile(UK + b64 * stride_ukb + hk64 * stride_ukh + krow0 * stride_ukn,
-                        stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        uk = _load_tile(UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn,
+                        rows_n, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
     else:
         uk = k
     if HAS_UV:
-        uv = _load_tile(UV + b64 * stride_uvb + hk64 * stride_uvh + krow0 * stride_uvn,
-                        stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        uv = _load_tile(UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn,
+                        rows_n, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
     else:
         uv = v
     kb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -372,28 +344,16 @@ def _bob_col_kernel(
         kb, vb = _bob_col_inner(
             kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
             ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-            lo, mid_lo, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, EVEN_D, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
-        kb, vb = _bob_col_inner(
-            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-            mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, False, CAUSAL, WINDOW, EVEN_D, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
-        kb, vb = _bob_col_inner(
-            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-            mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, True, CAUSAL, WINDOW, EVEN_D, PREC,
+            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB)
     if NEED_KB:
         kb = kb * scale
-        _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + krow0 * stride_kbn, stride_kbn,
-                    kb.to(KB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + k_start64 * stride_kbn, rows_n,
+                    stride_kbn, kb.to(KB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_VB:
-        _store_tile(VB + b64 * stride_vbb + hk64 * stride_vbh + krow0 * stride_vbn, stride_vbn,
-                    vb.to(VB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_tile(VB + b64 * stride_vbb + hk64 * stride_vbh + k_start64 * stride_vbn, rows_n,
+                    stride_vbn, vb.to(VB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 # --------------------------------------------------------------------------- launcher
@@ -438,7 +398,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                  CAUSAL=bool(causal), WINDOW=bool(causal) and window is not None,
                  IS_VARLEN=varlen, PREC=dot_precision(q.dtype, allow_tf32),
                  HAS_UQ=uq is not None, HAS_UK=uk is not None, HAS_UV=uv is not None,
-                 HAS_G=has_g)
+                 HAS_G=has_g, LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
 
     def st(x, like):

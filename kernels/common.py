@@ -1,10 +1,12 @@
 """Helpers shared by every kernel: masks, sequence bounds, tile ranges, tile loads.
 
 One mask implementation (:func:`_visible`) serves the forward, the first backward and
-both BoB passes. Loops over tiles are split in three by :func:`_key_tile_range` /
-:func:`_query_tile_range`: tiles entirely outside the causal band / window are never
-visited, tiles entirely inside it run without a mask, and only the boundary tiles (the
-diagonal, the window edge, the ragged tail) are masked.
+both BoB passes. :func:`_key_tile_range` / :func:`_query_tile_range` give each program
+its loop bounds: tiles entirely outside the causal band / window are never visited, and
+inside the loop only boundary tiles (the diagonal, the window edge, the ragged tail: those
+outside [mid_lo, mid_hi)) pay for the mask, through a runtime-uniform branch. One loop per
+kernel keeps register pressure lower than separate masked/unmasked loops (checked with
+ptxas on sm_90).
 
 The host half of this file turns dense (B, H, N, D) and varlen (T, H, D) tensors into
 the (batch, head, token) strides the kernels take, so both layouts share the kernels.
@@ -27,6 +29,10 @@ SUPPORTED_HEAD_DIMS = range(1, MAX_HEAD_DIM + 1)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+#: Sequence lengths, group size and window are runtime values: not specialising on them
+#: (divisibility by 16, == 1) keeps one compiled kernel per dtype/head dim/mask kind.
+_NO_SPECIALIZE = ["N_Q", "N_K", "GROUPS", "window"]
 
 #: Test hook: when True, every output is allocated filled with NaN, so that an element a
 #: kernel forgets to write fails loudly.
@@ -84,8 +90,8 @@ def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
     """Key tiles a query tile [m0, m0 + BLOCK_M) visits: (lo, mid_lo, mid_hi, hi).
 
     Tiles start at multiples of BLOCK_N. Keys outside [lo, hi) are invisible to every row
-    of the tile (they are skipped); tiles in [mid_lo, mid_hi) are visible to every valid
-    row (no mask needed); [lo, mid_lo) and [mid_hi, hi) hold the boundary tiles.
+    of the tile (they are skipped); tiles starting in [mid_lo, mid_hi) are visible to every
+    valid row (no mask needed); the others are boundary tiles.
     Rows >= n_q are ignored: in a row program they are never stored.
     """
     m_last = tl.minimum(m0 + BLOCK_M, n_q) - 1
@@ -134,10 +140,24 @@ def _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
-def _load_tile(base, stride_row, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+def _rows(offs, LONG: tl.constexpr):
+    """Row offsets inside one sequence, widened to int64 only when row x stride may pass 2^31.
+
+    Kept int32 otherwise: pointers built as ``base + rows * stride`` with int32 rows (not
+    loop-carried pointers) keep Triton's alignment analysis, i.e. vectorised loads and no
+    register spills.
+    """
+    if LONG:
+        return offs.to(tl.int64)
+    else:
+        return offs
+
+
+@triton.jit
+def _load_tile(base, rows, stride_row, row_ok, offs_d, HEAD_DIM: tl.constexpr,
                MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load a (rows, BLOCK_D) tile; rows ``row_ok``-masked when MASK_ROWS, d padded to BLOCK_D."""
-    rows = tl.arange(0, row_ok.shape[0])
+    """Load a (rows, BLOCK_D) tile at ``base + rows * stride_row``; rows ``row_ok``-masked
+    when MASK_ROWS, d masked to HEAD_DIM unless EVEN_D."""
     ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
     if MASK_ROWS:
         if EVEN_D:
@@ -153,9 +173,9 @@ def _load_tile(base, stride_row, row_ok, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _store_tile(base, stride_row, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr):
-    """Store a (rows, BLOCK_D) tile, rows masked by ``row_ok`` and d by HEAD_DIM."""
-    rows = tl.arange(0, row_ok.shape[0])
+def _store_tile(base, rows, stride_row, x, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    """Store a (rows, BLOCK_D) tile at ``base + rows * stride_row``, rows masked by ``row_ok``."""
     ptrs = base + rows[:, None] * stride_row + offs_d[None, :]
     if EVEN_D:
         tl.store(ptrs, x, mask=row_ok[:, None])
@@ -164,9 +184,8 @@ def _store_tile(base, stride_row, x, row_ok, offs_d, HEAD_DIM: tl.constexpr, EVE
 
 
 @triton.jit
-def _load_rowvec(base, row_ok, MASK_ROWS: tl.constexpr):
-    """Load a float32 row vector slice (``row_ok.shape[0]`` entries from ``base``)."""
-    rows = tl.arange(0, row_ok.shape[0])
+def _load_rowvec(base, rows, row_ok, MASK_ROWS: tl.constexpr):
+    """Load float32 row-vector entries ``base + rows``."""
     if MASK_ROWS:
         x = tl.load(base + rows, mask=row_ok, other=0.0)
     else:
@@ -271,6 +290,13 @@ def dot_precision(dtype: torch.dtype, allow_tf32: bool):
     if dtype == torch.float32:
         return "tf32" if allow_tf32 else "ieee"
     return None
+
+
+def long_rows(lay: Layout, *tensors) -> bool:
+    """True when an in-sequence row offset times a token stride may overflow int32."""
+    n = max(lay.n_q, lay.n_k, 1)
+    stride = max((t.stride(0 if lay.varlen else 2) for t in tensors if t is not None), default=1)
+    return (n + 256) * stride + 256 >= 2**31
 
 
 def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,9 @@
 
 Logged: ``train/loss``, ``train/lr``, ``train/step_time_s`` (wall clock of the whole step,
 Hessian refresh included), on CUDA ``train/peak_mem_gib``; with Sophia-H
-``train/clip_fraction`` (coordinates whose step was clipped); on refresh steps
-``train/hessian_refresh_s`` (the Hessian-vector product and update, without the
-``create_graph`` backward); ``val/loss`` and ``val/bits_per_token`` (loss / ln 2: bits per
+``train/clip_fraction`` (coordinates whose step was clipped); with a second-order optimizer
+``train/hessian_refresh_s`` (time of the Hessian-vector product and update, without the
+``create_graph`` backward; 0 on steps without a refresh); ``val/loss`` and ``val/bits_per_token`` (loss / ln 2: bits per
 byte for byte tokens).
 
 Example (a CPU smoke run)::
@@ -98,7 +98,9 @@ class HessianRefresh(Callback):
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
         self.every_k, self.n_samples = every_k, n_samples
+        #: Number of refreshes done.
         self.refreshes = 0
+        self._refresh_s = 0.0
 
     @staticmethod
     def _second_order(trainer) -> List[HessianOptimizer]:
@@ -140,7 +142,13 @@ class HessianRefresh(Callback):
             torch.cuda.synchronize()
         pl_module.hessian_refresh_pending = False
         self.refreshes += 1
-        pl_module.log("train/hessian_refresh_s", time.perf_counter() - start, on_step=True, on_epoch=False)
+        self._refresh_s = time.perf_counter() - start
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Logged every batch (0 without a refresh), so that no row repeats a stale value.
+        if self._second_order(trainer):
+            pl_module.log("train/hessian_refresh_s", self._refresh_s, on_step=True, on_epoch=False, batch_size=1)
+        self._refresh_s = 0.0
 
 
 # --------------------------------------------------------------------------- module

@@ -108,13 +108,17 @@ def test_language_model_trains_with_each_optimizer(data, optimizer):
         assert 0.0 <= metrics["train/clip_fraction"].item() <= 1.0
 
 
-def test_user_hessian_refresh_is_kept(data):
-    model = LanguageModel(_gpt(), optimizer="sophiah", hessian_every=10)
+def test_user_hessian_refresh_is_kept_and_checkpoint_loads(data, tmp_path):
+    model = LanguageModel(_gpt(n_kv_head=1), optimizer="sophiah", hessian_every=10)
     cb = HessianRefresh(every_k=1)
     trainer = _trainer(max_steps=2, callbacks=[cb])
     trainer.fit(model, data)
     assert [c for c in trainer.callbacks if isinstance(c, HessianRefresh)] == [cb]
     assert cb.refreshes == 2
+    trainer.save_checkpoint(tmp_path / "lm.ckpt")
+    loaded = LanguageModel.load_from_checkpoint(tmp_path / "lm.ckpt")  # torch.load(weights_only=True)
+    assert loaded.gpt_config == model.gpt_config and loaded.gpt_config.n_kv_head == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
 
 
 def test_hessian_refresh_through_language_model_is_exact():

@@ -41,6 +41,7 @@ import os
 import sysconfig
 import time
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterator, List, Literal, Mapping, Optional, Sequence, Tuple
 
@@ -214,7 +215,10 @@ class LanguageModel(LightningModule):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         if hessian_every is not None and (isinstance(hessian_every, bool) or not isinstance(hessian_every, int) or hessian_every < 1):
             raise ValueError(f"hessian_every must be an int >= 1 or None, got {hessian_every!r}")
-        self.save_hyperparameters()
+        # The config is stored as a plain dict, so that checkpoints load with torch.load's
+        # weights_only=True (the default) and load_from_checkpoint rebuilds it (Mapping above).
+        self.save_hyperparameters(ignore=["gpt"])
+        self.hparams["gpt"] = asdict(gpt)
         self.gpt_config = gpt
         self.model = GPT(gpt)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.

@@ -7,9 +7,12 @@ Public names:
   the fly (:mod:`ttt_flash.tasks`), seedable.
 * :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`:
   the networks MAML meta-trains.
+* :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`: GPT language
+  modelling with Sophia-H / AdaHessian / AdamW on byte-level text (stdlib sources by default).
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
+from .lm import ByteTextDataModule, HessianRefresh, LanguageModel
 from .maml import MAML
 from .nets import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
 
@@ -21,4 +24,7 @@ __all__ = [
     "SinusoidMLP",
     "TinyTransformer",
     "GPTRegressor",
+    "LanguageModel",
+    "ByteTextDataModule",
+    "HessianRefresh",
 ]

@@ -164,14 +164,16 @@ def test_no_mask_and_batch_of_one():
     assert _rel(model(ids).logits, ref) <= REL
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
-def test_generate_with_cache_and_left_padding(kind):
+def test_generate_with_cache_and_left_padding(kind, cache):
+    """Static caches make generate() build the mask ahead and hand it back to the model."""
     model = _build(kind).eval()
     ids = torch.randint(1, VOCAB, (2, 6))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     ids = ids.masked_fill(mask == 0, 0)
     kw = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
-              return_dict_in_generate=True, pad_token_id=0)
+              return_dict_in_generate=True, pad_token_id=0, cache_implementation=cache)
     out = {}
     for impl in ("sdpa", tb.NAME):
         _set(model, impl)

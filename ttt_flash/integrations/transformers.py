@@ -58,6 +58,7 @@ Public names: :data:`NAME`, :data:`MIN_TRANSFORMERS`, :func:`register`,
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from dataclasses import dataclass
@@ -118,6 +119,14 @@ class PackedMask:
         q_index, k_index: int64 flat token indices (packed), or None (dense).
         cu_seqlens_q, cu_seqlens_k: int32 (B + 1,) cumulative lengths (packed), or None.
         max_seqlen_q, max_seqlen_k: longest packed sequences (packed), or 0.
+        padding: the 2-D boolean padding mask (by absolute position) it was built from, or
+            None. transformers' ``generate`` builds masks ahead for compileable caches and
+            hands them back to the model, whose mask creation then calls :func:`ttt_bob_mask`
+            with this object as ``attention_mask``: the description is rebuilt from
+            ``padding`` for the mask type being created.
+
+    ``ndim`` (4) and ``shape`` ((B, 1, N_q, N_k)) let transformers' mask plumbing treat it as
+    a prepared mask.
     """
 
     batch_size: int
@@ -131,6 +140,13 @@ class PackedMask:
     cu_seqlens_k: Optional[Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    padding: Optional[Tensor] = None
+
+    ndim = 4
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.batch_size, 1, self.q_length, self.kv_length))
 
     @property
     def packed(self) -> bool:
@@ -286,7 +302,8 @@ def ttt_bob_mask(
     ``create_bidirectional_mask`` with the arguments of its ``sdpa_mask`` (transformers 5.x:
     ``q_length``/``q_offset``; 4.53–4.57: ``cache_position``). Query row i sits at absolute
     position ``q_offset + i`` (or ``cache_position[i]``), key j at ``kv_offset + j``;
-    ``attention_mask`` is the (B, positions) 0/1 padding mask indexed by absolute position.
+    ``attention_mask`` is the (B, positions) 0/1 padding mask indexed by absolute position (or
+    a :class:`PackedMask` built ahead, whose ``padding`` is used).
     Returns a :class:`PackedMask` after checking that it reproduces ``mask_function`` and the
     padding for every query that is not padding; raises ``NotImplementedError`` otherwise.
     Other keyword arguments (``dtype``, ``config``, ``local_size``, ...) are ignored.
@@ -314,6 +331,8 @@ def ttt_bob_mask(
     else:
         q_pos = torch.arange(q_length, device=device) + q_offset
     k_pos = torch.arange(kv_length, device=device) + kv_offset
+    if isinstance(attention_mask, PackedMask):  # built ahead by generate(): rebuild for this mask type
+        attention_mask = attention_mask.padding
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError(
@@ -338,7 +357,8 @@ def ttt_bob_mask(
         v = evaluate(s, e)
         return v if key_valid is None else v & key_valid[:, None, :]
 
-    return _describe(visible, q_valid, batch_size, q_length, kv_length, device)
+    return dataclasses.replace(_describe(visible, q_valid, batch_size, q_length, kv_length, device),
+                               padding=pad if attention_mask is not None else None)
 
 
 # --------------------------------------------------------------------------- masks given to the attention

@@ -22,6 +22,7 @@ from .common import (
     _rows,
     _lse_log2,
     _query_tile_range,
+    _row_tile_id,
     _seq_info,
     _store_tile,
     _visible,
@@ -195,7 +196,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)

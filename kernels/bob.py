@@ -43,6 +43,7 @@ from .common import (
     _rows,
     _lse_log2,
     _query_tile_range,
+    _row_tile_id,
     _seq_info,
     _store_tile,
     _visible,
@@ -71,11 +72,11 @@ def _bob_row_inner(
     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
+    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+    HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_DP: tl.constexpr,
 ):
     """Row-pass accumulation of one query tile over key tiles [lo, hi); tiles outside
-    [mid_lo, mid_hi) are masked."""
+    [mid_lo, mid_hi) are masked. NEED_DP: dP and B are needed (for Q̄ or for E)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_k
@@ -87,7 +88,8 @@ def _bob_row_inner(
         if (start_n < mid_lo) | (start_n >= mid_hi):
             vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
             p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if NEED_DP:
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_UK:
             uk = _load_tile(uk_base, rows, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         if HAS_UV:
@@ -101,10 +103,12 @@ def _bob_row_inner(
                 g = tl.dot(uq, tl.trans(k), input_precision=PREC)
             pg = p * (g * scale)
             r_alpha += tl.sum(pg, 1)
-            r_gdp += tl.sum(pg * dp, 1)
+            if NEED_DP:
+                r_gdp += tl.sum(pg * dp, 1)
         if HAS_UV:
-            pb = p * tl.dot(do, tl.trans(uv), input_precision=PREC)
-            r_b += tl.sum(pb, 1)
+            if NEED_DP:
+                pb = p * tl.dot(do, tl.trans(uv), input_precision=PREC)
+                r_b += tl.sum(pb, 1)
         if NEED_QB:
             if HAS_UK:
                 ds = p * (dp - di[:, None])
@@ -145,9 +149,9 @@ def _bob_row_kernel(
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, WRITE_AE: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_DP: tl.constexpr, WRITE_AE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
@@ -201,7 +205,7 @@ def _bob_row_kernel(
         stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB)
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, NEED_DP)
 
     alpha = r_alpha
     ee = r_gdp - 2.0 * alpha * di + r_b
@@ -417,7 +421,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             *st(uq, q), *st(uk, k), *st(uv, v), *st(qb, q), *st(dob, do),
             *rowvec_strides(lay), *args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_QB=need_qb, NEED_DOB=need_dob,
-            WRITE_AE=run_col, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            NEED_DP=need_qb or col_kb, WRITE_AE=run_col, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
     if run_col and k.numel() > 0 and lay.n_k > 0:
         cfg = get_config("bob_col", bd, q.dtype, q.device)

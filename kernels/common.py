@@ -55,6 +55,16 @@ def _seq_info(cu_ptr, b, n_dense, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _row_tile_id(CAUSAL: tl.constexpr):
+    """Query-tile index of a row program. Causal: last tiles (most keys) first, so the
+    longest programs start early and the tail of the launch is short."""
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
 def _visible(rows, cols, n_q, n_k, shift, window, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """True where query ``rows`` may attend to key ``cols`` (broadcastable index tensors).
 

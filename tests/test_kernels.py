@@ -288,7 +288,7 @@ def test_bob_cotangent_subsets(use):
 
 
 NEEDS = [(True, False, False, True), (False, True, True, False), (False, False, True, False),
-         (False, True, False, False)]
+         (False, True, False, False), (False, False, False, True), (True, False, False, False)]
 
 
 @pytest.mark.parametrize("needs", [pytest.param(n, id="needs-" + "".join(

@@ -1,0 +1,412 @@
+"""LightningModules and a DataModule for gradient-written memory on associative recall.
+
+* :class:`AssociativeRecallDataModule`: key–value retrieval / MQAR batches generated on the
+  fly (:class:`ttt_flash.tasks.AssociativeRecallTasks`), seedable, nothing downloaded.
+* :class:`GradMemKV`: a GPT with :class:`ttt_flash.memory.GradMem` memory tokens.
+* :class:`TTTE2EMQAR`: a sliding-window GPT with fast-weight MLPs
+  (:class:`ttt_flash.memory.FastWeightTTT`).
+* :class:`MemoryLayerMQAR`: a :class:`ttt_flash.memory.MemoryLM` (every token mixer a
+  :class:`ttt_flash.memory.GradientMemoryAttention`).
+
+Each module scores the queries of a batch twice and logs, per stage (``train``, ``val``,
+``test``):
+
+* ``{stage}/loss_pre``, ``{stage}/acc_pre``: before the context is written (the initial
+  memory / fast weights / slots; the chance level of the task for a model that has no
+  other access to the context),
+* ``{stage}/loss_post``, ``{stage}/acc_post``: after it is written (the trained loss),
+* ``{stage}/inner_loss``: the inner (write) loss before the first inner step,
+* ``train/inner_lr``: the learned inner step size (mean over layers for the memory layer).
+
+Training also logs ``train/step_time_s`` (wall clock of one optimizer step: forward, inner
+loops, backward, update), ``train/tokens_per_s`` (context and query tokens of the batch per
+second) and, on CUDA, ``train/peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the
+step). Validation/test run the inner loops with gradients enabled (outside
+``inference_mode``) and keep no outer graph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Dict, Iterator, List, Literal, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from ..memory import FastWeightTTT, GradMem, MemoryLM
+from ..models import GPT, GPTConfig
+from ..tasks import AssociativeRecallTasks, RecallBatch
+
+__all__ = ["AssociativeRecallDataModule", "GradMemKV", "TTTE2EMQAR", "MemoryLayerMQAR"]
+
+_SPLITS = {"train": 0, "val": 1, "test": 2}
+
+
+# --------------------------------------------------------------------------- data
+
+
+class _RecallBatches(Dataset):
+    """Index ``i`` → the ``i``-th batch of a split, from a generator seeded by (seed, split, i)."""
+
+    def __init__(self, tasks: AssociativeRecallTasks, batch_size: int, seed: int, split: str):
+        self.tasks, self.batch_size, self.seed, self.split = tasks, batch_size, seed, _SPLITS[split]
+
+    def __getitem__(self, i: int) -> RecallBatch:
+        state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
+        return self.tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
+
+
+class _Indices(Sampler):
+    """``range(n)`` every epoch, or with ``fresh`` ``range(e·n, (e+1)·n)`` in epoch ``e``."""
+
+    def __init__(self, n: int, fresh: bool):
+        self.n, self.fresh, self.epoch = n, fresh, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        start = self.epoch * self.n if self.fresh else 0
+        self.epoch += int(self.fresh)
+        return iter(range(start, start + self.n))
+
+
+class AssociativeRecallDataModule(LightningDataModule):
+    """Associative-recall batches (:class:`ttt_flash.tasks.AssociativeRecallTasks`):
+    ``num_queries: 1`` is key–value retrieval, more is MQAR.
+
+    Every item of a loader is one :class:`ttt_flash.tasks.RecallBatch` of ``batch_size``
+    sequences; batch ``i`` of a split comes from a generator seeded with (seed, split, i).
+    Training batches are fresh every epoch; validation/test batches are the same every time.
+
+    Args:
+        num_keys, num_values, num_pairs, num_queries, context_len: the task
+            (vocabulary size ``num_keys + num_values + 1``; chance accuracy ``1/num_values``).
+        batch_size: sequences per batch.
+        train_batches: batches per training epoch.
+        val_batches: batches per validation run.
+        test_batches: batches of the test split.
+        seed: seed of all sampling.
+        num_workers: DataLoader worker processes.
+    """
+
+    def __init__(
+        self,
+        num_keys: int = 16,
+        num_values: int = 16,
+        num_pairs: int = 4,
+        num_queries: int = 1,
+        context_len: Optional[int] = None,
+        batch_size: int = 32,
+        train_batches: int = 1000,
+        val_batches: int = 4,
+        test_batches: int = 16,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        for name, value in (("batch_size", batch_size), ("train_batches", train_batches),
+                            ("val_batches", val_batches), ("test_batches", test_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
+                                            num_queries=num_queries, context_len=context_len)
+        self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
+        self._train_indices = _Indices(train_batches, fresh=True)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tasks.vocab_size
+
+    @property
+    def chance(self) -> float:
+        return self.tasks.chance
+
+    def _loader(self, split: str) -> DataLoader:
+        indices = self._train_indices if split == "train" else _Indices(self.batches[split], fresh=False)
+        return DataLoader(_RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split),
+                          batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
+                          persistent_workers=self.hparams.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+
+# --------------------------------------------------------------------------- shared module logic
+
+
+def _gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint) -> GPT:
+    return GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model,
+                         window=window, attention=attention, checkpoint=checkpoint))
+
+
+class _RecallModule(LightningModule):
+    """Shared by the three modules: metrics, logging, optimizer, throughput.
+
+    Subclasses set ``self.net`` and implement ``_query_logits(batch, write)`` returning the
+    (B, Q, vocab) query logits and the inner loss before the first step (or None)."""
+
+    net: nn.Module
+
+    def _query_logits(self, batch: RecallBatch, write: bool) -> Tuple[Tensor, Optional[Tensor]]:
+        raise NotImplementedError
+
+    def _inner_lr(self) -> Tensor:
+        return self.net.inner_lr
+
+    # ---------------------------------------------------------------- metrics
+
+    def _metrics(self, batch: RecallBatch, train: bool) -> Dict[str, Tensor]:
+        if not isinstance(batch, RecallBatch):
+            raise TypeError(f"{type(self).__name__} expects ttt_flash.tasks.RecallBatch batches, got {type(batch).__name__}")
+        targets = batch.query_targets
+        out: Dict[str, Tensor] = {}
+        with torch.no_grad():
+            logits, _ = self._query_logits(batch, write=False)
+            out["loss_pre"] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            out["acc_pre"] = (logits.argmax(-1) == targets).float().mean()
+        with torch.set_grad_enabled(train):
+            logits, inner = self._query_logits(batch, write=True)
+            out["loss_post"] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        out["acc_post"] = (logits.detach().argmax(-1) == targets).float().mean()
+        if inner is not None:
+            out["inner_loss"] = inner
+        return out
+
+    def _log_all(self, stage: str, metrics: Dict[str, Tensor], batch_size: int, **kw) -> None:
+        for name, value in metrics.items():
+            self.log(f"{stage}/{name}", value.detach() if name == "loss_post" else value,
+                     batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"), **kw)
+
+    def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
+        metrics = self._metrics(batch, train=True)
+        self._log_all("train", metrics, batch.context.shape[0])
+        self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
+        return metrics["loss_post"]
+
+    def _evaluate(self, batch: RecallBatch, stage: str) -> None:
+        # Lightning evaluates under inference_mode; the inner loops need autograd.
+        with torch.inference_mode(False):
+            batch = RecallBatch(*(x.clone() for x in batch))
+            metrics = self._metrics(batch, train=False)
+        self._log_all(stage, metrics, batch.context.shape[0], on_epoch=True)
+
+    def validation_step(self, batch: RecallBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: RecallBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    # ---------------------------------------------------------------- vocabulary check
+
+    def on_fit_start(self) -> None:
+        data = getattr(self.trainer, "datamodule", None)
+        need = getattr(data, "vocab_size", None)
+        if need is not None and need > self.hparams.vocab_size:
+            raise ValueError(
+                f"the data has {need} token ids (num_keys + num_values + 1) but the model's "
+                f"vocab_size is {self.hparams.vocab_size}; set model.init_args.vocab_size >= {need}"
+            )
+
+    # ---------------------------------------------------------------- optimizer
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": hp.weight_decay},
+                                 {"params": rest, "weight_decay": 0.0}], lr=hp.lr, betas=(0.9, 0.95))
+        warmup = max(1, hp.warmup_steps)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------------- throughput
+
+    def on_train_batch_start(self, batch: RecallBatch, batch_idx: int) -> None:
+        if batch.context.is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch: RecallBatch, batch_idx: int) -> None:
+        cuda = batch.context.is_cuda
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self._step_start
+        b = batch.context.shape[0]
+        self.log("train/step_time_s", elapsed, batch_size=b)
+        self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
+        if cuda:
+            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=b)
+
+
+def _check_common(lr: float, weight_decay: float, warmup_steps: int) -> None:
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr}")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    if warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+
+
+# --------------------------------------------------------------------------- the modules
+
+
+class GradMemKV(_RecallModule):
+    """Key–value retrieval with gradient-written memory tokens (:class:`ttt_flash.memory.GradMem`).
+
+    The context is written into ``memory_tokens`` memory tokens by ``inner_steps`` gradient
+    steps of its LM loss (the value after each key); the queries are answered from
+    ``[memory; query]``. Pre-write metrics read the initial memory.
+
+    Args:
+        vocab_size: token ids (>= the data's ``num_keys + num_values + 1``).
+        n_layer, n_head, d_model: GPT shape.
+        window: sliding-window attention of the GPT (None: full causal).
+        attention: ``"ttt_flash"``, ``"sdpa"`` or ``"math"``.
+        checkpoint: activation checkpointing of each GPT block.
+        memory_tokens: m.
+        inner_steps: write steps (training and evaluation).
+        inner_lr: initial inner step size (learned as its log).
+        first_order: first-order outer gradient.
+        lr, weight_decay, warmup_steps: AdamW (weight decay on matrices only) with linear warmup.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 33,
+        n_layer: int = 2,
+        n_head: int = 4,
+        d_model: int = 64,
+        window: Optional[int] = None,
+        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        checkpoint: bool = False,
+        memory_tokens: int = 8,
+        inner_steps: int = 1,
+        inner_lr: float = 1.0,
+        first_order: bool = False,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 50,
+    ):
+        super().__init__()
+        _check_common(lr, weight_decay, warmup_steps)
+        self.save_hyperparameters()
+        self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
+                           memory_tokens, inner_steps, inner_lr, first_order=first_order)
+
+    def _query_logits(self, batch: RecallBatch, write: bool):
+        if not write:
+            return self.net.read(self.net.initial_memory(batch.query.shape[0]), batch.query), None
+        memory, losses = self.net.write(batch.context, batch.context_targets)
+        return self.net.read(memory, batch.query), (losses[0] if losses else None)
+
+
+class TTTE2EMQAR(_RecallModule):
+    """MQAR with end-to-end test-time training (:class:`ttt_flash.memory.FastWeightTTT`).
+
+    The MLPs of blocks ``fast_layers`` are updated on each ``chunk_size``-token chunk of the
+    context by ``inner_steps`` gradient steps of its next-token loss; attention is a sliding
+    window of ``window`` tokens, so the queries (after the context) see the early pairs only
+    through the fast weights. Pre-adaptation metrics use the initial fast weights.
+
+    Args:
+        vocab_size, n_layer, n_head, d_model, attention, checkpoint: as in :class:`GradMemKV`.
+        window: attention window (required: the point of the task).
+        fast_layers: blocks whose MLP is a fast weight (negative: from the end).
+        chunk_size: context tokens per inner update.
+        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps: as in :class:`GradMemKV`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 33,
+        n_layer: int = 2,
+        n_head: int = 4,
+        d_model: int = 64,
+        window: int = 8,
+        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        checkpoint: bool = False,
+        fast_layers: List[int] = [-1],
+        chunk_size: int = 16,
+        inner_steps: int = 1,
+        inner_lr: float = 0.1,
+        first_order: bool = False,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 50,
+    ):
+        super().__init__()
+        _check_common(lr, weight_decay, warmup_steps)
+        self.save_hyperparameters()
+        self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
+                                 fast_layers, chunk_size, inner_steps, inner_lr, first_order=first_order)
+
+    def _query_logits(self, batch: RecallBatch, write: bool):
+        if not write:
+            return self.net.predict(None, batch.context, batch.query), None
+        fast, losses = self.net.adapt(batch.context, batch.context_targets)
+        return self.net.predict(fast, batch.context, batch.query), (losses[0] if losses else None)
+
+
+class MemoryLayerMQAR(_RecallModule):
+    """MQAR with :class:`ttt_flash.memory.GradientMemoryAttention` as every token mixer
+    (:class:`ttt_flash.memory.MemoryLM`).
+
+    The model reads ``[context; query]`` in ``chunk_size`` chunks; each chunk sees the
+    slots and itself, then is written into the slots. With ``context_len`` a multiple of
+    ``chunk_size``, the queries reach the pairs only through the slots. Pre-write metrics
+    run the same model with writes disabled.
+
+    Args:
+        vocab_size, n_layer, d_model, checkpoint, first_order, lr, weight_decay,
+            warmup_steps: as in :class:`GradMemKV`.
+        heads, memory_slots, inner_steps, inner_lr, chunk_size: of every memory layer.
+        attention: ``"ttt_flash"`` or ``"math"``.
+        conv: causal short-convolution width before each memory layer (1: none).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 33,
+        n_layer: int = 2,
+        heads: int = 4,
+        d_model: int = 64,
+        memory_slots: int = 16,
+        inner_steps: int = 1,
+        inner_lr: float = 1.0,
+        chunk_size: int = 16,
+        attention: Literal["ttt_flash", "math"] = "ttt_flash",
+        conv: int = 2,
+        checkpoint: bool = False,
+        first_order: bool = False,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 50,
+    ):
+        super().__init__()
+        _check_common(lr, weight_decay, warmup_steps)
+        self.save_hyperparameters()
+        self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
+                            attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint)
+
+    def _inner_lr(self) -> Tensor:
+        return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()
+
+    def _query_logits(self, batch: RecallBatch, write: bool):
+        idx = torch.cat([batch.context, batch.query], dim=1)
+        logits = self.net(idx, write=write)
+        return logits[:, batch.context.shape[1]:], None

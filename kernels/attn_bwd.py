@@ -33,6 +33,7 @@ from .common import (
     long_rows,
     new_empty,
     new_rowvec,
+    on_input_device,
     prep,
     rowvec_strides,
     strides,
@@ -251,6 +252,7 @@ def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
     return delta
 
 
+@on_input_device
 def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
     """First-backward composer (contract: docs/architecture.md). Returns (dq, dk, dv, delta).

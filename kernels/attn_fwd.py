@@ -27,6 +27,7 @@ from .common import (
     long_rows,
     new_empty,
     new_rowvec,
+    on_input_device,
     prep,
     rowvec_strides,
     strides,
@@ -123,6 +124,7 @@ def _attn_fwd_kernel(
     tl.store(l_base + offs_m, lse, mask=m_ok)
 
 
+@on_input_device
 def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
     """Forward composer (contract: docs/architecture.md). Returns (o, lse).

@@ -54,6 +54,7 @@ from .common import (
     long_rows,
     new_empty,
     new_rowvec,
+    on_input_device,
     prep,
     rowvec_strides,
     strides,
@@ -363,6 +364,7 @@ def _bob_col_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
+@on_input_device
 def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              needs=(True, True, True, True), allow_tf32=False):

@@ -14,6 +14,7 @@ the (batch, head, token) strides the kernels take, so both layouts share the ker
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -226,6 +227,19 @@ class Layout:
     n_q: int  # dense length, or max_seqlen_q for varlen (grid size)
     n_k: int
     t_q: int  # total query tokens (B*N_q dense, T_q varlen)
+
+
+def on_input_device(fn):
+    """Run a composer with q's CUDA device current: Triton launches on the current device."""
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        if q.is_cuda:
+            with torch.cuda.device(q.device):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
+
+    return wrapper
 
 
 def check_inputs(q: torch.Tensor) -> None:

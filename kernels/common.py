@@ -205,6 +205,18 @@ def _load_rowvec(base, rows, row_ok, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """acc += a @ b for a float32 tile ``a`` rounded to b's dtype; with SPLIT, ``a`` enters
+    as hi + lo (two products), which removes most of the 16-bit rounding of ``a``."""
+    hi = a.to(b.dtype)
+    acc = tl.dot(hi, b, acc, input_precision=PREC)
+    if SPLIT:
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(lo, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""
     lse2 = lse * 1.4426950408889634

@@ -309,6 +309,26 @@ def test_bob_uv_only_vb_is_zero():
     run_bob(case, torch.float32, use=(False, False, True), needs=(False, False, True, False))
 
 
+def test_bob_precise_split_fp16():
+    """``precise=True`` (hi + lo split of the dominant tiles) is correct and no less accurate."""
+    case = Case("Nq100-Nk70-d64-window20-mqa", nq=100, nk=70, d=64, hq=3, hkv=1, causal=True,
+                window=20)
+    ts = case.tensors()
+    ref = dense_oracle(case, ts)
+    q, k, v, do, uq, uk, uv = _dev(ts, torch.float16)
+    o = ref["o"].to(device=DEVICE, dtype=torch.float16)
+    lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
+    delta = ref["delta"].to(device=DEVICE, dtype=torch.float32)
+    plain = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, **case.kw())
+    split = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, precise=True, **case.kw())
+    for name, a, b in zip(("qb", "kb", "vb", "dob"), plain, split):
+        r = ref[name]
+        ea = ((a.double().cpu() - r).norm() / r.norm()).item()
+        eb = ((b.double().cpu() - r).norm() / r.norm()).item()
+        assert not torch.isnan(b).any()
+        assert eb <= 1.05 * ea + 1e-5, (name, ea, eb)
+
+
 def test_bob_all_cotangents_none():
     q, k, v, do = _dev(SUBSET_CASE.tensors()[:4], torch.float32)
     o, lse = attn_fwd(q, k, v, **SUBSET_CASE.kw())

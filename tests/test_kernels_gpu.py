@@ -99,7 +99,7 @@ def kernel_chain(ts, kw):
     o, lse = attn_fwd(q, k, v, **kw)
     dq, dk, dv, delta = attn_bwd(q, k, v, o, lse, do, **kw)
     qb, kb, vb, dob = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, **kw)
-    return dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv, qb=qb, kb=kb, vb=vb, dob=dob)
+    return dict(o=o, lse=lse, delta=delta, dq=dq, dk=dk, dv=dv, qb=qb, kb=kb, vb=vb, dob=dob)
 
 
 def ref_lse(ts, kw):
@@ -211,7 +211,15 @@ def test_bob_bf16_gpt2_shape_relative_l2():
     got = kernel_chain(ts, kw)
     errs = {n: ((got[n].double() - ref[n]).norm() / ref[n].norm()).item()
             for n in ("qb", "kb", "vb", "dob")}
+    print("bf16 relative L2, default:", {n: f"{e:.2e}" for n, e in errs.items()})
     assert all(e <= 2.5e-3 for e in errs.values()), errs
+    # precise=True: emulated ~1.9e-3 (Q̄, K̄, dŌ) and ~1.7e-3 (V̄)
+    q, k, v, do, uq, uk, uv = ts
+    res = attn_bob(q, k, v, got["o"], got["lse"], do, got["delta"], uq, uk, uv, precise=True, **kw)
+    errs_p = {n: ((x.double() - ref[n]).norm() / ref[n].norm()).item()
+              for n, x in zip(("qb", "kb", "vb", "dob"), res)}
+    print("bf16 relative L2, precise=True:", {n: f"{e:.2e}" for n, e in errs_p.items()})
+    assert all(errs_p[n] <= min(errs[n], 2.2e-3) for n in errs), (errs, errs_p)
 
 
 def test_bob_cotangent_subset_bf16():

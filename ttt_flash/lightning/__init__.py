@@ -9,11 +9,15 @@ Public names:
   the networks MAML meta-trains.
 * :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`: GPT language
   modelling with Sophia-H / AdaHessian / AdamW on byte-level text (stdlib sources by default).
+* :class:`GradMemKV`, :class:`TTTE2EMQAR`, :class:`MemoryLayerMQAR`,
+  :class:`AssociativeRecallDataModule`: gradient-written memory, fast-weight test-time
+  training and the memory layer on key-value retrieval / MQAR.
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
 from .lm import ByteTextDataModule, HessianRefresh, LanguageModel
 from .maml import MAML
+from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 from .nets import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
 
 __all__ = [
@@ -27,4 +31,8 @@ __all__ = [
     "LanguageModel",
     "ByteTextDataModule",
     "HessianRefresh",
+    "GradMemKV",
+    "TTTE2EMQAR",
+    "MemoryLayerMQAR",
+    "AssociativeRecallDataModule",
 ]

@@ -69,17 +69,23 @@ from .configs import get_config
 @triton.jit
 def _bob_row_inner(
     a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
-    q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+    q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_base,
     stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
     PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
     HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_DP: tl.constexpr,
-    SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Row-pass accumulation of one query tile over key tiles [lo, hi); tiles outside
-    [mid_lo, mid_hi) are masked. NEED_DP: dP and B are needed (for Q̄ or for E)."""
+    [mid_lo, mid_hi) are masked. NEED_DP: dP and B are needed (for Q̄ or for E).
+
+    Two-pass (affine) mode: the six α-free accumulators dS U_K, (P∘(G∘(dP−D)+B)) K,
+    (P∘dP) K, P K, (P∘G) V, P U_V and the row sums α, rowsum(P∘G∘dP), rowsum(P∘B).
+    DIRECT mode (α = ``al``, E = ``ee`` known from a stats pass): a_dsuk = dS U_K + R K and
+    a_pgv = H V + P U_V, with R, H formed per tile (no cancellation between accumulators).
+    """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < n_k
@@ -97,6 +103,8 @@ def _bob_row_inner(
             uk = _load_tile(uk_base, rows, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         if HAS_UV:
             uv = _load_tile(uv_base, rows, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            if NEED_DP:
+                bm = tl.dot(do, tl.trans(uv), input_precision=PREC)
         if HAS_G:
             if HAS_UK:
                 g = tl.dot(q, tl.trans(uk), input_precision=PREC)
@@ -104,32 +112,53 @@ def _bob_row_inner(
                     g = tl.dot(uq, tl.trans(k), g, input_precision=PREC)
             else:
                 g = tl.dot(uq, tl.trans(k), input_precision=PREC)
-            pg = p * (g * scale)
-            r_alpha += tl.sum(pg, 1)
-            if NEED_DP:
-                r_gdp += tl.sum(pg * dp, 1)
-        if HAS_UV:
-            if NEED_DP:
-                pb = p * tl.dot(do, tl.trans(uv), input_precision=PREC)
-                r_b += tl.sum(pb, 1)
-        if NEED_QB:
-            if HAS_UK:
-                ds = p * (dp - di[:, None])
-                a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
-            if HAS_G:
-                t = pg * (dp - di[:, None])
+            g = g * scale
+        if DIRECT:
+            if NEED_QB:
+                dpc = dp - di[:, None]
+                if HAS_G:
+                    r = g * dpc - al[:, None] * dp
+                    if HAS_UV:
+                        r += bm
+                else:
+                    r = bm
+                r = p * (r - ee[:, None])
+                a_dsuk = _dot_acc(r, k, a_dsuk, PREC, SPLIT)
+                if HAS_UK:
+                    a_dsuk = tl.dot((p * dpc).to(uk.dtype), uk, a_dsuk, input_precision=PREC)
+            if NEED_DOB:
+                if HAS_G:
+                    a_pgv = _dot_acc(p * (g - al[:, None]), v, a_pgv, PREC, SPLIT)
                 if HAS_UV:
-                    t += pb
-                a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
-            else:
-                t = pb
-            a_tk = _dot_acc(t, k, a_tk, PREC, SPLIT)
-            a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
-        if NEED_DOB:
+                    a_pgv = tl.dot(p.to(uv.dtype), uv, a_pgv, input_precision=PREC)
+        else:
             if HAS_G:
-                a_pgv = _dot_acc(pg, v, a_pgv, PREC, SPLIT)
+                pg = p * g
+                r_alpha += tl.sum(pg, 1)
+                if NEED_DP:
+                    r_gdp += tl.sum(pg * dp, 1)
             if HAS_UV:
-                a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
+                if NEED_DP:
+                    pb = p * bm
+                    r_b += tl.sum(pb, 1)
+            if NEED_QB:
+                if HAS_UK:
+                    ds = p * (dp - di[:, None])
+                    a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
+                if HAS_G:
+                    t = pg * (dp - di[:, None])
+                    if HAS_UV:
+                        t += pb
+                    a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
+                else:
+                    t = pb
+                a_tk = tl.dot(t.to(k.dtype), k, a_tk, input_precision=PREC)
+                a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
+            if NEED_DOB:
+                if HAS_G:
+                    a_pgv = tl.dot(pg.to(v.dtype), v, a_pgv, input_precision=PREC)
+                if HAS_UV:
+                    a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
     return a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b
 
 
@@ -153,7 +182,7 @@ def _bob_row_kernel(
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_DP: tl.constexpr, WRITE_AE: tl.constexpr,
-    SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
@@ -186,6 +215,12 @@ def _bob_row_kernel(
         uq = q
     lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    if DIRECT:  # α, E from the stats pass
+        al = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
+        ee = _load_rowvec(EE + row_off, offs_m, m_ok, True)
+    else:
+        al = di
+        ee = di
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
     uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
@@ -205,29 +240,34 @@ def _bob_row_kernel(
                                              CAUSAL, WINDOW)
     a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
         a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
-        q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+        q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_base,
         stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, NEED_DP, SPLIT)
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, NEED_DP, DIRECT, SPLIT)
 
-    alpha = r_alpha
-    ee = r_gdp - 2.0 * alpha * di + r_b
-    if NEED_QB:
+    if DIRECT:
+        qb = a_dsuk * scale
+        dob = a_pgv
+    else:
+        alpha = r_alpha
+        ee = r_gdp - 2.0 * alpha * di + r_b
         qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - ee[:, None] * a_pk) * scale
+        dob = a_pgv + a_puv
+        if HAS_G:
+            if NEED_DOB:
+                o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on,
+                               rows_m, stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                dob -= alpha[:, None] * o.to(tl.float32)
+        if WRITE_AE:
+            tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+            tl.store(EE + row_off + offs_m, ee, mask=m_ok)
+    if NEED_QB:
         _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn, rows_m,
                     stride_qbn, qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_DOB:
-        dob = a_pgv + a_puv
-        if HAS_G:
-            o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
-                           stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-            dob -= alpha[:, None] * o.to(tl.float32)
         _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + q_start64 * stride_dobn, rows_m,
                     stride_dobn, dob.to(DOB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
-    if WRITE_AE:
-        tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-        tl.store(EE + row_off + offs_m, ee, mask=m_ok)
 
 
 # --------------------------------------------------------------------------- column pass
@@ -379,12 +419,15 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     its work skipped at compile time). ``needs`` selects which of (qb, kb, vb, dob) are
     computed; the others come back as None. All cotangents None: every result is None.
 
-    ``precise`` (float16/bfloat16 only): the score-shaped tiles that dominate the rounding
-    error (P∘(G∘(dP−D)+B) and P∘G in the row pass, R and H in the column pass) enter their
-    products as a two-term hi + lo split instead of one 16-bit rounding: four more tile
-    products (~20% more BoB work). Emulated at N=1024, d=64, bf16 this brings the relative
-    L2 error of Q̄, K̄, dŌ from ~2.4e-3 to ~1.9e-3 and of V̄ to ~1.7e-3 (rounding the
-    float64 result to bf16 alone gives ~1.66e-3).
+    ``precise``: a third, cheap pass first computes the row statistics α, E (five
+    score-shaped products per tile, no accumulators); the row pass then forms R and H per
+    tile (Q̄ = τ(dS U_K + R K), dŌ = H V + P U_V) instead of the affine α/E decomposition,
+    and for 16-bit inputs R and H enter their products as a hi + lo pair of 16-bit tiles
+    (in both passes). Costs ~35% more tile products. The affine two-pass default loses
+    accuracy where attention is peaked (the α (P∘dP) K and E (P K) terms cancel): emulated
+    bf16 relative L2 error of Q̄ / dŌ at peaked attention (mean max P 0.64, N=512, d=64)
+    1.0e-2 / 5.8e-3 by default, 5.6e-3 / 1.8e-3 with ``precise``; at diffuse attention
+    (GPT-2-like random inputs, N=1024) 2.4e-3 -> 1.9e-3 (bf16 output rounding alone: 1.7e-3).
     """
     if uq is None and uk is None and uv is None:
         return None, None, None, None
@@ -406,8 +449,11 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             v.shape, dtype=v.dtype, device=v.device)
     else:
         vb = None
-    alpha = new_rowvec(lay, q.device) if run_col else lse
-    ee = new_rowvec(lay, q.device) if run_col else lse
+    precise = bool(precise)
+    direct = precise and (need_qb or need_dob)  # row pass with α, E known
+    with_stats = run_col or direct  # α, E go through HBM
+    alpha = new_rowvec(lay, q.device) if with_stats else lse
+    ee = new_rowvec(lay, q.device) if with_stats else lse
 
     bd = block_d(lay.head_dim)
     varlen = lay.varlen
@@ -416,7 +462,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                  CAUSAL=bool(causal), WINDOW=bool(causal) and window is not None,
                  IS_VARLEN=varlen, PREC=dot_precision(q.dtype, allow_tf32),
                  HAS_UQ=uq is not None, HAS_UK=uk is not None, HAS_UV=uv is not None,
-                 HAS_G=has_g, SPLIT=bool(precise) and q.dtype != torch.float32, LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
+                 HAS_G=has_g, SPLIT=precise and q.dtype != torch.float32,
+                 LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
 
     def st(x, like):
@@ -425,18 +472,29 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     def ptr(x, like):
         return x if x is not None else like
 
-    if (need_qb or need_dob or run_col) and q.numel() > 0 and lay.n_q > 0:
-        cfg = get_config("bob_row", bd, q.dtype, q.device)
+    def row_pass(kind, **mode):
+        cfg = get_config(kind, bd, q.dtype, q.device)
         grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
         _bob_row_kernel[grid](
             q, k, v, o, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta,
             ptr(qb, q), ptr(dob, do), alpha, ee, cu_q, cu_k,
             *st(q, q), *st(k, k), *st(v, v), *st(o, o), *st(do, do),
             *st(uq, q), *st(uk, k), *st(uv, v), *st(qb, q), *st(dob, do),
-            *rowvec_strides(lay), *args,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_QB=need_qb, NEED_DOB=need_dob,
-            NEED_DP=need_qb or col_kb, WRITE_AE=run_col, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **mode, **flags,
         )
+
+    if q.numel() > 0 and lay.n_q > 0:
+        if precise:
+            if with_stats:  # stats pass: α (and E when Q̄ or K̄ needs it)
+                row_pass("bob_stats", NEED_QB=False, NEED_DOB=False, NEED_DP=need_qb or col_kb,
+                         WRITE_AE=True, DIRECT=False)
+            if direct:
+                row_pass("bob_direct", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb,
+                         WRITE_AE=False, DIRECT=True)
+        elif need_qb or need_dob or run_col:
+            row_pass("bob_row", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb or col_kb,
+                     WRITE_AE=run_col, DIRECT=False)
     if run_col and k.numel() > 0 and lay.n_k > 0:
         cfg = get_config("bob_col", bd, q.dtype, q.device)
         grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)

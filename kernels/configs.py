@@ -19,6 +19,8 @@ Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 - ``bwd_dkdv``  first backward dK/dV, per key tile (BLOCK_N) looping over query tiles.
 - ``bob_row``   BoB row pass (six tile x d accumulators: registers are tight).
 - ``bob_col``   BoB column pass (two accumulators, four key-side tiles held).
+- ``bob_stats`` ``precise=True`` only: row statistics α, E (no tile accumulators).
+- ``bob_direct`` ``precise=True`` only: row pass with α, E known (two accumulators).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("fwd", "bwd_pre", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col")
+KINDS = ("fwd", "bwd_pre", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col", "bob_stats", "bob_direct")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ _INTERPRETER = {
     "bwd_dkdv": TileConfig(16, 32, 4, 1),
     "bob_row": TileConfig(32, 16, 4, 1),
     "bob_col": TileConfig(16, 32, 4, 1),
+    "bob_stats": TileConfig(32, 16, 4, 1),
+    "bob_direct": TileConfig(16, 16, 4, 1),
 }
 
 _T = TileConfig
@@ -65,6 +69,8 @@ _SM90_HALF = {
         "bwd_dkdv": _T(64, 64, 4, 3),
         "bob_row": _T(32, 64, 8, 2),
         "bob_col": _T(64, 32, 8, 2),
+        "bob_stats": _T(128, 64, 8, 3),
+        "bob_direct": _T(128, 32, 8, 2),
     },
     128: {
         "fwd": _T(128, 32, 8, 3),
@@ -73,6 +79,8 @@ _SM90_HALF = {
         "bwd_dkdv": _T(32, 64, 8, 3),
         "bob_row": _T(16, 32, 8, 2),
         "bob_col": _T(32, 32, 8, 2),
+        "bob_stats": _T(16, 32, 8, 2),
+        "bob_direct": _T(16, 32, 8, 2),
     },
     256: {
         "fwd": _T(64, 32, 8, 2),
@@ -81,6 +89,8 @@ _SM90_HALF = {
         "bwd_dkdv": _T(32, 32, 8, 2),
         "bob_row": _T(16, 16, 8, 1),
         "bob_col": _T(16, 16, 8, 1),
+        "bob_stats": _T(16, 16, 8, 1),
+        "bob_direct": _T(16, 16, 8, 1),
     },
 }
 # d <= 32: the d = 64 tiles, except the BoB passes (the d = 64 BoB tiles spill there)
@@ -115,6 +125,8 @@ _FP32 = {
         "bob_col": _T(16, 16, 8, 1),
     },
 }
+for _t in _FP32.values():
+    _t["bob_stats"] = _t["bob_direct"] = _t["bob_row"]
 _FP32[32] = _FP32[16] = _FP32[64]
 
 # Ampere / Ada (capability 8): same tiles, at most 2 stages (99 KiB shared memory on

@@ -153,6 +153,7 @@ DENSE = [
     Case("Nq70-Nk100-d16-window16", nq=70, nk=100, d=16, causal=True, window=16),
     Case("N100-d16-window1", nq=100, d=16, causal=True, window=1),
     Case("Nq33-Nk100-d16-noncausal", nq=33, nk=100, d=16),
+    Case("N256-d96-window50-gqa2", nq=256, d=96, hq=2, hkv=1, causal=True, window=50),
 ]
 HALF = [c for c in DENSE if c.id in (
     "N17-d16-b2h2", "N100-d96-causal-gqa3", "Nq100-Nk70-d64-window20-mqa", "Nq100-Nk40-d32-causal")]
@@ -235,7 +236,7 @@ def run_bwd(case, dtype):
     check("delta", delta, expect.transpose(0, 1) if case.varlen else expect)
 
 
-def run_bob(case, dtype, use=(True, True, True), needs=(True, True, True, True)):
+def run_bob(case, dtype, use=(True, True, True), needs=(True, True, True, True), precise=False):
     ts = case.tensors()
     ts = ts[:4] + [t if u else None for t, u in zip(ts[4:], use)]
     ref = _oracle(case, ts)
@@ -244,7 +245,8 @@ def run_bob(case, dtype, use=(True, True, True), needs=(True, True, True, True))
     o = ref["o"].to(device=DEVICE, dtype=dtype)
     lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
     delta = ref["delta"].to(device=DEVICE, dtype=torch.float32)
-    res = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, **case.kw())
+    res = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=precise,
+                   **case.kw())
     for name, got, need in zip(("qb", "kb", "vb", "dob"), res, needs):
         if not need:
             continue
@@ -270,11 +272,28 @@ def test_bob_fp32(case):
     run_bob(case, torch.float32)
 
 
-@pytest.mark.parametrize("case", _params(HALF + VARLEN[1:2]))
-def test_chain_fp16(case):
-    run_fwd(case, torch.float16)
-    run_bwd(case, torch.float16)
-    run_bob(case, torch.float16)
+_AFFINE_PEAKED = ("The affine two-pass BoB loses accuracy where attention is peaked (window 8): "
+                  "Q̄ error > 2x the float16 math path; precise=True (stats pass) fixes it")
+
+
+def _fp16_params():
+    out = []
+    for c in HALF + VARLEN[1:]:
+        for precise in (False, True):
+            marks = ()
+            if c.id == "varlen-d16-window8-mqa" and not precise:
+                marks = pytest.mark.xfail(strict=True, reason=_AFFINE_PEAKED)
+            out.append(pytest.param(c, precise, id=c.id + ("-precise" if precise else ""),
+                                    marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("case,precise", _fp16_params())
+def test_chain_fp16(case, precise):
+    if not precise:
+        run_fwd(case, torch.float16)
+        run_bwd(case, torch.float16)
+    run_bob(case, torch.float16, precise=precise)
 
 
 SUBSET_CASE = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)
@@ -309,24 +328,24 @@ def test_bob_uv_only_vb_is_zero():
     run_bob(case, torch.float32, use=(False, False, True), needs=(False, False, True, False))
 
 
-def test_bob_precise_split_fp16():
-    """``precise=True`` (hi + lo split of the dominant tiles) is correct and no less accurate."""
-    case = Case("Nq100-Nk70-d64-window20-mqa", nq=100, nk=70, d=64, hq=3, hkv=1, causal=True,
-                window=20)
-    ts = case.tensors()
-    ref = dense_oracle(case, ts)
-    q, k, v, do, uq, uk, uv = _dev(ts, torch.float16)
-    o = ref["o"].to(device=DEVICE, dtype=torch.float16)
-    lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
-    delta = ref["delta"].to(device=DEVICE, dtype=torch.float32)
-    plain = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, **case.kw())
-    split = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, precise=True, **case.kw())
-    for name, a, b in zip(("qb", "kb", "vb", "dob"), plain, split):
-        r = ref[name]
-        ea = ((a.double().cpu() - r).norm() / r.norm()).item()
-        eb = ((b.double().cpu() - r).norm() / r.norm()).item()
-        assert not torch.isnan(b).any()
-        assert eb <= 1.05 * ea + 1e-5, (name, ea, eb)
+PRECISE_MODES = [((1, 1, 1), (True, True, True, True)), ((0, 0, 1), (True, True, True, True)),
+                 ((1, 0, 0), (True, False, False, True)), ((0, 1, 1), (False, False, False, True)),
+                 ((1, 1, 0), (False, True, True, False))]
+
+
+@pytest.mark.parametrize("use,needs", [pytest.param(u, n, id="u" + "".join(
+    a for a, f in zip("qkv", u) if f) + "-needs-" + "".join(
+    a for a, f in zip(("q", "k", "v", "do"), n) if f)) for u, n in PRECISE_MODES])
+def test_bob_precise_fp32(use, needs):
+    """precise=True: stats pass + direct row pass (R, H per tile), every flag combination."""
+    run_bob(SUBSET_CASE, torch.float32, use=tuple(bool(x) for x in use), needs=needs,
+            precise=True)
+
+
+@pytest.mark.parametrize("case", _params([DENSE[1], DENSE[8], VARLEN[2]]))
+def test_bob_precise_masks_fp32(case):
+    """precise=True with N=1, rows that see no key, varlen + window + MQA."""
+    run_bob(case, torch.float32, precise=True)
 
 
 def test_bob_all_cotangents_none():
@@ -435,6 +454,18 @@ def test_tile_overrides_square_and_wide():
         finally:
             configs.OVERRIDES.clear()
             configs.OVERRIDES.update(old)
+
+
+def test_int64_row_offsets_path(monkeypatch):
+    """The LONG (int64 in-sequence row offsets) specialisation, forced on small inputs."""
+    import sys
+
+    for mod in ("attn_fwd", "attn_bwd", "bob"):
+        monkeypatch.setattr(sys.modules[f"ttt_flash.kernels.{mod}"], "long_rows", lambda *a: True)
+    for case in (VARLEN[1], DENSE[9]):
+        run_fwd(case, torch.float32)
+        run_bwd(case, torch.float32)
+        run_bob(case, torch.float32)
 
 
 _HAS_REFERENCE_COMPOSERS = all(hasattr(reference, n) for n in ("attn_fwd", "attn_bwd", "attn_bob"))

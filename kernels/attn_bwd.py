@@ -9,7 +9,6 @@ tiles (and, for GQA, the g query heads) that can see it.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -93,7 +92,8 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_q
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         p_t = tl.exp2(s_t - lse2[None, :])
         if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -175,7 +175,8 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - di[:, None])
@@ -247,7 +248,8 @@ def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
         o, do, delta, cu_or_dummy(cu_seqlens_q, o),
         *strides(o, lay.varlen), *strides(do, lay.varlen), *rowvec_strides(lay), lay.n_q,
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
-        IS_VARLEN=lay.varlen, LONG=long_rows(lay, o, do), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        IS_VARLEN=lay.varlen, LONG=long_rows(lay, o, do), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return delta
 

@@ -6,7 +6,6 @@ see (online softmax in log2 units). Dense and varlen layouts share the kernel.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -50,7 +49,8 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
         k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
             s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet

@@ -95,7 +95,8 @@ def _bob_row_inner(
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse2[:, None])
         if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
             p = tl.where(vis, p, 0.0)
         if NEED_DP:
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -280,7 +281,8 @@ def _bob_col_inner(
     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+    HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
@@ -297,7 +299,8 @@ def _bob_col_inner(
         s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
         p_t = tl.exp2(s_t - lse2[None, :])
         if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window, CAUSAL, WINDOW)
+            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
             p_t = tl.where(vis, p_t, 0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
         if HAS_G:

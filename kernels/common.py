@@ -266,14 +266,18 @@ def check_inputs(q: torch.Tensor) -> None:
         raise ValueError(f"head dim {d} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
 
 
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
 def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layout:
     check_inputs(q)
     if cu_seqlens_q is not None:
         batch = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
+        if max_seqlen_q is None:  # host sync: pass max_seqlen_* to avoid it
+            max_seqlen_q = _max_len(cu_seqlens_q)
         if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if batch > 0 else 0
+            max_seqlen_k = _max_len(cu_seqlens_k)
         h_q, h_kv = q.shape[1], k.shape[1]
         return Layout(True, batch, h_q, h_kv, h_q // h_kv, q.shape[-1], int(max_seqlen_q),
                       int(max_seqlen_k), q.shape[0])

@@ -155,6 +155,7 @@ class _Spec:
     backend: str
     max_seqlen_q: Optional[int] = None
     max_seqlen_k: Optional[int] = None
+    precise_bob: bool = True
 
     def kwargs(self, cu_q, cu_k) -> dict:
         return dict(
@@ -251,7 +252,8 @@ class _AttentionBoB(torch.autograd.Function):
     @staticmethod
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
         out = _impl(spec.backend).attn_bob(
-            q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, **spec.kwargs(cu_q, cu_k)
+            q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
+            **spec.kwargs(cu_q, cu_k),
         )
         return tuple(out)
 
@@ -356,6 +358,7 @@ def flash_attention(
     scale: Optional[float] = None,
     window: Optional[int] = None,
     backend: str = "auto",
+    precise_bob: bool = True,
 ) -> Tensor:
     r"""Softmax attention, differentiable twice exactly (FlashBoB).
 
@@ -375,6 +378,11 @@ def flash_attention(
             keys, its own aligned position included: j > i + N_k − N_q − window.
         backend: ``"auto"`` (Triton kernels for CUDA float16/bfloat16/float32, the
             PyTorch reference otherwise), ``"triton"`` or ``"reference"``.
+        precise_bob: Triton backend only. True (default): the backward-over-backward runs a
+            row-statistics pass, then forms the cotangents of S and dP per tile, keeping
+            16-bit errors at the level of PyTorch's own math path even where attention is
+            peaked. False: the two-pass affine form of docs/bob-math.md (fewer products),
+            whose 16-bit error grows where attention is peaked (terms cancel).
 
     Returns:
         Tensor of shape (B, H_q, N_q, D), dtype of ``q``. A query row that sees no key
@@ -412,7 +420,8 @@ def flash_attention(
     backend = _resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
-    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend)
+    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
+                 precise_bob=bool(precise_bob))
     o, _ = _Attention.apply(q, k, v, spec, None, None)
     return o
 
@@ -430,13 +439,14 @@ def flash_attention_varlen(
     scale: Optional[float] = None,
     window: Optional[int] = None,
     backend: str = "auto",
+    precise_bob: bool = True,
 ) -> Tensor:
     r"""Attention over variable-length sequences packed along the token axis.
 
     Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
-    sequences are allowed. Masks (``causal``, ``window``) and ``scale`` are as in
-    :func:`flash_attention`, applied per sequence with that sequence's lengths.
+    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend`` and
+    ``precise_bob`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
 
     Args:
         q: (T_q, H_q, D) packed queries.
@@ -496,6 +506,7 @@ def flash_attention_varlen(
         backend=backend,
         max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
         max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
+        precise_bob=bool(precise_bob),
     )
     o, _ = _Attention.apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
     return o

@@ -4,7 +4,7 @@ and backward-over-backward for (q, k, v, dO): one exact attention Hessian-vector
 Providers (compared in one process, one run):
 
 * ``ttt_flash``: :func:`ttt_flash.flash_attention` (Triton kernels on CUDA, the chunked
-  reference on the CPU).
+  reference on the CPU). ``ttt_flash_fast``: the same with ``precise_bob=False``.
 * ``math``: materialised attention in plain PyTorch ops (O(N²) memory; reported as OOM
   when it runs out of memory).
 * ``sdpa_flash`` / ``sdpa_cudnn``: first-order fused SDPA forward + backward (CUDA only):
@@ -74,7 +74,7 @@ class BenchConfig:
             raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
         if self.window is not None and not self.causal:
             raise ValueError("window requires causal=True")
-        known = {"ttt_flash", "math", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
+        known = {"ttt_flash", "ttt_flash_fast", "math", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
         bad = [p for p in self.providers if p not in known]
         if bad:
             raise ValueError(f"unknown providers {bad}; choose from {sorted(known)}")
@@ -148,7 +148,8 @@ def _make(cfg: BenchConfig, provider: str, n: int):
     dtype = getattr(torch, cfg.dtype)
     q, k, v, do, u = _inputs(cfg, n, dtype)
     kw = dict(causal=cfg.causal, window=cfg.window)
-    if provider == "ttt_flash":
+    if provider in ("ttt_flash", "ttt_flash_fast"):
+        kw["precise_bob"] = provider == "ttt_flash"
         return _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do, u), False
     if provider == "math":
         return _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u), False
@@ -260,7 +261,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
         if provider in oom:
             result["rows"].append({"provider": provider, "N": n, "error": "OOM"})
             continue
-        if provider == "ttt_flash" and not checked_ok:
+        if provider.startswith("ttt_flash") and not checked_ok:
             result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
             continue
         row = _measure(cfg, provider, n)
@@ -274,7 +275,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
 def _add_ratios(result: dict) -> None:
     by = {(r["provider"], r["N"]): r for r in result["rows"]}
     for r in result["rows"]:
-        if r["provider"] in ("ttt_flash", "math") and "ms" in r:
+        if r["provider"] in ("ttt_flash", "ttt_flash_fast", "math") and "ms" in r:
             for unit in ("sdpa_flash", "sdpa_cudnn", "sdpa"):
                 u = by.get((unit, r["N"]))
                 if u and "ms" in u:

@@ -387,11 +387,12 @@ def attn_bob(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_k: Optional[int] = None,
     needs: Sequence[bool] = (True, True, True, True),
+    precise: bool = False,
     chunk: int = DEFAULT_CHUNK,
 ):
     """Backward-over-backward: returns ``(q̄, k̄, v̄, dŌ)`` for cotangents ``(uq, uk, uv)``
-    of ``(dq, dk, dv)``. The reference always computes all four (``needs`` is accepted for
-    the shared contract); all are None when every cotangent is None."""
+    of ``(dq, dk, dv)``. The reference always computes all four (``needs`` and ``precise``
+    are accepted for the shared contract; the reference forms R and H directly); all are None when every cotangent is None."""
     if uq is None and uk is None and uv is None:
         return None, None, None, None
     if cu_seqlens_q is None:

@@ -58,6 +58,8 @@ def stage_errors(out: str) -> None:
     for causal in (False, True):
         torch.manual_seed(0)
         x = [torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.float64) for _ in range(7)]
+        # the float64 reference sees the same bf16-rounded inputs (errors are the kernels' own)
+        x = [t.bfloat16().double() for t in x]
         q, k, v, do = (t.clone().requires_grad_(True) for t in x[:4])
         exact = _chain(lambda a, b, c: naive_attention(a, b, c, causal=causal), q, k, v, do, x[4:])
         low = [t.detach().bfloat16().requires_grad_(True) for t in x[:4]]
@@ -113,6 +115,27 @@ def stage_shapes(out: str) -> None:
                 if r["provider"] == "ttt_flash" and "ms" in r:
                     SUMMARY.append((f"{tag} {'causal' if causal else 'non-causal'} N={r['N']}",
                                     f"{r['ms']:.2f} ms, /flash {r.get('ratio_sdpa_flash', float('nan')):.2f}"))
+
+
+def stage_profile(out: str) -> None:
+    """Per-kernel CUDA time of one chain at N=16,384 (B=1, H=12, d=64, bf16, non-causal)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ttt_flash import flash_attention
+
+    x = [torch.randn(1, 12, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+    q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+    run = lambda: _chain(lambda a, b, c: flash_attention(a, b, c), q, k, v, do, x[4:])
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+    log(table)
+    with open(os.path.join(out, "profile.txt"), "w") as f:
+        f.write(table)
 
 
 def stage_startup(out: str) -> None:
@@ -189,7 +212,7 @@ def main() -> int:
         try:
             {"tests": lambda: stage_tests(a.out), "errors": lambda: stage_errors(a.out),
              "bench": lambda: stage_bench(a.out, a.seq_lens), "shapes": lambda: stage_shapes(a.out),
-             "startup": lambda: stage_startup(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
+             "startup": lambda: stage_startup(a.out), "profile": lambda: stage_profile(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
         except Exception as e:  # noqa: BLE001 - report and go on to the next stage
             import traceback
 

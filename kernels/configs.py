@@ -62,15 +62,18 @@ _T = TileConfig
 # Hopper / Blackwell datacenter (capability 9, 10), 16-bit inputs, keyed by BLOCK_D.
 # ptxas on sm_90 (causal + window, the most masking): no spills except bob_row at d = 256.
 _SM90_HALF = {
+    # d <= 64: bwd_dkdv, bob_direct and bob_col from `python -m ttt_flash.kernels.tune
+    # --head-dim 64 --dtype bfloat16 --seq-len 16384 --heads 12` on an H200 (2026-11-30):
+    # bob_col 64x32/8 warps -> 64x64/4 warps took the BoB composer from 45.2 to 27.7 ms.
     64: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_pre": _T(128, 64, 4, 1),
         "bwd_dq": _T(64, 64, 4, 3),
-        "bwd_dkdv": _T(64, 64, 4, 3),
+        "bwd_dkdv": _T(32, 128, 4, 3),
         "bob_row": _T(32, 64, 8, 2),
-        "bob_col": _T(64, 32, 8, 2),
+        "bob_col": _T(64, 64, 4, 2),
         "bob_stats": _T(128, 64, 8, 3),
-        "bob_direct": _T(128, 32, 8, 2),
+        "bob_direct": _T(64, 64, 4, 2),
     },
     128: {
         "fwd": _T(128, 32, 8, 3),

@@ -44,6 +44,21 @@ class TileConfig:
 #: Test/tuning hook: ``OVERRIDES[kind] = TileConfig(...)`` wins over the table.
 OVERRIDES: dict = {}
 
+
+def load_overrides(path: str) -> None:
+    """Fill OVERRIDES from a JSON file ``{kind: [block_m, block_n, num_warps, num_stages]}``
+    (what ``tune.py`` writes as ``*.best.json``), to try sweep results without editing the
+    table. Read at import from the ``TTT_FLASH_TILE_OVERRIDES`` environment variable."""
+    import json
+
+    with open(path) as f:
+        for kind, cfg in json.load(f).items():
+            OVERRIDES[kind] = TileConfig(*cfg)
+
+
+if os.environ.get("TTT_FLASH_TILE_OVERRIDES"):
+    load_overrides(os.environ["TTT_FLASH_TILE_OVERRIDES"])
+
 # Interpreter (CPU): small tiles so that short test sequences still span several tiles,
 # with BLOCK_M != BLOCK_N in both directions to exercise the tile-range logic.
 _INTERPRETER = {

@@ -37,10 +37,14 @@ Hessian estimate raises ``RuntimeError``: no step runs on a silent zero estimate
 
 One Hutchinson probe per refresh (``n_samples`` in :meth:`~SophiaH.update_hessian` for
 more), Rademacher by default (``probe="gaussian"`` as written in the Sophia paper; both
-are unbiased, Rademacher has the lower variance). Distributed data parallel is not handled:
-each process would estimate from its own shard.
+are unbiased, Rademacher has the lower variance). Under :mod:`torch.distributed` (several
+processes), :meth:`~SophiaH.update_hessian` draws the probes on rank 0 and broadcasts them,
+and averages the local estimates over processes (weighted by ``weight``), so every process
+holds the estimate one process would get on the global batch; the gradients themselves must
+be averaged by the caller (:func:`ttt_flash.distributed.average_gradients`; docs/distributed.md).
 
-Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.hessian`.
+Floor 2 (docs/architecture.md): imports torch, :mod:`ttt_flash.hessian` and
+:mod:`ttt_flash.distributed`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .distributed import all_reduce_mean_, broadcast_
 from .hessian import PROBES, HessianOperator, probe_like
 
 __all__ = ["SophiaH", "AdaHessian", "HessianOptimizer"]
@@ -136,6 +141,7 @@ class HessianOptimizer(torch.optim.Optimizer):
         *,
         n_samples: int = 1,
         generator: Optional[torch.Generator] = None,
+        weight: Optional[float] = None,
     ) -> None:
         """Refresh the Hessian-diagonal estimate with ``n_samples`` Hutchinson probes.
 
@@ -146,6 +152,10 @@ class HessianOptimizer(torch.optim.Optimizer):
                 (``p.grad`` untouched).
             n_samples: probes averaged into this refresh.
             generator: random generator for the probes (default: the global one).
+            weight: with several :mod:`torch.distributed` processes, this process's share of
+                the global batch (``None``: equal shares). The probes are rank 0's
+                (broadcast) and the estimates are averaged over processes with these
+                weights: the estimate of the global-batch loss. Ignored in one process.
 
         Only parameters the loss reaches are refreshed. Runs regardless of
         :attr:`hessian_due` (you decide when); does not count as a step.
@@ -180,10 +190,14 @@ class HessianOptimizer(torch.optim.Optimizer):
         acc = [None] * len(pairs)
         for _ in range(n_samples):
             z = [probe_like([p], g["probe"], generator)[0] for g, p in pairs]
+            broadcast_(z)  # distributed: every process uses rank 0's probes (no-op otherwise)
             hz = op.mv(z)
             for i in live:
                 sample = z[i] * hz[i]
                 acc[i] = sample if acc[i] is None else acc[i].add_(sample)
+        # Distributed: the weighted mean of the local estimates (same probes) is the estimate
+        # for the global batch. No-op in one process.
+        all_reduce_mean_([acc[i] for i in live], weight)
         with torch.no_grad():
             for i in live:
                 group, p = pairs[i]

@@ -51,6 +51,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..distributed import average_gradients, disable_gradient_sync
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
 
@@ -132,7 +133,8 @@ class HessianRefresh(Callback):
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            optimizer.update_hessian(n_samples=self.n_samples)
+            # weight: this process's share of the global batch under DDP (docs/distributed.md).
+            optimizer.update_hessian(n_samples=self.n_samples, weight=getattr(pl_module, "_grad_weight", None) or None)
         except ValueError as e:
             raise RuntimeError(
                 f"HessianRefresh: {e}. The LightningModule's backward must call "
@@ -307,8 +309,25 @@ class LanguageModel(LightningModule):
             torch.cuda.reset_peak_memory_stats()
         self._step_start = time.perf_counter()
 
+    # ------------------------------------------------------------------ distributed (docs/distributed.md)
+
+    def on_train_start(self) -> None:
+        # Under DDP with a second-order optimizer: DDP's hooks cannot reduce a
+        # backward(create_graph=True), so they are switched off; gradients stay local, the
+        # Hessian refresh averages its estimate itself (update_hessian(weight=...)), and
+        # on_before_optimizer_step (after HessianRefresh's, before clipping) averages the
+        # gradients, weighted by each process's number of tokens. AdamW keeps DDP's own sync.
+        self._local_grads = self.second_order and disable_gradient_sync(self.trainer.strategy.model)
+        self._grad_weight = 0
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if getattr(self, "_local_grads", False):
+            average_gradients(self.model.parameters(), weight=self._grad_weight)
+        self._grad_weight = 0
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = self._check_batch(batch)
+        self._grad_weight = getattr(self, "_grad_weight", 0) + x.numel()
         loss = self.model.loss(x, y)
         self.log("train/loss", loss, prog_bar=True, batch_size=x.shape[0])
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=x.shape[0])

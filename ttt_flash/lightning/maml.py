@@ -33,6 +33,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..distributed import average_gradients, disable_gradient_sync
 from ..meta import INNER_OPTIMIZERS, inner_loop, select_adapted
 from ..tasks import MetaBatch, incontext_mse
 from .nets import NetConfig
@@ -166,6 +167,12 @@ class MAML(LightningModule):
                 f"{want}; for in-context regression set net.in_dim to the data's dim + 2"
             )
 
+    def on_train_start(self) -> None:
+        # Under DDP (docs/distributed.md): DDP's hooks cannot reduce a backward through the
+        # inner loop's autograd.grad graph correctly, so they are switched off; each process
+        # meta-trains on its own tasks and training_step averages the meta-gradients.
+        self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
+
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:
         self._check_batch(batch)
         opt = self.optimizers()
@@ -187,6 +194,8 @@ class MAML(LightningModule):
             for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
                                 *((f"{k}_post", v.detach()) for k, v in post.items())]:
                 sums[name] = sums.get(name, 0.0) + value
+        if getattr(self, "_local_grads", False):  # DDP: mean over all processes' tasks
+            average_gradients(self.parameters(), weight=tasks)
         if self.hparams.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.hparams.grad_clip, gradient_clip_algorithm="norm")
         opt.step()

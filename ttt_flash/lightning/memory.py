@@ -37,6 +37,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from ..distributed import average_gradients, disable_gradient_sync
 from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
@@ -174,13 +175,15 @@ class _RecallModule(LightningModule):
             raise TypeError(f"{type(self).__name__} expects ttt_flash.tasks.RecallBatch batches, got {type(batch).__name__}")
         targets = batch.query_targets
         out: Dict[str, Tensor] = {}
+        # The loss in float32 for half-precision logits; float64 stays float64.
+        upcast = lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t  # noqa: E731
         with torch.no_grad():
             logits, _ = self._query_logits(batch, write=False)
-            out["loss_pre"] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            out["loss_pre"] = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten())
             out["acc_pre"] = (logits.argmax(-1) == targets).float().mean()
         with torch.set_grad_enabled(train):
             logits, inner = self._query_logits(batch, write=True)
-            out["loss_post"] = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            out["loss_post"] = F.cross_entropy(upcast(logits).flatten(0, 1), targets.flatten())
         out["acc_post"] = (logits.detach().argmax(-1) == targets).float().mean()
         if inner is not None:
             out["inner_loss"] = inner
@@ -191,7 +194,22 @@ class _RecallModule(LightningModule):
             self.log(f"{stage}/{name}", value.detach() if name == "loss_post" else value,
                      batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"), **kw)
 
+    # ---------------------------------------------------------------- distributed (docs/distributed.md)
+
+    def on_train_start(self) -> None:
+        # Under DDP: its hooks cannot reduce a backward through the inner loops' autograd.grad
+        # graphs correctly, so they are switched off; gradients stay local and are averaged
+        # in on_before_optimizer_step, weighted by each process's number of query targets.
+        self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
+        self._grad_weight = 0
+
+    def on_before_optimizer_step(self, optimizer) -> None:  # before gradient clipping
+        if getattr(self, "_local_grads", False):
+            average_gradients(self.parameters(), weight=self._grad_weight)
+        self._grad_weight = 0
+
     def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
+        self._grad_weight = getattr(self, "_grad_weight", 0) + batch.query_targets.numel()
         metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])

@@ -118,6 +118,34 @@ def test_sophia_hessian_estimate_ddp_equals_one_process(tmp_path):
     assert single["hessian"] and all(v.abs().max() > 0 for v in single["hessian"].values())
 
 
+class _RecordTasks(Callback):
+    def __init__(self, path: str):
+        self.path, self.seen = path, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(batch.task_params.clone())
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        torch.save(self.seen, os.path.join(self.path, f"tasks{trainer.global_rank}.pt"))
+
+
+def test_datamodule_gives_each_process_distinct_meta_batches(tmp_path):
+    from ttt_flash.lightning import SinusoidDataModule
+    from ttt_flash.lightning.data import _MetaBatches
+
+    dm = SinusoidDataModule(meta_batch_size=2, train_batches=4, val_batches=1, test_batches=1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=[_RecordTasks(str(tmp_path))])
+    trainer.fit(MAML(net=NetConfig(kind="mlp", hidden=8, depth=1)), dm)
+    seen = [torch.load(os.path.join(tmp_path, f"tasks{r}.pt")) for r in range(2)]
+    assert [len(s) for s in seen] == [2, 2]
+    epoch = [_MetaBatches(dm.tasks, 2, 0, "train")[i].task_params for i in range(4)]
+    index = [[next(i for i, e in enumerate(epoch) if torch.equal(e, t)) for t in s] for s in seen]
+    assert sorted(index[0] + index[1]) == [0, 1, 2, 3]
+
+
 # --------------------------------------------------------------------------- the helpers alone
 
 

@@ -11,7 +11,6 @@ import copy
 import os
 import socket
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -21,7 +20,7 @@ from torch.utils.data import DataLoader
 from ttt_flash.distributed import all_reduce_mean_, average_gradients, is_distributed, world_size
 from ttt_flash.lightning import MAML, GradMemKV, LanguageModel, NetConfig
 from ttt_flash.models import GPTConfig
-from ttt_flash.tasks import AssociativeRecallTasks, MetaBatch, RecallBatch, SinusoidTasks
+from ttt_flash.tasks import AssociativeRecallTasks, SinusoidTasks
 
 TOL = 1e-10
 

@@ -34,13 +34,7 @@ def _registered():
     tb.register()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny float64 matmuls: a second thread only adds contention on a shared CPU
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rms_forward(self, x):

@@ -18,13 +18,7 @@ TASK = AssociativeRecallTasks(num_keys=6, num_values=5, num_pairs=3, num_queries
 V = TASK.vocab_size
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny models on a shared CPU: one thread is several times faster than two spinning ones
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _batch(b=2, seed=0) -> RecallBatch:

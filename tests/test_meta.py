@@ -10,17 +10,11 @@ import torch
 from torch import nn
 
 from ttt_flash.lightning import MAML, InContextRegressionDataModule, NetConfig, SinusoidDataModule
-from ttt_flash.lightning.nets import SinusoidMLP, TinyTransformer
+from ttt_flash.lightning.nets import SinusoidMLP
 from ttt_flash.meta import functional_loss, higher_inner_loop, inner_loop, meta_sgd_lrs, select_adapted
 from ttt_flash.tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks, incontext_mse
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # the CPU is shared: one torch thread avoids spinning against other jobs
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 mse = nn.functional.mse_loss

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.func import functional_call
 
 from ttt_flash.models import GPT, GPTConfig, causal_attention, lm_loss

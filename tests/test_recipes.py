@@ -22,14 +22,7 @@ CPU_RECIPES = [p for p in RECIPES if not p.name.endswith("_long.yaml")]
 _KEY = re.compile(r"^\s*(?:-\s+)?[\w.\-/]+\s*:")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CPU is shared: several torch threads spinning against other jobs make these runs
-    # 5x slower than one thread.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(paths):

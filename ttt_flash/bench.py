@@ -190,8 +190,7 @@ def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
         if cuda:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            out = fn()
-            del out
+            fn()  # its outputs are freed on return; the peak stays recorded
             torch.cuda.synchronize()
             row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         ms = _time(cfg, fn)

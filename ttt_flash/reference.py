@@ -16,7 +16,6 @@ Row vectors (``lse``, ``delta``) are float64 for float64 inputs, float32 otherwi
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch

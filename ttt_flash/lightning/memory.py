@@ -28,16 +28,17 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, List, Literal, Optional, Tuple
+from typing import Dict, List, Literal, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import average_gradients, disable_gradient_sync
+from .data import _EpochSampler
 from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
@@ -59,21 +60,6 @@ class _RecallBatches(Dataset):
     def __getitem__(self, i: int) -> RecallBatch:
         state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
         return self.tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
-
-
-class _Indices(Sampler):
-    """``range(n)`` every epoch, or with ``fresh`` ``range(e·n, (e+1)·n)`` in epoch ``e``."""
-
-    def __init__(self, n: int, fresh: bool):
-        self.n, self.fresh, self.epoch = n, fresh, 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.epoch * self.n if self.fresh else 0
-        self.epoch += int(self.fresh)
-        return iter(range(start, start + self.n))
 
 
 class AssociativeRecallDataModule(LightningDataModule):
@@ -120,7 +106,7 @@ class AssociativeRecallDataModule(LightningDataModule):
         self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
                                             num_queries=num_queries, context_len=context_len)
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
-        self._train_indices = _Indices(train_batches, fresh=True)
+        self._train_indices = _EpochSampler(train_batches, fresh=True)
 
     @property
     def vocab_size(self) -> int:
@@ -131,7 +117,7 @@ class AssociativeRecallDataModule(LightningDataModule):
         return self.tasks.chance
 
     def _loader(self, split: str) -> DataLoader:
-        indices = self._train_indices if split == "train" else _Indices(self.batches[split], fresh=False)
+        indices = self._train_indices if split == "train" else _EpochSampler(self.batches[split], fresh=False)
         return DataLoader(_RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split),
                           batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
                           persistent_workers=self.hparams.num_workers > 0)

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import reference
+from . import ops, reference
 
 __all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS"]
 
@@ -88,6 +88,22 @@ def _resolve_backend(backend: str, q: Tensor) -> str:
 
 def _impl(backend: str):
     return reference if backend == "reference" else _triton_module()
+
+
+ops.register_composers("reference", lambda: reference)
+ops.register_composers("triton", _triton_module)
+
+
+def _apply(q, k, v, spec: "_Spec", cu_q, cu_k) -> Tensor:
+    """Eager: the autograd.Functions (differentiable twice, vmap rules). While
+    ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.ops` (first order)."""
+    if torch.compiler.is_compiling():
+        return ops.compiled_attention(
+            q, k, v, cu_q, cu_k, scale=spec.scale, causal=spec.causal, window=spec.window,
+            max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, backend=spec.backend,
+        )
+    o, _ = _Attention.apply(q, k, v, spec, cu_q, cu_k)
+    return o
 
 
 # --------------------------------------------------------------------------- vmap
@@ -422,8 +438,7 @@ def flash_attention(
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
                  precise_bob=bool(precise_bob))
-    o, _ = _Attention.apply(q, k, v, spec, None, None)
-    return o
+    return _apply(q, k, v, spec, None, None)
 
 
 def flash_attention_varlen(
@@ -508,5 +523,4 @@ def flash_attention_varlen(
         max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
         precise_bob=bool(precise_bob),
     )
-    o, _ = _Attention.apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
-    return o
+    return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

@@ -18,6 +18,9 @@ Usage::
     ttt-flash bench --seq-lens 1024,4096,16384 --dtype bfloat16          # GPU
     ttt-flash bench --device cpu --seq-lens 64,128 --dtype float64      # CPU smoke test
 
+With ``--gpt-step``: a first-order training step of the ``models/`` GPT, eager vs
+``torch.compile`` (:mod:`ttt_flash.bench_step`).
+
 Writes ``bench.json`` (all numbers) and ``bench.png`` (time and memory vs N, log-log)
 into ``--out``; prints a table. A configuration whose correctness check fails gets no
 speed reported.
@@ -365,7 +368,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
+    step.add_argument("--gpt-step", action="store_true",
+                      help="time a first-order training step of the models/ GPT, eager and compiled "
+                           "(providers eager,compiled), instead of the attention chain")
+    step.add_argument("--layers", type=int, default=2, help="GPT blocks (--gpt-step)")
+    step.add_argument("--vocab-size", type=int, default=4096, help="GPT vocabulary (--gpt-step)")
+    step.add_argument("--compile-backend", default="inductor",
+                      help="torch.compile backend (--gpt-step; aot_eager needs no compiler)")
     a = p.parse_args(argv)
+    if a.gpt_step:
+        return _gpt_step_main(a)
     cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                       head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, window=a.window,
                       providers=[x for x in a.providers.split(",") if x], device=a.device,
@@ -376,6 +389,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path in paths:
         print(f"wrote {path}")
     return 0 if result.get("check", {"ok": True})["ok"] else 1
+
+
+def _gpt_step_main(a) -> int:
+    from .bench_step import StepBenchConfig, format_step_table, run_step_bench
+
+    providers = [x for x in a.providers.split(",") if x]
+    if providers == "ttt_flash,math,sdpa_flash,sdpa_cudnn".split(","):
+        providers = ["eager", "compiled"]
+    cfg = StepBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+                          head_dim=a.head_dim, layers=a.layers, vocab_size=a.vocab_size,
+                          window=a.window, dtype=a.dtype, device=a.device, providers=providers,
+                          compile_backend=a.compile_backend, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms)
+    result = run_step_bench(cfg)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        path = os.path.join(a.out, "bench_step.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    print(format_step_table(result))
+    if a.out:
+        print(f"wrote {path}")
+    bad = [r for r in result["rows"] if "error" in r or r.get("ok") is False]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

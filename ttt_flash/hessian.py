@@ -58,6 +58,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from .ops import second_order_grad
+
 __all__ = [
     "HessianOperator",
     "Eigen",
@@ -243,7 +245,7 @@ class HessianOperator:
                 loss = loss()
         _check_loss(loss)
         with torch.enable_grad():
-            grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
+            grads = second_order_grad(loss, self.params, create_graph=True, allow_unused=True)
         self._init_from_grads(list(grads))
 
     @classmethod
@@ -335,7 +337,7 @@ class HessianOperator:
         if not self._live:
             return out
         with torch.enable_grad():
-            hv = torch.autograd.grad(
+            hv = second_order_grad(
                 [self._grads[i] for i in self._live],
                 self.params,
                 grad_outputs=[vecs[i] for i in self._live],

@@ -44,6 +44,7 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from .attention import flash_attention
+from .ops import second_order_grad
 from .models import GPT, RMSNorm, SwiGLU
 from .reference import naive_attention
 
@@ -217,7 +218,7 @@ class GradMem(nn.Module):
             with torch.enable_grad():
                 m_in = memory if track and memory.requires_grad else memory.detach().requires_grad_(True)
                 loss = self.write_loss(m_in, context, context_targets)
-                (grad,) = torch.autograd.grad(loss, m_in, create_graph=create_graph)
+                (grad,) = second_order_grad(loss, m_in, create_graph=create_graph)
             losses.append(loss.detach() / context.shape[0])
             memory = m_in - lr * grad
         return (memory if track else memory.detach()), losses
@@ -392,7 +393,7 @@ class FastWeightTTT(nn.Module):
                     fast_in = {n: w if track and w.requires_grad else w.detach().requires_grad_(True)
                                for n, w in fast.items()}
                     loss = self.chunk_loss(fast_in, context, context_targets, start, end)
-                    grads = torch.autograd.grad(loss, list(fast_in.values()), create_graph=create_graph)
+                    grads = second_order_grad(loss, list(fast_in.values()), create_graph=create_graph)
                 losses.append(loss.detach() / batch)
                 fast = {n: w - lr * g for (n, w), g in zip(fast_in.items(), grads)}
         if not track:
@@ -517,7 +518,7 @@ class GradientMemoryAttention(nn.Module):
                 sk = slot_k if track and slot_k.requires_grad else slot_k.detach().requires_grad_(True)
                 sv = slot_v if track and slot_v.requires_grad else slot_v.detach().requires_grad_(True)
                 loss = self.write_loss(sk, sv, k, v)
-                gk, gv = torch.autograd.grad(loss, (sk, sv), create_graph=create_graph)
+                gk, gv = second_order_grad(loss, (sk, sv), create_graph=create_graph)
             slot_k, slot_v = sk - lr * gk, sv - lr * gv
         if not track:
             slot_k, slot_v = slot_k.detach(), slot_v.detach()

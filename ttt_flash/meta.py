@@ -48,6 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .ops import second_order_grad
+
 __all__ = [
     "inner_loop",
     "higher_inner_loop",
@@ -338,7 +340,7 @@ def inner_loop(
         v = {n: torch.zeros_like(fast[n]) for n in names} if optimizer == "adam" else None
         for t in range(1, steps + 1):
             loss = functional_loss(model, fast, loss_fn, support_batch)
-            grads = torch.autograd.grad(
+            grads = second_order_grad(
                 loss,
                 [fast[n] for n in names],
                 create_graph=not first_order,

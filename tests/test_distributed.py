@@ -53,11 +53,11 @@ class _Record(Callback):
         torch.save(out, os.path.join(self.path, f"rank{trainer.global_rank}-world{trainer.world_size}.pt"))
 
 
-def _fit(model, batches, tmp_path, devices: int):
+def _fit(model, batches, tmp_path, devices: int, steps: int = 1):
     kw = dict(strategy="ddp_spawn") if devices > 1 else {}
     if devices > 1:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
-    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=1, precision="64-true", logger=False,
+    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=steps, precision="64-true", logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_Record(str(tmp_path))],
                       default_root_dir=str(tmp_path), **kw)
@@ -95,6 +95,26 @@ def test_maml_second_order_meta_gradient_ddp_equals_one_process(tmp_path):
     model = MAML(net=NetConfig(kind="mlp", hidden=8, depth=1), inner_steps=2, inner_lr=0.05)
     single, _ = _compare(model, shards, tmp_path)
     assert all(v.abs().max() > 0 for v in single["grads"].values())
+
+
+def test_maml_second_step_under_ddp_equals_one_process(tmp_path):
+    """Two steps: the second step's meta-gradients (after one averaged Adam update) still
+    equal one process's. Lightning re-enables DDP's gradient sync after every manual-
+    optimization forward; MAML must switch it off again at each step (else DDP's reducer
+    runs on the inner loop's backward and fails or double-reduces)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    tasks = SinusoidTasks(k_shot=5, k_query=5)
+    a0, a1, b0, b1 = (tasks.sample(n, generator=g) for n in (1, 3, 3, 1))  # unequal shares each step
+    model = MAML(net=NetConfig(kind="mlp", hidden=8, depth=1), inner_steps=2, inner_lr=0.05)
+    twin = copy.deepcopy(model)
+    # DistributedSampler without shuffling: rank r gets items r, r + 2, ...
+    dist_out = _fit(model, [a0, a1, b0, b1], tmp_path, devices=2, steps=2)
+    single = _fit(twin, [_cat([a0, a1]), _cat([b0, b1])], tmp_path, devices=1, steps=2)[0]
+    for rank_out in dist_out:
+        for n, ref in single["grads"].items():
+            err = (rank_out["grads"][n] - ref).abs().max().item()
+            assert err <= TOL * max(1.0, ref.abs().max().item()), f"{n}: {err}"
 
 
 def test_gradmem_meta_gradient_ddp_equals_one_process(tmp_path):

@@ -173,6 +173,13 @@ class MAML(LightningModule):
         # meta-trains on its own tasks and training_step averages the meta-gradients.
         self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
 
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        # Lightning switches DDP's sync back on after every manual-optimization forward
+        # (its _DDPForwardRedirection): switch it off again before each step, or DDP's
+        # reducer joins the next backward (a collective the other path does not match).
+        if getattr(self, "_local_grads", False):
+            disable_gradient_sync(self.trainer.strategy.model)
+
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:
         self._check_batch(batch)
         opt = self.optimizers()

@@ -30,6 +30,8 @@ skipped when neither K̄ nor V̄ is needed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -411,6 +413,12 @@ def _bob_col_kernel(
 
 # --------------------------------------------------------------------------- launcher
 
+#: Whether the column pass also enters R and H as hi + lo 16-bit pairs when ``precise``
+#: (two more tile products per tile). Its outputs K̄, V̄ sum over query rows, where the
+#: single rounding of R and H averages out; ``TTT_FLASH_BOB_COL_SPLIT=0`` turns it off (an
+#: experiment knob, read at import).
+COL_SPLIT = os.environ.get("TTT_FLASH_BOB_COL_SPLIT", "1") != "0"
+
 
 @on_input_device
 def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
@@ -508,6 +516,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             *st(uq, q), *st(uk, k), *st(uv, v), *st(kb, k), *st(vb if col_vb else None, v),
             *rowvec_strides(lay), *args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_KB=col_kb, NEED_VB=col_vb,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **dict(flags, SPLIT=flags["SPLIT"] and COL_SPLIT),
         )
     return qb, kb, vb, dob

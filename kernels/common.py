@@ -246,7 +246,7 @@ def on_input_device(fn):
 
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        if q.is_cuda:
+        if q.is_cuda and q.device.index != torch.cuda.current_device():
             with torch.cuda.device(q.device):
                 return fn(q, *args, **kwargs)
         return fn(q, *args, **kwargs)
@@ -339,8 +339,15 @@ def long_rows(lay: Layout, *tensors) -> bool:
     return (n + 256) * stride + 256 >= 2**31
 
 
+_DUMMIES: dict = {}
+
+
 def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls."""
+    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls (one
+    per device, made once: dense kernels never read it)."""
     if cu is None:
-        return torch.zeros(1, dtype=torch.int32, device=like.device)
+        dummy = _DUMMIES.get(like.device)
+        if dummy is None:
+            dummy = _DUMMIES[like.device] = torch.zeros(1, dtype=torch.int32, device=like.device)
+        return dummy
     return cu.to(device=like.device, dtype=torch.int32).contiguous()

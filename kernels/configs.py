@@ -25,6 +25,7 @@ Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -181,7 +182,13 @@ def get_config(kind: str, block_d: int, dtype: torch.dtype, device: torch.device
         return OVERRIDES[kind]
     if interpreting() or device.type != "cuda":
         return _INTERPRETER[kind]
-    major = torch.cuda.get_device_capability(device)[0]
+    return _table_config(kind, block_d, dtype, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _table_config(kind: str, block_d: int, dtype: torch.dtype, index) -> TileConfig:
+    # cached: the capability query costs more than a kernel launch's own bookkeeping
+    major = torch.cuda.get_device_capability(index)[0]
     if dtype == torch.float32:
         table = _FP32 if major in (8, 9, 10) else _DEFAULT
     else:

@@ -1,7 +1,8 @@
 """Training-run evidence on the GPU machine: recipes run in parallel queues, one per GPU.
 
     python scripts/gpu_runs.py --plan probe --out $OUT        # #5 runs, math OOM checks, short #6 runs
-    python scripts/gpu_runs.py --plan long --out $OUT         # 50-step #6 runs, then DDP on 2 GPUs
+    python scripts/gpu_runs.py --plan ddp,long --out $OUT     # DDP on 2 GPUs, then the 50-step #6 runs
+    python scripts/gpu_runs.py --plan ddp_more,ddp_more2 --out $OUT  # MAML and Sophia-H: 1 GPU, then DDP on 2
 
 Each job is ``ttt-flash fit --config RECIPE ...`` in its own process with its own CSV log
 folder (runs/gpu/<job>/), a wall-clock limit, and CUDA_VISIBLE_DEVICES set to its queue's
@@ -28,11 +29,14 @@ LOG = ["--trainer.logger.init_args.flush_logs_every_n_steps=1"]
 MAML = "recipes/maml_transformer_long.yaml"
 GRADMEM = "recipes/gradmem_kv_long.yaml"
 TTT = "recipes/ttt_e2e_mqar_long.yaml"
+SOPHIA = "recipes/sophia_gpt.yaml"
 
 
 def plans(steps_long: int):
     """{plan: [queue, ...]}; a queue is (gpus, [(job, recipe, extra args, limit_s), ...])."""
     maml = ["--trainer.max_steps=10", "--trainer.limit_val_batches=0"]
+    sophia = ["--trainer.max_steps=40", "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1"]
+    ddp = ["--trainer.devices=2", "--trainer.strategy=ddp"]
     probe = {
         "probe": [
             ("0", [
@@ -57,6 +61,14 @@ def plans(steps_long: int):
                    ("compile_tests", None, ["python", "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                             "tests/test_compile_gpu.py"], 200)]),
         ],
+        "ddp_more": [  # one-GPU baselines side by side, then the same recipes on both GPUs
+            ("0", [("sophia_1gpu", SOPHIA, sophia, 240)]),
+            ("1", [("maml_1gpu", MAML, maml, 200)]),
+        ],
+        "ddp_more2": [
+            ("0,1", [("maml_ddp2", MAML, maml + ddp, 240), ("sophia_ddp2", SOPHIA, sophia + ddp, 240)]),
+        ],
+        "ddp_maml": [("0,1", [("maml_ddp2", MAML, maml + ddp, 240)])],
         "cpu": [  # a smoke test of this script on the CPU recipes
             ("", [("gradmem_cpu", "recipes/gradmem_kv.yaml", ["--trainer.max_steps=4", "--trainer.log_every_n_steps=1"], 300)]),
         ],
@@ -103,6 +115,7 @@ def run_job(job, recipe, extra, limit, gpus, out):
             steady = st[2:] or st
             row["step_time_s"] = statistics.median(steady)
             row["step_time_first_s"] = st[0]
+            row["step_time_mean_s"] = statistics.fmean(steady)
         tps = col("train/tokens_per_s")
         if tps:
             row["tokens_per_s"] = statistics.median(tps[2:] or tps)

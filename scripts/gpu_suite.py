@@ -8,6 +8,8 @@ Stages:
   bench    the chain benchmark (ttt-flash bench) at the anchor shapes, causal and not
   shapes   d=128 (H=8) and GQA (H=32, H_kv=8, d=128) rows
   startup  first chain call at N=4096 in a fresh process with an empty Triton cache
+  host     host (Python) cost of a chain at N=1024: wall time, kernel count, cProfile
+  regs     registers / spills / shared memory of every compiled kernel (Triton metadata)
   length   one chain at N=1,048,576 (B=1, H=12, d=64), causal and non-causal, row spot-check
 Prints a short summary table last; details go to --out.
 """
@@ -138,6 +140,87 @@ def stage_profile(out: str) -> None:
         f.write(table)
 
 
+def stage_host(out: str) -> None:
+    """Host (Python) cost of a chain at N=1024, where the GPU work is ~0.2 ms: wall time per
+    chain, kernels launched per chain, and the cProfile of 50 chains."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from ttt_flash import flash_attention
+
+    x = [torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+    q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+    run = lambda: _chain(lambda a, b, c: flash_attention(a, b, c), q, k, v, do, x[4:])
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        run()
+    t_host = (time.perf_counter() - t0) / 50
+    torch.cuda.synchronize()
+    t_all = (time.perf_counter() - t0) / 50
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3 if kernels and hasattr(kernels[0], "device_time") else float("nan")
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(50):
+        run()
+    torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
+    text = (f"N=1024 chain: {t_host * 1e3:.2f} ms host per chain (no sync), {t_all * 1e3:.2f} ms with sync; "
+            f"{len(kernels)} GPU kernels per chain, {gpu_ms:.3f} ms GPU time\n"
+            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n" + buf.getvalue())
+    log(text[:6000])
+    with open(os.path.join(out, "host.txt"), "w") as f:
+        f.write(text)
+    SUMMARY.append(("host cost N=1024 chain", f"{t_host * 1e3:.2f} ms host, {t_all * 1e3:.2f} ms total, "
+                                              f"{len(kernels)} kernels, {gpu_ms:.3f} ms GPU"))
+
+
+def stage_regs(out: str) -> None:
+    """Registers, spills, shared memory and warps of every compiled kernel after one chain at
+    N=16,384 (non-causal and causal), from Triton's compiled-kernel metadata."""
+    from ttt_flash import flash_attention
+    from ttt_flash.kernels import attn_bwd as kb, attn_fwd as kf, bob as kbob
+
+    for causal in (False, True):
+        x = [torch.randn(1, 12, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+        q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+        _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do, x[4:])
+    torch.cuda.synchronize()
+    lines = [f"{'kernel':<24}{'regs':>6}{'spills':>8}{'shared KiB':>12}{'warps':>7}{'stages':>8}"]
+    for mod in (kf, kb, kbob):
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            caches = getattr(fn, "device_caches", None)
+            if not name.startswith("_") or caches is None:
+                continue
+            for entry in caches.values():
+                cache = entry[0] if isinstance(entry, tuple) else entry
+                for ck in cache.values():
+                    try:
+                        ck._init_handles()
+                    except Exception:  # noqa: BLE001
+                        pass
+                    md = ck.metadata
+                    lines.append(f"{name.strip('_')[:24]:<24}{getattr(ck, 'n_regs', -1):>6}{getattr(ck, 'n_spills', -1):>8}"
+                                 f"{getattr(md, 'shared', 0) / 1024:>12.1f}{getattr(md, 'num_warps', 0):>7}"
+                                 f"{getattr(md, 'num_stages', 0):>8}")
+    text = "\n".join(lines)
+    log(text)
+    with open(os.path.join(out, "regs.txt"), "w") as f:
+        f.write(text + "\n")
+
+
 def stage_startup(out: str) -> None:
     code = (
         "import time,torch;t=time.perf_counter();from ttt_flash import flash_attention;"
@@ -212,7 +295,8 @@ def main() -> int:
         try:
             {"tests": lambda: stage_tests(a.out), "errors": lambda: stage_errors(a.out),
              "bench": lambda: stage_bench(a.out, a.seq_lens), "shapes": lambda: stage_shapes(a.out),
-             "startup": lambda: stage_startup(a.out), "profile": lambda: stage_profile(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
+             "startup": lambda: stage_startup(a.out), "profile": lambda: stage_profile(a.out),
+             "host": lambda: stage_host(a.out), "regs": lambda: stage_regs(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
         except Exception as e:  # noqa: BLE001 - report and go on to the next stage
             import traceback
 

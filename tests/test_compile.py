@@ -123,28 +123,25 @@ def test_hessian_operator_on_compiled_loss_raises_clearly():
         HessianOperator(cstep(model, x, x), list(model.parameters()))
 
 
-def test_meta_inner_loop_on_compiled_module_raises_clearly():
+def _ce(out, target):
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def _compiled_gpt():
     model = _gpt()
-    x = torch.randint(0, 50, (1, 12))
-    cmodel = torch.compile(model, fullgraph=True, backend="aot_eager")
+    return model, torch.compile(model, fullgraph=True, backend="aot_eager"), torch.randint(0, 50, (1, 12))
 
-    def loss_fn(out, target):
-        return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
 
+def test_meta_inner_loop_on_compiled_module_raises_clearly():
+    _, cmodel, x = _compiled_gpt()
     with pytest.raises(RuntimeError, match="torch.compile'd graph"):
-        inner_loop(cmodel, None, loss_fn, (x, x), steps=1, lr=0.1)
+        inner_loop(cmodel, None, _ce, (x, x), steps=1, lr=0.1)
 
 
 def test_first_order_meta_inner_loop_on_compiled_module_runs():
-    model = _gpt()
-    x = torch.randint(0, 50, (1, 12))
-    cmodel = torch.compile(model, fullgraph=True, backend="aot_eager")
-
-    def loss_fn(out, target):
-        return torch.nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
-
-    fast = inner_loop(cmodel, None, loss_fn, (x, x), steps=1, lr=0.1, first_order=True)
-    ref = inner_loop(model, None, loss_fn, (x, x), steps=1, lr=0.1, first_order=True)
+    model, cmodel, x = _compiled_gpt()
+    fast = inner_loop(cmodel, None, _ce, (x, x), steps=1, lr=0.1, first_order=True)
+    ref = inner_loop(model, None, _ce, (x, x), steps=1, lr=0.1, first_order=True)
     for n in ref:
         assert torch.allclose(fast["_orig_mod." + n], ref[n], rtol=0, atol=1e-12)  # OptimizedModule prefix
 

@@ -233,29 +233,38 @@ def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
     return res
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
-    """Run every (provider, N) and return a dict with the config, rows and checks."""
-    cuda = cfg.device.startswith("cuda")
-    providers = [p for p in cfg.providers if cuda or not p.startswith("sdpa_")]
-    if not cuda and "sdpa" not in providers and any(p.startswith("sdpa_") for p in cfg.providers):
-        providers.append("sdpa")
-    result = {
+def new_result(cfg, cuda: bool) -> dict:
+    """The result dict every benchmark fills: its config, where and when it ran, no rows yet."""
+    return {
         "config": asdict(cfg),
         "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "rows": [],
     }
+
+
+def progress_bar(items, desc: str, progress: bool):
+    """tqdm over ``items`` when tqdm is installed (it comes with Lightning), else the items."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc, disable=not progress, leave=False)
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Run every (provider, N) and return a dict with the config, rows and checks."""
+    cuda = cfg.device.startswith("cuda")
+    providers = [p for p in cfg.providers if cuda or not p.startswith("sdpa_")]
+    if not cuda and "sdpa" not in providers and any(p.startswith("sdpa_") for p in cfg.providers):
+        providers.append("sdpa")
+    result = new_result(cfg, cuda)
     if cfg.check and "ttt_flash" in providers:
         result["check"] = check_correctness(cfg, n=min(256, max(cfg.seq_lens)))
     checked_ok = result.get("check", {"ok": True})["ok"]
     jobs = [(p, n) for n in cfg.seq_lens for p in providers]
-    try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(jobs, desc="bench", disable=not progress, leave=False)
-    except ImportError:  # pragma: no cover
-        bar = jobs
+    bar = progress_bar(jobs, "bench", progress)
     oom = set()
     for provider, n in bar:
         if hasattr(bar, "set_postfix_str"):

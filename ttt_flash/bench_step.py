@@ -23,13 +23,13 @@ Usage::
 from __future__ import annotations
 
 import math
-import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
+from .bench import new_result, progress_bar
 from .models import GPT, GPTConfig
 
 __all__ = ["StepBenchConfig", "run_step_bench", "format_step_table"]
@@ -128,19 +128,8 @@ def _sync(cfg):
 def run_step_bench(cfg: StepBenchConfig, progress: bool = True) -> dict:
     """Time eager and compiled first-order GPT steps at each sequence length."""
     cuda = cfg.device.startswith("cuda")
-    result = {
-        "config": asdict(cfg),
-        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": [],
-    }
-    try:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(cfg.seq_lens, desc="gpt step", disable=not progress, leave=False)
-    except ImportError:  # pragma: no cover
-        bar = cfg.seq_lens
+    result = new_result(cfg, cuda)
+    bar = progress_bar(cfg.seq_lens, "gpt step", progress)
     loss_fn = _loss_fn(cfg)
     for n in bar:
         torch._dynamo.reset()  # noqa: SLF001 - one fresh compilation per shape
@@ -178,7 +167,7 @@ def run_step_bench(cfg: StepBenchConfig, progress: bool = True) -> dict:
             except Exception as e:  # noqa: BLE001 - reported per row
                 row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
             result["rows"].append(row)
-        del model
+        model = fns = None  # free before the next length
         if cuda:
             torch.cuda.empty_cache()
     by = {(r["provider"], r["N"]): r for r in result["rows"]}

@@ -115,6 +115,40 @@ def test_second_order_through_compiled_graph_raises_the_library_message():
     # PyTorch would fail only later (next differentiation) or with an error on donated buffers
 
 
+@pytest.mark.parametrize("msg", [
+    "This backward function was compiled with non-empty donated buffers which requires create_graph=False",
+    "torch.compile with aot_autograd does not currently support double backward",
+])
+def test_second_order_grad_translates_pytorch_compile_errors(monkeypatch, msg):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(torch.autograd, "grad", refuse)
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError) as info:
+        second_order_grad(x.sum(), [x], create_graph=True)
+    assert str(info.value) == COMPILE_DOUBLE_BACKWARD_MESSAGE
+    assert str(info.value.__cause__) == msg  # PyTorch's own error kept as the cause
+
+
+def test_second_order_grad_passes_other_errors_and_eager_graphs_through():
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        second_order_grad(torch.ones(2).sum(), [torch.ones(2)], create_graph=True)
+    (g,) = second_order_grad((x ** 3).sum(), [x], create_graph=True)  # eager: no refusal
+    (h,) = torch.autograd.grad(g.sum(), [x])
+    assert torch.equal(h, 6 * x.detach())
+
+
+def test_step_bench_config_rejects_bad_input():
+    from ttt_flash.bench_step import StepBenchConfig
+
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        StepBenchConfig(dtype="int8", device="cpu")
+    with pytest.raises(ValueError, match="unknown step providers"):
+        StepBenchConfig(providers=["eager", "math"], device="cpu")
+
+
 def test_hessian_operator_on_compiled_loss_raises_clearly():
     model = _gpt()
     x = torch.randint(0, 50, (1, 12))

@@ -296,6 +296,34 @@ def test_chain_fp16(case, precise):
     run_bob(case, torch.float16, precise=precise)
 
 
+def test_precise_bob_fp16_col_split_knob(monkeypatch):
+    """COL_SPLIT=False (TTT_FLASH_BOB_COL_SPLIT=0): the column pass takes R and H as one
+    16-bit tile each. K̄, V̄ change (the knob acts) and stay within the float16 bound; the
+    row outputs are untouched."""
+    from ttt_flash.kernels import bob
+
+    case = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)
+    ts = case.tensors()
+    ref = _oracle(case, ts)
+    base = _oracle(case, ts, torch.float16)
+    q, k, v, do, uq, uk, uv = _dev(ts, torch.float16)
+    o = ref["o"].to(device=DEVICE, dtype=torch.float16)
+    lse = ref["lse"].to(device=DEVICE, dtype=torch.float32)
+    delta = ref["delta"].to(device=DEVICE, dtype=torch.float32)
+
+    def bob_outputs():
+        return attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, precise=True, **case.kw())
+
+    split = bob_outputs()
+    monkeypatch.setattr(bob, "COL_SPLIT", False)
+    single = bob_outputs()
+    for name, a, b in zip(("qb", "kb", "vb", "dob"), split, single):
+        check(name, b, ref[name], base[name])
+        if name in ("qb", "dob"):
+            assert torch.equal(a, b), name
+    assert not torch.equal(split[1], single[1]) and not torch.equal(split[2], single[2])
+
+
 SUBSET_CASE = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)
 USES = [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (1, 0, 1), (0, 1, 1)]
 

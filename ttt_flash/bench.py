@@ -161,8 +161,9 @@ def _make(cfg: BenchConfig, provider: str, n: int):
     return _sdpa_first_order_fn(cfg, backend, q, k, v, do), True
 
 
-def _time(cfg: BenchConfig, fn: Callable) -> float:
-    """Median milliseconds of fn()."""
+def median_ms(cfg, fn: Callable) -> float:
+    """Median milliseconds of fn(): ``triton.testing.do_bench`` on CUDA, a wall-clock loop on
+    the CPU. ``cfg`` has ``device``, ``warmup_ms`` and ``rep_ms``."""
     if cfg.device.startswith("cuda"):
         import triton.testing
 
@@ -196,7 +197,7 @@ def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
             fn()  # its outputs are freed on return; the peak stays recorded
             torch.cuda.synchronize()
             row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = _time(cfg, fn)
+        ms = median_ms(cfg, fn)
         row["ms"] = ms
         row["first_order"] = first_order
         row["tflops"] = chain_flops(cfg, n, first_order) / (ms * 1e-3) / 1e12
@@ -371,7 +372,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dtype", default="bfloat16" if cuda else "float64")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--window", type=int, default=None)
-    p.add_argument("--providers", default="ttt_flash,math,sdpa_flash,sdpa_cudnn")
+    p.add_argument("--providers", default=None,
+                   help="comma-separated; default ttt_flash,math,sdpa_flash,sdpa_cudnn "
+                        "(with --gpt-step: eager,compiled)")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
@@ -390,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _gpt_step_main(a)
     cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                       head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, window=a.window,
-                      providers=[x for x in a.providers.split(",") if x], device=a.device,
+                      providers=_providers(a.providers, BenchConfig), device=a.device,
                       warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check, out=a.out)
     result = run_bench(cfg)
     paths = save(result, cfg.out) if cfg.out else []
@@ -400,12 +403,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0 if result.get("check", {"ok": True})["ok"] else 1
 
 
+def _providers(arg: Optional[str], config_cls) -> List[str]:
+    """The --providers list, or the config class's default when not given."""
+    if arg is None:
+        return config_cls().providers
+    return [x for x in arg.split(",") if x]
+
+
 def _gpt_step_main(a) -> int:
     from .bench_step import StepBenchConfig, format_step_table, run_step_bench
 
-    providers = [x for x in a.providers.split(",") if x]
-    if providers == "ttt_flash,math,sdpa_flash,sdpa_cudnn".split(","):
-        providers = ["eager", "compiled"]
+    providers = _providers(a.providers, StepBenchConfig)
     cfg = StepBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                           head_dim=a.head_dim, layers=a.layers, vocab_size=a.vocab_size,
                           window=a.window, dtype=a.dtype, device=a.device, providers=providers,

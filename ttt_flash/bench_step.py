@@ -29,7 +29,7 @@ from typing import List, Optional
 
 import torch
 
-from .bench import new_result, progress_bar
+from .bench import median_ms, new_result, progress_bar
 from .models import GPT, GPTConfig
 
 __all__ = ["StepBenchConfig", "run_step_bench", "format_step_table"]
@@ -105,21 +105,6 @@ def _rel(a, b) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def _time(cfg: StepBenchConfig, fn) -> float:
-    if cfg.device.startswith("cuda"):
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
-    times = []
-    deadline = time.perf_counter() + cfg.rep_ms / 1e3
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def _sync(cfg):
     if cfg.device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -159,7 +144,7 @@ def run_step_bench(cfg: StepBenchConfig, progress: bool = True) -> dict:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
-                ms = _time(cfg, lambda: _step(model, fns[name], x, y))
+                ms = median_ms(cfg, lambda: _step(model, fns[name], x, y))
                 row["ms"] = ms
                 row["tokens_per_s"] = cfg.batch * n / (ms * 1e-3)
                 if cuda:

@@ -102,6 +102,35 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_q
     return dk, dv
 
 
+@triton.jit
+def _attn_bwd_dkdv_inner_qm(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_dn,
+                            offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
+                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                            LONG: tl.constexpr, PREC: tl.constexpr):
+    """As ``_attn_bwd_dkdv_inner``, in (queries x keys) tiles: K and V are the B operands of
+    the score products, L and D row vectors, P and dS enter the dV / dK products transposed."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n_q
+        rows = _rows(offs_m, LONG)
+        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
+        di = _load_rowvec(d_base, offs_m, m_ok, True)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if (start_m < mid_lo) | (start_m >= mid_hi):
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
+            p = tl.where(vis, p, 0.0)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - di[:, None])
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K,
@@ -115,7 +144,7 @@ def _attn_bwd_dkdv_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, QMAJOR: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -148,10 +177,16 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
         l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
         d_base = DELTA + b64 * stride_lb + h64 * stride_lh + q_start64
-        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
-                                      stride_dn, offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q,
-                                      n_k, shift, window, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL,
-                                      WINDOW, EVEN_D, LONG, PREC)
+        if QMAJOR:
+            dk, dv = _attn_bwd_dkdv_inner_qm(dk, dv, k, v, q_base, do_base, l_base, d_base,
+                                             stride_qn, stride_dn, offs_n, offs_d, lo, mid_lo,
+                                             mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+                                             HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
+        else:
+            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base,
+                                          stride_qn, stride_dn, offs_n, offs_d, lo, mid_lo,
+                                          mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+                                          HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
     dk = dk * scale
     _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start64 * stride_dkn, rows_n,
                 stride_dkn, dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -287,7 +322,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
                 *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
                 *strides(do, lay.varlen), *strides(dk, lay.varlen), *strides(dv, lay.varlen),
                 *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, QMAJOR=cfg.qmajor,
+                **common,
             )
     if dq.numel():
         if lay.n_q > 0:

@@ -115,12 +115,20 @@ def _bob_row_inner(
                     g = tl.dot(uq, tl.trans(k), g, input_precision=PREC)
             else:
                 g = tl.dot(uq, tl.trans(k), input_precision=PREC)
-            g = g * scale
-        if DIRECT:
+            if DIRECT:
+                g = g * scale - al[:, None]  # G − α
+            else:
+                g = g * scale
+        if DIRECT:  # ee holds E + αD: R = P∘((G−α)∘(dP−D) + B − (E + αD)), H = P∘(G−α)
+            if NEED_DOB:
+                if HAS_G:
+                    a_pgv = _dot_acc(p * g, v, a_pgv, PREC, SPLIT)
+                if HAS_UV:
+                    a_pgv = tl.dot(p.to(uv.dtype), uv, a_pgv, input_precision=PREC)
             if NEED_QB:
                 dpc = dp - di[:, None]
                 if HAS_G:
-                    r = g * dpc - al[:, None] * dp
+                    r = g * dpc
                     if HAS_UV:
                         r += bm
                 else:
@@ -129,11 +137,6 @@ def _bob_row_inner(
                 a_dsuk = _dot_acc(r, k, a_dsuk, PREC, SPLIT)
                 if HAS_UK:
                     a_dsuk = tl.dot((p * dpc).to(uk.dtype), uk, a_dsuk, input_precision=PREC)
-            if NEED_DOB:
-                if HAS_G:
-                    a_pgv = _dot_acc(p * (g - al[:, None]), v, a_pgv, PREC, SPLIT)
-                if HAS_UV:
-                    a_pgv = tl.dot(p.to(uv.dtype), uv, a_pgv, input_precision=PREC)
         else:
             if HAS_G:
                 pg = p * g
@@ -264,7 +267,7 @@ def _bob_row_kernel(
                 dob -= alpha[:, None] * o.to(tl.float32)
         if WRITE_AE:
             tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-            tl.store(EE + row_off + offs_m, ee, mask=m_ok)
+            tl.store(EE + row_off + offs_m, ee + alpha * di, mask=m_ok)  # E + αD
     if NEED_QB:
         _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn, rows_m,
                     stride_qbn, qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -314,15 +317,14 @@ def _bob_col_inner(
                     g_t = tl.dot(uk, tl.trans(q), g_t, input_precision=PREC)
             else:
                 g_t = tl.dot(uk, tl.trans(q), input_precision=PREC)
-            g_t = g_t * scale
+            g_t = g_t * scale - al[None, :]  # G − α
             if NEED_VB:
-                h_t = p_t * (g_t - al[None, :])
-                vb = _dot_acc(h_t, do, vb, PREC, SPLIT)
+                vb = _dot_acc(p_t * g_t, do, vb, PREC, SPLIT)
         if NEED_KB:
-            ee = _load_rowvec(e_base, offs_m, m_ok, True)
+            ee = _load_rowvec(e_base, offs_m, m_ok, True)  # E + αD
             dpc = dp_t - di[None, :]
             if HAS_G:
-                r = g_t * dpc - al[None, :] * dp_t
+                r = g_t * dpc
                 if HAS_UV:
                     r += tl.dot(uv, tl.trans(do), input_precision=PREC)
             else:
@@ -331,6 +333,75 @@ def _bob_col_inner(
             kb = _dot_acc(r, q, kb, PREC, SPLIT)
             if HAS_UQ:
                 kb = tl.dot((p_t * dpc).to(uq.dtype), uq, kb, input_precision=PREC)
+    return kb, vb
+
+
+@triton.jit
+def _dot_acc_t(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    """acc += aᵀ @ b for a float32 tile ``a`` rounded to b's dtype (hi + lo with SPLIT)."""
+    hi = a.to(b.dtype)
+    acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
+    if SPLIT:
+        lo = (a - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _bob_col_inner_qm(
+    kb, vb, k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
+    stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+    lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+    HAS_G: tl.constexpr,
+    NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    """Column-pass accumulation as ``_bob_col_inner``, in (queries x keys) tiles: the key-side
+    tiles are the B operands of the score products and the per-query vectors are row
+    vectors; R, dS and H enter the K̄ / V̄ products transposed."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < n_q
+        rows = _rows(offs_m, LONG)
+        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
+        di = _load_rowvec(d_base, offs_m, m_ok, True)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if (start_m < mid_lo) | (start_m >= mid_hi):
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if HAS_G:
+            al = _load_rowvec(a_base, offs_m, m_ok, True)
+            if HAS_UQ:
+                uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                g = tl.dot(uq, tl.trans(k), input_precision=PREC)
+                if HAS_UK:
+                    g = tl.dot(q, tl.trans(uk), g, input_precision=PREC)
+            else:
+                g = tl.dot(q, tl.trans(uk), input_precision=PREC)
+            g = g * scale - al[:, None]  # G − α
+            if NEED_VB:
+                vb = _dot_acc_t(p * g, do, vb, PREC, SPLIT)
+        if NEED_KB:
+            ee = _load_rowvec(e_base, offs_m, m_ok, True)  # E + αD
+            dpc = dp - di[:, None]
+            if HAS_G:
+                r = g * dpc
+                if HAS_UV:
+                    r += tl.dot(do, tl.trans(uv), input_precision=PREC)
+            else:
+                r = tl.dot(do, tl.trans(uv), input_precision=PREC)
+            r = p * (r - ee[:, None])
+            kb = _dot_acc_t(r, q, kb, PREC, SPLIT)
+            if HAS_UQ:
+                kb = tl.dot(tl.trans((p * dpc).to(uq.dtype)), uq, kb, input_precision=PREC)
     return kb, vb
 
 
@@ -353,7 +424,7 @@ def _bob_col_kernel(
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, QMAJOR: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
@@ -396,12 +467,20 @@ def _bob_col_kernel(
         do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
         uq_base = UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn
         row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-        kb, vb = _bob_col_inner(
-            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT)
+        if QMAJOR:
+            kb, vb = _bob_col_inner_qm(
+                kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+                ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+                lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+                HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT)
+        else:
+            kb, vb = _bob_col_inner(
+                kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+                ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+                lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+                HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT)
     if NEED_KB:
         kb = kb * scale
         _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + k_start64 * stride_kbn, rows_n,
@@ -413,11 +492,14 @@ def _bob_col_kernel(
 
 # --------------------------------------------------------------------------- launcher
 
-#: Whether the column pass also enters R and H as hi + lo 16-bit pairs when ``precise``
-#: (two more tile products per tile). Its outputs K̄, V̄ sum over query rows, where the
-#: single rounding of R and H averages out; ``TTT_FLASH_BOB_COL_SPLIT=0`` turns it off (an
-#: experiment knob, read at import).
-COL_SPLIT = os.environ.get("TTT_FLASH_BOB_COL_SPLIT", "1") != "0"
+#: Whether the column pass enters R and H as hi + lo 16-bit pairs when ``precise`` (two more
+#: tile products per tile, ~13% of the BoB time at N=16,384): bf16 K̄ / V̄ relative error
+#: 2.35e-3 -> 1.85e-3 / 1.66e-3 (N=1,024, GPT-2 shape). Off by default;
+#: ``TTT_FLASH_BOB_COL_SPLIT=1`` (read at import) turns it on.
+COL_SPLIT = os.environ.get("TTT_FLASH_BOB_COL_SPLIT", "0") == "1"
+#: The same for the direct row pass (R K and H V): Q̄ / dŌ 2.37e-3 / 2.34e-3 -> 1.86e-3 /
+#: 1.91e-3. ``TTT_FLASH_BOB_ROW_SPLIT=1`` turns it on.
+ROW_SPLIT = os.environ.get("TTT_FLASH_BOB_ROW_SPLIT", "0") == "1"
 
 
 @on_input_device
@@ -432,13 +514,14 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
 
     ``precise``: a third, cheap pass first computes the row statistics α, E (five
     score-shaped products per tile, no accumulators); the row pass then forms R and H per
-    tile (Q̄ = τ(dS U_K + R K), dŌ = H V + P U_V) instead of the affine α/E decomposition,
-    and for 16-bit inputs R and H enter their products as a hi + lo pair of 16-bit tiles
-    (in both passes). Costs ~35% more tile products. The affine two-pass default loses
-    accuracy where attention is peaked (the α (P∘dP) K and E (P K) terms cancel): emulated
-    bf16 relative L2 error of Q̄ / dŌ at peaked attention (mean max P 0.64, N=512, d=64)
-    1.0e-2 / 5.8e-3 by default, 5.6e-3 / 1.8e-3 with ``precise``; at diffuse attention
-    (GPT-2-like random inputs, N=1024) 2.4e-3 -> 1.9e-3 (bf16 output rounding alone: 1.7e-3).
+    tile (Q̄ = τ(dS U_K + R K), dŌ = H V + P U_V) instead of the affine α/E decomposition.
+    The affine two-pass form loses accuracy where attention is peaked (its α (P∘dP) K and
+    E (P K) terms cancel): emulated bf16 relative L2 error of Q̄ / dŌ at peaked attention
+    (mean max P 0.64, N=512, d=64) 1.0e-2 / 5.8e-3 affine, 5.6e-3 / 1.8e-3 precise (with the
+    split below). On the H200 the precise form is also the faster one. ``COL_SPLIT`` /
+    ``ROW_SPLIT`` (environment ``TTT_FLASH_BOB_COL_SPLIT=1``, ``TTT_FLASH_BOB_ROW_SPLIT=1``)
+    enter R and H as hi + lo pairs of 16-bit tiles: bf16 errors ~2.4e-3 -> ~1.9e-3, at two
+    more tile products per tile in each pass.
     """
     if uq is None and uk is None and uv is None:
         return None, None, None, None
@@ -492,7 +575,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             *st(q, q), *st(k, k), *st(v, v), *st(o, o), *st(do, do),
             *st(uq, q), *st(uk, k), *st(uv, v), *st(qb, q), *st(dob, do),
             *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **mode, **flags,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dict(flags, **mode),
         )
 
     if q.numel() > 0 and lay.n_q > 0:
@@ -502,7 +585,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                          WRITE_AE=True, DIRECT=False)
             if direct:
                 row_pass("bob_direct", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb,
-                         WRITE_AE=False, DIRECT=True)
+                         WRITE_AE=False, DIRECT=True,
+                         SPLIT=flags["SPLIT"] and ROW_SPLIT)
         elif need_qb or need_dob or run_col:
             row_pass("bob_row", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb or col_kb,
                      WRITE_AE=run_col, DIRECT=False)
@@ -517,6 +601,6 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             *rowvec_strides(lay), *args,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_KB=col_kb, NEED_VB=col_vb,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **dict(flags, SPLIT=flags["SPLIT"] and COL_SPLIT),
+            QMAJOR=cfg.qmajor, **dict(flags, SPLIT=flags["SPLIT"] and COL_SPLIT),
         )
     return qb, kb, vb, dob

@@ -40,6 +40,10 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    #: ``bwd_dkdv`` and ``bob_col`` only: compute in (queries x keys) tiles, the key-side
+    #: tiles as B operands and the per-query vectors as row vectors, the P / dS / R / H tiles
+    #: entering the key-side products transposed; False: (keys x queries) tiles.
+    qmajor: bool = False
 
 
 #: Test/tuning hook: ``OVERRIDES[kind] = TileConfig(...)`` wins over the table.
@@ -47,7 +51,7 @@ OVERRIDES: dict = {}
 
 
 def load_overrides(path: str) -> None:
-    """Fill OVERRIDES from a JSON file ``{kind: [block_m, block_n, num_warps, num_stages]}``
+    """Fill OVERRIDES from a JSON file ``{kind: [block_m, block_n, num_warps, num_stages(, qmajor)]}``
     (what ``tune.py`` writes as ``*.best.json``), to try sweep results without editing the
     table. Read at import from the ``TTT_FLASH_TILE_OVERRIDES`` environment variable."""
     import json
@@ -66,9 +70,9 @@ _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
     "bwd_pre": TileConfig(32, 16, 4, 1),
     "bwd_dq": TileConfig(32, 16, 4, 1),
-    "bwd_dkdv": TileConfig(16, 32, 4, 1),
+    "bwd_dkdv": TileConfig(16, 32, 4, 1, True),
     "bob_row": TileConfig(32, 16, 4, 1),
-    "bob_col": TileConfig(16, 32, 4, 1),
+    "bob_col": TileConfig(16, 32, 4, 1, True),
     "bob_stats": TileConfig(32, 16, 4, 1),
     "bob_direct": TileConfig(16, 16, 4, 1),
 }
@@ -81,13 +85,16 @@ _SM90_HALF = {
     # d <= 64: bwd_dkdv, bob_direct and bob_col from `python -m ttt_flash.kernels.tune
     # --head-dim 64 --dtype bfloat16 --seq-len 16384 --heads 12` on an H200 (2026-11-30):
     # bob_col 64x32/8 warps -> 64x64/4 warps took the BoB composer from 45.2 to 27.7 ms.
+    # bwd_dkdv and bob_col in (queries x keys) tiles (qmajor, same sweep, 2026-11-30 second
+    # session): dK/dV composer 6.54 -> 6.02 ms, BoB composer (without hi + lo split)
+    # 20.2 -> 17.8 ms.
     64: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_pre": _T(128, 64, 4, 1),
         "bwd_dq": _T(64, 64, 4, 3),
-        "bwd_dkdv": _T(32, 128, 4, 3),
+        "bwd_dkdv": _T(128, 64, 4, 2, True),
         "bob_row": _T(32, 64, 8, 2),
-        "bob_col": _T(64, 64, 4, 2),
+        "bob_col": _T(64, 64, 4, 2, True),
         "bob_stats": _T(128, 64, 8, 3),
         "bob_direct": _T(64, 64, 4, 2),
     },
@@ -155,7 +162,7 @@ _FP32[32] = _FP32[16] = _FP32[64]
 # Ampere / Ada (capability 8): same tiles, at most 2 stages (99 KiB shared memory on
 # 8.6/8.9); ptxas on sm_80 spilled the d = 64 dK/dV tile above, hence a smaller one.
 _SM80_HALF = {
-    bucket: {kind: _T(c.block_m, c.block_n, c.num_warps, min(c.num_stages, 2))
+    bucket: {kind: _T(c.block_m, c.block_n, c.num_warps, min(c.num_stages, 2), c.qmajor)
              for kind, c in table.items()}
     for bucket, table in _SM90_HALF.items()
 }

@@ -43,6 +43,9 @@ KIND_COMPOSER = {
     "bob_col": ("bob", {"precise": True}),
 }
 
+#: kinds whose kernels come in both tile orientations (``TileConfig.qmajor``)
+QMAJOR_KINDS = ("bwd_dkdv", "bob_col")
+
 
 def candidates(kind: str, grid: str = "default"):
     blocks = (16, 32, 64, 128) if grid == "wide" else (32, 64, 128)
@@ -50,7 +53,8 @@ def candidates(kind: str, grid: str = "default"):
     for bm, bn, w, s in itertools.product(blocks, blocks, (4, 8), (1, 2, 3) if grid == "wide" else (2, 3)):
         if bm * bn > 128 * 64 and kind.startswith("bob") and kind != "bob_stats":
             continue  # six (row) or two (column) tile-by-d accumulators: no room
-        out.append(configs.TileConfig(bm, bn, w, s))
+        for qm in ((False, True) if kind in QMAJOR_KINDS else (False,)):
+            out.append(configs.TileConfig(bm, bn, w, s, qm))
     return out
 
 
@@ -113,7 +117,8 @@ def main(argv=None) -> int:
     import triton.testing
 
     kinds = [k for k in a.kinds.split(",") if k]
-    jobs = [(k, [c.block_m, c.block_n, c.num_warps, c.num_stages]) for k in kinds for c in candidates(k, a.grid)]
+    jobs = [(k, [c.block_m, c.block_n, c.num_warps, c.num_stages, c.qmajor])
+            for k in kinds for c in candidates(k, a.grid)]
     t0 = time.time()
     chunks = [jobs[i :: a.jobs] for i in range(a.jobs)]
 
@@ -155,7 +160,8 @@ def main(argv=None) -> int:
                 rows.append({"cfg": c, "error": f"{type(e).__name__}: {str(e)[:100]}"})
         configs.OVERRIDES.clear()
         timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-        results["kinds"][kind] = {"table": [base_cfg.block_m, base_cfg.block_n, base_cfg.num_warps, base_cfg.num_stages],
+        results["kinds"][kind] = {"table": [base_cfg.block_m, base_cfg.block_n, base_cfg.num_warps, base_cfg.num_stages,
+                                            base_cfg.qmajor],
                                   "table_ms": base_ms, "rows": rows}
         best = timed[0] if timed else None
         print(f"{kind:<11} table {tuple(results['kinds'][kind]['table'])} {base_ms:8.3f} ms   "

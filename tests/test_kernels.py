@@ -296,10 +296,11 @@ def test_chain_fp16(case, precise):
     run_bob(case, torch.float16, precise=precise)
 
 
-def test_precise_bob_fp16_col_split_knob(monkeypatch):
-    """COL_SPLIT=False (TTT_FLASH_BOB_COL_SPLIT=0): the column pass takes R and H as one
-    16-bit tile each. K̄, V̄ change (the knob acts) and stay within the float16 bound; the
-    row outputs are untouched."""
+@pytest.mark.parametrize("knob", ["COL_SPLIT", "ROW_SPLIT"])
+def test_precise_bob_fp16_split_knobs(monkeypatch, knob):
+    """COL_SPLIT / ROW_SPLIT (TTT_FLASH_BOB_COL_SPLIT=1, TTT_FLASH_BOB_ROW_SPLIT=1): the column
+    (row) pass takes R and H as hi + lo pairs of 16-bit tiles. Its outputs change (the knob
+    acts) and stay within the float16 bound; the other pass's outputs are untouched."""
     from ttt_flash.kernels import bob
 
     case = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)
@@ -314,14 +315,40 @@ def test_precise_bob_fp16_col_split_knob(monkeypatch):
     def bob_outputs():
         return attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, precise=True, **case.kw())
 
-    split = bob_outputs()
     monkeypatch.setattr(bob, "COL_SPLIT", False)
+    monkeypatch.setattr(bob, "ROW_SPLIT", False)
     single = bob_outputs()
-    for name, a, b in zip(("qb", "kb", "vb", "dob"), split, single):
+    monkeypatch.setattr(bob, knob, True)
+    split = bob_outputs()
+    changed = ("kb", "vb") if knob == "COL_SPLIT" else ("qb", "dob")
+    for name, a, b in zip(("qb", "kb", "vb", "dob"), single, split):
+        check(name, a, ref[name], base[name])
         check(name, b, ref[name], base[name])
-        if name in ("qb", "dob"):
-            assert torch.equal(a, b), name
-    assert not torch.equal(split[1], single[1]) and not torch.equal(split[2], single[2])
+        assert torch.equal(a, b) != (name in changed), name
+
+
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("qmajor", [False, True], ids=["keys-x-queries", "queries-x-keys"])
+def test_column_kernel_orientations(kind, qmajor):
+    """Both tile orientations of the key-tile programs (TileConfig.qmajor), with masks,
+    GQA and BLOCK_M != BLOCK_N both ways."""
+    from ttt_flash.kernels import configs
+
+    case = Case("Nq70-Nk90-d16-window30-gqa2", nq=70, nk=90, d=16, hq=2, hkv=1, causal=True,
+                window=30)
+    old = dict(configs.OVERRIDES)
+    try:
+        for bm, bn in ((16, 32), (32, 16)):
+            configs.OVERRIDES[kind] = configs.TileConfig(bm, bn, 4, 1, qmajor)
+            if kind == "bwd_dkdv":
+                run_bwd(case, torch.float32)
+                run_bwd(DENSE[9], torch.float16)
+            else:
+                run_bob(case, torch.float32, precise=True)
+                run_bob(DENSE[9], torch.float16, precise=True)
+    finally:
+        configs.OVERRIDES.clear()
+        configs.OVERRIDES.update(old)
 
 
 SUBSET_CASE = Case("Nq40-Nk60-d32-causal-gqa2", nq=40, nk=60, d=32, hq=2, hkv=1, causal=True)

@@ -205,23 +205,36 @@ def test_chain_vs_float64(case, dt, precise):
     assert not failures, "\n".join(failures)
 
 
-def test_bob_bf16_gpt2_shape_relative_l2():
-    """N=1024, B=1, H=12, d=64, bf16: relative L2 error of each BoB output <= 2.5e-3."""
+def test_bob_bf16_gpt2_shape_relative_l2(monkeypatch):
+    """N=1024, B=1, H=12, d=64, bf16: relative L2 error of each BoB output <= 2.5e-3 (the
+    issue 3 target) for the affine and the precise (default) form; <= 2.2e-3 with the hi + lo
+    split of R and H switched on (measured ~1.9e-3 and ~1.7e-3 for V̄)."""
+    from ttt_flash.kernels import bob
+
     spec = dict(b=1, hq=12, hkv=12, nq=1024, nk=1024, d=64, causal=False)
     ts, kw = make_tensors(spec, torch.bfloat16, seed=1)
     ref = torch_chain(ts, kw, torch.float64)
     got = kernel_chain(ts, kw)
+    q, k, v, do, uq, uk, uv = ts
+
+    def errors(res):
+        return {n: ((x.double() - ref[n]).norm() / ref[n].norm()).item()
+                for n, x in zip(("qb", "kb", "vb", "dob"), res)}
+
     errs = {n: ((got[n].double() - ref[n]).norm() / ref[n].norm()).item()
             for n in ("qb", "kb", "vb", "dob")}
-    print("bf16 relative L2, default:", {n: f"{e:.2e}" for n, e in errs.items()})
+    print("bf16 relative L2, affine:", {n: f"{e:.2e}" for n, e in errs.items()})
     assert all(e <= 2.5e-3 for e in errs.values()), errs
-    # precise=True: emulated ~1.9e-3 (Q̄, K̄, dŌ) and ~1.7e-3 (V̄)
-    q, k, v, do, uq, uk, uv = ts
-    res = attn_bob(q, k, v, got["o"], got["lse"], do, got["delta"], uq, uk, uv, precise=True, **kw)
-    errs_p = {n: ((x.double() - ref[n]).norm() / ref[n].norm()).item()
-              for n, x in zip(("qb", "kb", "vb", "dob"), res)}
-    print("bf16 relative L2, precise=True:", {n: f"{e:.2e}" for n, e in errs_p.items()})
-    assert all(errs_p[n] <= min(errs[n], 2.2e-3) for n in errs), (errs, errs_p)
+    precise = errors(attn_bob(q, k, v, got["o"], got["lse"], do, got["delta"], uq, uk, uv,
+                              precise=True, **kw))
+    print("bf16 relative L2, precise:", {n: f"{e:.2e}" for n, e in precise.items()})
+    assert all(e <= 2.5e-3 for e in precise.values()), precise
+    monkeypatch.setattr(bob, "COL_SPLIT", True)
+    monkeypatch.setattr(bob, "ROW_SPLIT", True)
+    split = errors(attn_bob(q, k, v, got["o"], got["lse"], do, got["delta"], uq, uk, uv,
+                            precise=True, **kw))
+    print("bf16 relative L2, precise + split:", {n: f"{e:.2e}" for n, e in split.items()})
+    assert all(split[n] <= min(precise[n], 2.2e-3) for n in split), (precise, split)
 
 
 def test_bob_cotangent_subset_bf16():

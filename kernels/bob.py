@@ -137,6 +137,17 @@ def _bob_row_inner(
                 a_dsuk = _dot_acc(r, k, a_dsuk, PREC, SPLIT)
                 if HAS_UK:
                     a_dsuk = tl.dot((p * dpc).to(uk.dtype), uk, a_dsuk, input_precision=PREC)
+        elif not (NEED_QB or NEED_DOB):  # statistics only: α and rowsum(P∘(G∘dP + B))
+            if HAS_G:
+                r_alpha += tl.sum(p * g, 1)
+                if NEED_DP:
+                    if HAS_UV:
+                        r_gdp += tl.sum(p * (g * dp + bm), 1)
+                    else:
+                        r_gdp += tl.sum(p * (g * dp), 1)
+            elif HAS_UV:
+                if NEED_DP:
+                    r_b += tl.sum(p * bm, 1)
         else:
             if HAS_G:
                 pg = p * g

@@ -87,26 +87,28 @@ _SM90_HALF = {
     # bob_col 64x32/8 warps -> 64x64/4 warps took the BoB composer from 45.2 to 27.7 ms.
     # bwd_dkdv and bob_col in (queries x keys) tiles (qmajor, same sweep, 2026-11-30 second
     # session): dK/dV composer 6.54 -> 6.02 ms, BoB composer (without hi + lo split)
-    # 20.2 -> 17.8 ms.
+    # 20.2 -> 17.8 ms. bwd_dq and bob_direct 128x64/8 warps: chain at N=65,536 432 -> 426 and
+    # 427 ms each (scripts/tile_check.py), no change at 16,384.
     64: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_pre": _T(128, 64, 4, 1),
-        "bwd_dq": _T(64, 64, 4, 3),
+        "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(128, 64, 4, 2, True),
         "bob_row": _T(32, 64, 8, 2),
         "bob_col": _T(64, 64, 4, 2, True),
         "bob_stats": _T(128, 64, 8, 3),
-        "bob_direct": _T(64, 64, 4, 2),
+        "bob_direct": _T(128, 64, 8, 3),
     },
     # 64 < d <= 128: fwd, bwd_dq, bwd_dkdv and the precise BoB passes from `python -m
     # ttt_flash.kernels.tune --head-dim 128 --dtype bfloat16 --seq-len 8192 --heads 8` on an
     # H200 (2026-11-30): the BoB composer went from 36.2 to ~26 ms; chain at N=16384, H=8:
-    # 164.8 -> 39.6 ms.
+    # 164.8 -> 39.6 ms. bwd_dkdv in (queries x keys) tiles (second sweep, 2026-11-30): the
+    # first-backward composer 2.03 -> 1.75 ms at N=8192.
     128: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_pre": _T(64, 64, 4, 1),
         "bwd_dq": _T(128, 64, 8, 3),
-        "bwd_dkdv": _T(64, 128, 8, 3),
+        "bwd_dkdv": _T(64, 64, 4, 2, True),
         "bob_row": _T(16, 32, 8, 2),
         "bob_col": _T(32, 128, 8, 3),
         "bob_stats": _T(128, 64, 8, 2),

@@ -1,0 +1,70 @@
+"""Chain time per tile variant, measured in one process (issue 4 notes): every variant is a set
+of ``configs.OVERRIDES`` on top of the table; the table itself is timed first and last.
+
+    python scripts/tile_check.py --n 16384,65536 \
+        --variant 'direct128={"bob_direct": [128, 64, 8, 2]}' --variant '...'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", default="16384,65536")
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--reps", type=int, default=0, help="0: 10 below 32K, 3 above")
+    p.add_argument("--variant", action="append", default=[], help="name=JSON of {kind: tiles}")
+    a = p.parse_args()
+    from ttt_flash import flash_attention
+    from ttt_flash.kernels import configs
+
+    variants = [("table", {})]
+    for v in a.variant:
+        name, spec = v.split("=", 1)
+        variants.append((name, {k: configs.TileConfig(*c) for k, c in json.loads(spec).items()}))
+    variants.append(("table(again)", {}))
+    rows = []
+    for n in (int(x) for x in a.n.split(",")):
+        x = [torch.randn(1, a.heads, n, a.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+        q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+        u = x[4:]
+
+        def chain():
+            o = flash_attention(q, k, v, causal=a.causal)
+            g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+            inner = sum((s * w).sum() for s, w in zip(g, u))
+            return torch.autograd.grad(inner, (q, k, v, do))
+
+        reps = a.reps or (10 if n < 32768 else 3)
+        for name, ov in variants:
+            configs.OVERRIDES.clear()
+            configs.OVERRIDES.update(ov)
+            try:
+                chain()
+                torch.cuda.synchronize()
+                ts = []
+                for _ in range(reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    chain()
+                    e.record()
+                    torch.cuda.synchronize()
+                    ts.append(s.elapsed_time(e))
+                rows.append((n, name, statistics.median(ts), min(ts)))
+            except Exception as ex:  # noqa: BLE001 - a failing variant is a result
+                rows.append((n, name, float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"))
+            print(f"{n:>7} {name:<24} {rows[-1][2]:9.2f} ms  (min {rows[-1][3]})", flush=True)
+        configs.OVERRIDES.clear()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -16,6 +16,10 @@ from .common import (
     LOG2E,
     _NO_SPECIALIZE,
     _key_tile_range,
+    _kt_acc,
+    _kt_dot,
+    _kt_probs,
+    _kt_q,
     _load_rowvec,
     _load_tile,
     _rows,
@@ -78,8 +82,9 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_q
                          offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
                          qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                          CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                         LONG: tl.constexpr, PREC: tl.constexpr):
-    """Accumulate dK (unscaled), dV of one key tile over query tiles [lo, hi)."""
+                         LONG: tl.constexpr, PREC: tl.constexpr, QMAJOR: tl.constexpr):
+    """Accumulate dK (unscaled), dV of one key tile over query tiles [lo, hi), in
+    (keys x queries) tiles or (QMAJOR) (queries x keys) tiles (common.py, ``_kt_*``)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_q
@@ -88,46 +93,12 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_q
         do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
         lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
         di = _load_rowvec(d_base, offs_m, m_ok, True)
-        # transposed tiles (keys x queries)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        p_t = tl.exp2(s_t - lse2[None, :])
-        if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p_t = tl.where(vis, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = p_t * (dp_t - di[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
-
-
-@triton.jit
-def _attn_bwd_dkdv_inner_qm(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_dn,
-                            offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
-                            qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                            LONG: tl.constexpr, PREC: tl.constexpr):
-    """As ``_attn_bwd_dkdv_inner``, in (queries x keys) tiles: K and V are the B operands of
-    the score products, L and D row vectors, P and dS enter the dV / dK products transposed."""
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < n_q
-        rows = _rows(offs_m, LONG)
-        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
-        di = _load_rowvec(d_base, offs_m, m_ok, True)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.exp2(s - lse2[:, None])
-        if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p = tl.where(vis, p, 0.0)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PREC)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - di[:, None])
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
+        p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
+                      window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
+        dv = _kt_acc(p, do, dv, PREC, False, QMAJOR)
+        dp = _kt_dot(v, do, None, PREC, QMAJOR)
+        ds = p * (dp - _kt_q(di, QMAJOR))
+        dk = _kt_acc(ds, q, dk, PREC, False, QMAJOR)
     return dk, dv
 
 
@@ -177,16 +148,10 @@ def _attn_bwd_dkdv_kernel(
         do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
         l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
         d_base = DELTA + b64 * stride_lb + h64 * stride_lh + q_start64
-        if QMAJOR:
-            dk, dv = _attn_bwd_dkdv_inner_qm(dk, dv, k, v, q_base, do_base, l_base, d_base,
-                                             stride_qn, stride_dn, offs_n, offs_d, lo, mid_lo,
-                                             mid_hi, hi, n_q, n_k, shift, window, qk_scale,
-                                             HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
-        else:
-            dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base,
-                                          stride_qn, stride_dn, offs_n, offs_d, lo, mid_lo,
-                                          mid_hi, hi, n_q, n_k, shift, window, qk_scale,
-                                          HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
+        dk, dv = _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn,
+                                      stride_dn, offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q,
+                                      n_k, shift, window, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL,
+                                      WINDOW, EVEN_D, LONG, PREC, QMAJOR)
     dk = dk * scale
     _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start64 * stride_dkn, rows_n,
                 stride_dkn, dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)

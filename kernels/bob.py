@@ -40,6 +40,10 @@ from .common import (
     LOG2E,
     _NO_SPECIALIZE,
     _key_tile_range,
+    _kt_acc,
+    _kt_dot,
+    _kt_probs,
+    _kt_q,
     _load_rowvec,
     _load_tile,
     _rows,
@@ -300,10 +304,11 @@ def _bob_col_inner(
     PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
     HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, QMAJOR: tl.constexpr,
 ):
-    """Column-pass accumulation of one key tile over query tiles [lo, hi), in transposed
-    (keys x queries) tiles; tiles outside [mid_lo, mid_hi) are masked."""
+    """Column-pass accumulation of one key tile over query tiles [lo, hi), in (keys x
+    queries) tiles or (QMAJOR) (queries x keys) tiles (common.py, ``_kt_*``); query tiles
+    outside [mid_lo, mid_hi) are masked. ``e_base`` holds E + αD."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < n_q
@@ -312,107 +317,34 @@ def _bob_col_inner(
         do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
         lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
         di = _load_rowvec(d_base, offs_m, m_ok, True)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-        p_t = tl.exp2(s_t - lse2[None, :])
-        if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[None, :], offs_n[:, None], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p_t = tl.where(vis, p_t, 0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
+                      window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
+        dp = _kt_dot(v, do, None, PREC, QMAJOR)
         if HAS_G:
             al = _load_rowvec(a_base, offs_m, m_ok, True)
             if HAS_UQ:
                 uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                g_t = tl.dot(k, tl.trans(uq), input_precision=PREC)
+                g = _kt_dot(k, uq, None, PREC, QMAJOR)
                 if HAS_UK:
-                    g_t = tl.dot(uk, tl.trans(q), g_t, input_precision=PREC)
+                    g = _kt_dot(uk, q, g, PREC, QMAJOR)
             else:
-                g_t = tl.dot(uk, tl.trans(q), input_precision=PREC)
-            g_t = g_t * scale - al[None, :]  # G − α
+                g = _kt_dot(uk, q, None, PREC, QMAJOR)
+            g = g * scale - _kt_q(al, QMAJOR)  # G − α
             if NEED_VB:
-                vb = _dot_acc(p_t * g_t, do, vb, PREC, SPLIT)
+                vb = _kt_acc(p * g, do, vb, PREC, SPLIT, QMAJOR)
         if NEED_KB:
-            ee = _load_rowvec(e_base, offs_m, m_ok, True)  # E + αD
-            dpc = dp_t - di[None, :]
-            if HAS_G:
-                r = g_t * dpc
-                if HAS_UV:
-                    r += tl.dot(uv, tl.trans(do), input_precision=PREC)
-            else:
-                r = tl.dot(uv, tl.trans(do), input_precision=PREC)
-            r = p_t * (r - ee[None, :])
-            kb = _dot_acc(r, q, kb, PREC, SPLIT)
-            if HAS_UQ:
-                kb = tl.dot((p_t * dpc).to(uq.dtype), uq, kb, input_precision=PREC)
-    return kb, vb
-
-
-@triton.jit
-def _dot_acc_t(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    """acc += aᵀ @ b for a float32 tile ``a`` rounded to b's dtype (hi + lo with SPLIT)."""
-    hi = a.to(b.dtype)
-    acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
-    if SPLIT:
-        lo = (a - hi.to(tl.float32)).to(b.dtype)
-        acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
-def _bob_col_inner_qm(
-    kb, vb, k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
-    stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-    lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-    PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
-    HAS_G: tl.constexpr,
-    NEED_KB: tl.constexpr, NEED_VB: tl.constexpr,
-    SPLIT: tl.constexpr,
-):
-    """Column-pass accumulation as ``_bob_col_inner``, in (queries x keys) tiles: the key-side
-    tiles are the B operands of the score products and the per-query vectors are row
-    vectors; R, dS and H enter the K̄ / V̄ products transposed."""
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < n_q
-        rows = _rows(offs_m, LONG)
-        q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
-        di = _load_rowvec(d_base, offs_m, m_ok, True)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.exp2(s - lse2[:, None])
-        if (start_m < mid_lo) | (start_m >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p = tl.where(vis, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        if HAS_G:
-            al = _load_rowvec(a_base, offs_m, m_ok, True)
-            if HAS_UQ:
-                uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                g = tl.dot(uq, tl.trans(k), input_precision=PREC)
-                if HAS_UK:
-                    g = tl.dot(q, tl.trans(uk), g, input_precision=PREC)
-            else:
-                g = tl.dot(q, tl.trans(uk), input_precision=PREC)
-            g = g * scale - al[:, None]  # G − α
-            if NEED_VB:
-                vb = _dot_acc_t(p * g, do, vb, PREC, SPLIT)
-        if NEED_KB:
-            ee = _load_rowvec(e_base, offs_m, m_ok, True)  # E + αD
-            dpc = dp - di[:, None]
+            ee = _load_rowvec(e_base, offs_m, m_ok, True)
+            dpc = dp - _kt_q(di, QMAJOR)
             if HAS_G:
                 r = g * dpc
                 if HAS_UV:
-                    r += tl.dot(do, tl.trans(uv), input_precision=PREC)
+                    r += _kt_dot(uv, do, None, PREC, QMAJOR)
             else:
-                r = tl.dot(do, tl.trans(uv), input_precision=PREC)
-            r = p * (r - ee[:, None])
-            kb = _dot_acc_t(r, q, kb, PREC, SPLIT)
+                r = _kt_dot(uv, do, None, PREC, QMAJOR)
+            r = p * (r - _kt_q(ee, QMAJOR))
+            kb = _kt_acc(r, q, kb, PREC, SPLIT, QMAJOR)
             if HAS_UQ:
-                kb = tl.dot(tl.trans((p * dpc).to(uq.dtype)), uq, kb, input_precision=PREC)
+                kb = _kt_acc(p * dpc, uq, kb, PREC, False, QMAJOR)
     return kb, vb
 
 
@@ -478,20 +410,12 @@ def _bob_col_kernel(
         do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
         uq_base = UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn
         row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-        if QMAJOR:
-            kb, vb = _bob_col_inner_qm(
-                kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-                ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-                lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-                HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT)
-        else:
-            kb, vb = _bob_col_inner(
-                kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-                ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
-                lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-                HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT)
+        kb, vb = _bob_col_inner(
+            kb, vb, k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
+            ALPHA + row_off, EE + row_off, stride_qn, stride_dn, stride_uqn, offs_n, offs_d,
+            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_KB, NEED_VB, SPLIT, QMAJOR)
     if NEED_KB:
         kb = kb * scale
         _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + k_start64 * stride_kbn, rows_n,

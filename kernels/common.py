@@ -216,6 +216,73 @@ def _dot_acc(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
     return acc
 
 
+
+# Key-tile programs (dK/dV, BoB column pass) hold one key tile and loop over query tiles. They
+# compute their score-shaped tiles either as (keys x queries), or (QMAJOR) as (queries x keys)
+# with the key-side tiles as the products' B operands and the per-query vectors as row vectors;
+# the helpers below hide the orientation.
+
+
+@triton.jit
+def _kt_dot(key_tile, query_tile, acc, PREC: tl.constexpr, QMAJOR: tl.constexpr):
+    """A score-shaped product (plus ``acc``, or None) of a key-side and a query-side
+    tile x d: query_tile @ key_tileᵀ when QMAJOR, key_tile @ query_tileᵀ otherwise."""
+    if QMAJOR:
+        return tl.dot(query_tile, tl.trans(key_tile), acc, input_precision=PREC)
+    else:
+        return tl.dot(key_tile, tl.trans(query_tile), acc, input_precision=PREC)
+
+
+@triton.jit
+def _kt_q(x, QMAJOR: tl.constexpr):
+    """A per-query vector, broadcast over the keys of a score-shaped tile."""
+    if QMAJOR:
+        return x[:, None]
+    else:
+        return x[None, :]
+
+
+@triton.jit
+def _kt_k(x, QMAJOR: tl.constexpr):
+    """A per-key vector, broadcast over the queries of a score-shaped tile."""
+    if QMAJOR:
+        return x[None, :]
+    else:
+        return x[:, None]
+
+
+@triton.jit
+def _kt_acc(t, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, QMAJOR: tl.constexpr):
+    """acc (keys x d) += T @ b, T the float32 score-shaped tile ``t`` (transposed when
+    QMAJOR) rounded to b's dtype; with SPLIT it enters as hi + lo (two products)."""
+    hi = t.to(b.dtype)
+    if QMAJOR:
+        acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
+    else:
+        acc = tl.dot(hi, b, acc, input_precision=PREC)
+    if SPLIT:
+        lo = (t - hi.to(tl.float32)).to(b.dtype)
+        if QMAJOR:
+            acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(lo, b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift, window,
+              qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+              QMAJOR: tl.constexpr):
+    """P of one (query tile, key tile) pair in a key-tile program; query tiles outside
+    [mid_lo, mid_hi) are masked."""
+    s = _kt_dot(k, q, None, PREC, QMAJOR) * qk_scale
+    p = tl.exp2(s - _kt_q(lse2, QMAJOR))
+    if (start_m < mid_lo) | (start_m >= mid_hi):
+        vis = _visible(_kt_q(offs_m, QMAJOR), _kt_k(offs_n, QMAJOR), n_q, n_k, shift, window,
+                       CAUSAL, WINDOW)
+        p = tl.where(vis, p, 0.0)
+    return p
+
 @triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""

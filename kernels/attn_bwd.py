@@ -1,4 +1,4 @@
-"""First backward: D = rowsum(dO∘O), dK/dV by key-tile programs, dQ by query-tile programs.
+"""First backward: dQ (and D = rowsum(dO∘O)) by query-tile programs, then dK/dV by key-tile programs.
 
     P = exp(S − L),  dP = dO Vᵀ,  dS = P∘(dP − D)
     dQ = τ dS K,   dK = τ dSᵀ Q,   dV = Pᵀ dO
@@ -186,18 +186,21 @@ def _attn_bwd_dq_inner(dq, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K,
+    Q, K, V, O, DO, LSE, DELTA, DQ, CU_Q, CU_K,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
     stride_db, stride_dh, stride_dn,
     stride_dqb, stride_dqh, stride_dqn,
     stride_lb, stride_lh,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, WRITE_DELTA: tl.constexpr,
 ):
+    """dQ of one query tile; with WRITE_DELTA it also forms D = rowsum(dO∘O) of its rows and
+    writes it (for the dK/dV launch that follows) instead of reading it."""
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -222,7 +225,13 @@ def _attn_bwd_dq_kernel(
                     stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     row_off = b64 * stride_lb + h64 * stride_lh + q_start64
     lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    if WRITE_DELTA:
+        o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
+                       stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        di = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(DELTA + row_off + offs_m, di, mask=m_ok)
+    else:
+        di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -267,7 +276,6 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     lse = lse.contiguous()
     scale = lay.head_dim ** -0.5 if scale is None else float(scale)
     use_window = bool(causal) and window is not None
-    delta = attn_bwd_delta(o, do, lay, cu_seqlens_q)
     dq = new_empty(q.shape, q.dtype, q.device)
     dk = new_empty(k.shape, k.dtype, k.device)
     dv = new_empty(v.shape, v.dtype, v.device)
@@ -276,8 +284,22 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
     common = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
                   CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen, PREC=prec,
-                  LONG=long_rows(lay, q, k, v, do, dq, dk, dv))
+                  LONG=long_rows(lay, q, k, v, o, do, dq, dk, dv))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    # dQ first: its programs also form D = rowsum(dO∘O), which the dK/dV programs read
+    if dq.numel() and lay.n_q > 0:
+        delta = new_rowvec(lay, q.device)
+        cfg = get_config("bwd_dq", bd, q.dtype, q.device)
+        grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+        _attn_bwd_dq_kernel[grid](
+            q, k, v, o, do, lse, delta, dq, cu_q, cu_k,
+            *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
+            *strides(o, lay.varlen), *strides(do, lay.varlen), *strides(dq, lay.varlen),
+            *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, WRITE_DELTA=True, **common,
+        )
+    else:
+        delta = attn_bwd_delta(o, do, lay, cu_seqlens_q)
     if dk.numel():
         if lay.n_k > 0:
             cfg = get_config("bwd_dkdv", bd, q.dtype, q.device)
@@ -289,16 +311,5 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
                 *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, QMAJOR=cfg.qmajor,
                 **common,
-            )
-    if dq.numel():
-        if lay.n_q > 0:
-            cfg = get_config("bwd_dq", bd, q.dtype, q.device)
-            grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-            _attn_bwd_dq_kernel[grid](
-                q, k, v, do, lse, delta, dq, cu_q, cu_k,
-                *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-                *strides(do, lay.varlen), *strides(dq, lay.varlen), *rowvec_strides(lay), *args,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
             )
     return dq, dk, dv, delta

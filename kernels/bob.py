@@ -203,7 +203,8 @@ def _bob_row_kernel(
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_DP: tl.constexpr, WRITE_AE: tl.constexpr,
-    DIRECT: tl.constexpr, SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr, SPLIT: tl.constexpr, STATS_FIRST: tl.constexpr = False,
+    STATS_DP: tl.constexpr = False,
 ):
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
@@ -236,16 +237,32 @@ def _bob_row_kernel(
         uq = q
     lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
-    if DIRECT:  # α, E from the stats pass
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
+    uv_base = UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    if STATS_FIRST:  # DIRECT with the statistics pass's sweep in this program (same rows)
+        zt = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        zr = tl.zeros([BLOCK_M], dtype=tl.float32)
+        _, _, _, _, _, _, al, r_gdp, r_b = _bob_row_inner(
+            zt, zt, zt, zt, zt, zt, zr, zr, zr,
+            q, do, uq, lse2, di, di, di, k_base, v_base, uk_base, uv_base,
+            stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, False, False, STATS_DP, False, False)
+        ee = r_gdp - al * di + r_b  # E + αD
+        if WRITE_AE:
+            tl.store(ALPHA + row_off + offs_m, al, mask=m_ok)
+            tl.store(EE + row_off + offs_m, ee, mask=m_ok)
+    elif DIRECT:  # α, E + αD from the stats pass
         al = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
         ee = _load_rowvec(EE + row_off, offs_m, m_ok, True)
     else:
         al = di
         ee = di
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
-    uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
-    uv_base = UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn
 
     a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -257,8 +274,6 @@ def _bob_row_kernel(
     r_gdp = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
 
-    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-                                             CAUSAL, WINDOW)
     a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b = _bob_row_inner(
         a_dsuk, a_tk, a_pdpk, a_pk, a_pgv, a_puv, r_alpha, r_gdp, r_b,
         q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_base,
@@ -514,9 +529,16 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         )
 
     if q.numel() > 0 and lay.n_q > 0:
-        if precise:
+        stats_dp = need_qb or col_kb  # E is needed (by Q̄ or K̄)
+        if precise and direct and (get_config("bob_stats", bd, q.dtype, q.device)
+                                   == get_config("bob_direct", bd, q.dtype, q.device)):
+            # same tiles: one program sweeps its keys twice (statistics, then direct)
+            row_pass("bob_direct", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb,
+                     WRITE_AE=run_col, DIRECT=True, SPLIT=flags["SPLIT"] and ROW_SPLIT,
+                     STATS_FIRST=True, STATS_DP=stats_dp)
+        elif precise:
             if with_stats:  # stats pass: α (and E when Q̄ or K̄ needs it)
-                row_pass("bob_stats", NEED_QB=False, NEED_DOB=False, NEED_DP=need_qb or col_kb,
+                row_pass("bob_stats", NEED_QB=False, NEED_DOB=False, NEED_DP=stats_dp,
                          WRITE_AE=True, DIRECT=False)
             if direct:
                 row_pass("bob_direct", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb,

@@ -20,7 +20,8 @@ Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 - ``bob_row``   BoB row pass (six tile x d accumulators: registers are tight).
 - ``bob_col``   BoB column pass (two accumulators, four key-side tiles held).
 - ``bob_stats`` ``precise=True`` only: row statistics α, E (no tile accumulators).
-- ``bob_direct`` ``precise=True`` only: row pass with α, E known (two accumulators).
+- ``bob_direct`` ``precise=True`` only: row pass with α, E known (two accumulators). When
+  its tiles equal ``bob_stats``' the two are one launch: each program sweeps its keys twice.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ _INTERPRETER = {
     "bwd_dkdv": TileConfig(16, 32, 4, 1, True),
     "bob_row": TileConfig(32, 16, 4, 1),
     "bob_col": TileConfig(16, 32, 4, 1, True),
-    "bob_stats": TileConfig(32, 16, 4, 1),
+    "bob_stats": TileConfig(16, 16, 4, 1),  # = bob_direct: one launch (statistics sweep first)
     "bob_direct": TileConfig(16, 16, 4, 1),
 }
 

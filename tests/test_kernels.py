@@ -397,6 +397,21 @@ def test_bob_precise_fp32(use, needs):
             precise=True)
 
 
+@pytest.mark.parametrize("separate", [False, True], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("use,needs", [((1, 1, 1), (True, True, True, True)),
+                                       ((0, 0, 1), (True, False, False, True)),
+                                       ((1, 1, 0), (True, False, True, False))])
+def test_bob_precise_row_launches(use, needs, separate, monkeypatch):
+    """The statistics and direct row sweeps in one program (equal tiles, the default) and
+    as two launches (different tiles), with and without the column pass."""
+    from ttt_flash.kernels import configs
+
+    if separate:
+        monkeypatch.setitem(configs.OVERRIDES, "bob_stats", configs.TileConfig(32, 16, 4, 1))
+    for case in (SUBSET_CASE, VARLEN[2]):
+        run_bob(case, torch.float32, use=tuple(bool(x) for x in use), needs=needs, precise=True)
+
+
 @pytest.mark.parametrize("case", _params([DENSE[1], DENSE[8], VARLEN[2]]))
 def test_bob_precise_masks_fp32(case):
     """precise=True with N=1, rows that see no key, varlen + window + MQA."""

@@ -450,6 +450,11 @@ COL_SPLIT = os.environ.get("TTT_FLASH_BOB_COL_SPLIT", "0") == "1"
 #: The same for the direct row pass (R K and H V): Q̄ / dŌ 2.37e-3 / 2.34e-3 -> 1.86e-3 /
 #: 1.91e-3. ``TTT_FLASH_BOB_ROW_SPLIT=1`` turns it on.
 ROW_SPLIT = os.environ.get("TTT_FLASH_BOB_ROW_SPLIT", "0") == "1"
+#: Longest key sequence for which the statistics and direct row sweeps run in one launch (when
+#: their tiles agree). Short sequences are host-bound, so a launch less counts (H200, N=1,024:
+#: chain 2.26 -> 1.89 ms with D also formed in the dQ launch); at N=65,536 one launch per sweep
+#: was ~1 % faster (421 vs 425 ms), the whole grid sweeping the same keys at a time.
+FUSED_ROW_MAX_KEYS = 8192
 
 
 @on_input_device
@@ -530,9 +535,11 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
 
     if q.numel() > 0 and lay.n_q > 0:
         stats_dp = need_qb or col_kb  # E is needed (by Q̄ or K̄)
-        if precise and direct and (get_config("bob_stats", bd, q.dtype, q.device)
-                                   == get_config("bob_direct", bd, q.dtype, q.device)):
-            # same tiles: one program sweeps its keys twice (statistics, then direct)
+        if (precise and direct and lay.n_k <= FUSED_ROW_MAX_KEYS
+                and get_config("bob_stats", bd, q.dtype, q.device)
+                == get_config("bob_direct", bd, q.dtype, q.device)):
+            # same tiles, short keys: one program sweeps its keys twice (statistics, then
+            # direct), one launch less
             row_pass("bob_direct", NEED_QB=need_qb, NEED_DOB=need_dob, NEED_DP=need_qb,
                      WRITE_AE=run_col, DIRECT=True, SPLIT=flags["SPLIT"] and ROW_SPLIT,
                      STATS_FIRST=True, STATS_DP=stats_dp)

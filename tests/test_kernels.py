@@ -397,17 +397,21 @@ def test_bob_precise_fp32(use, needs):
             precise=True)
 
 
-@pytest.mark.parametrize("separate", [False, True], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("separate", [None, "tiles", "long"],
+                         ids=["one-launch", "two-launches-tiles", "two-launches-long"])
 @pytest.mark.parametrize("use,needs", [((1, 1, 1), (True, True, True, True)),
                                        ((0, 0, 1), (True, False, False, True)),
                                        ((1, 1, 0), (True, False, True, False))])
 def test_bob_precise_row_launches(use, needs, separate, monkeypatch):
-    """The statistics and direct row sweeps in one program (equal tiles, the default) and
-    as two launches (different tiles), with and without the column pass."""
-    from ttt_flash.kernels import configs
+    """The statistics and direct row sweeps in one program (equal tiles, short keys: the
+    default here) and as two launches (different tiles, or keys beyond FUSED_ROW_MAX_KEYS),
+    with and without the column pass."""
+    from ttt_flash.kernels import bob, configs
 
-    if separate:
+    if separate == "tiles":
         monkeypatch.setitem(configs.OVERRIDES, "bob_stats", configs.TileConfig(32, 16, 4, 1))
+    elif separate == "long":
+        monkeypatch.setattr(bob, "FUSED_ROW_MAX_KEYS", 0)
     for case in (SUBSET_CASE, VARLEN[2]):
         run_bob(case, torch.float32, use=tuple(bool(x) for x in use), needs=needs, precise=True)
 

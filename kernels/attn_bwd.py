@@ -1,4 +1,5 @@
-"""First backward: dQ (and D = rowsum(dO∘O)) by query-tile programs, then dK/dV by key-tile programs.
+"""First backward: dQ and D = rowsum(dO∘O) by query-tile programs, then dK/dV by key-tile
+programs.
 
     P = exp(S − L),  dP = dO Vᵀ,  dS = P∘(dP − D)
     dQ = τ dS K,   dK = τ dSᵀ Q,   dV = Pᵀ dO
@@ -15,8 +16,8 @@ import triton.language as tl
 from .common import (
     LOG2E,
     _NO_SPECIALIZE,
+    _dot_acc,
     _key_tile_range,
-    _kt_acc,
     _kt_dot,
     _kt_probs,
     _kt_q,
@@ -44,39 +45,6 @@ from .common import (
 from .configs import get_config
 
 
-@triton.jit(do_not_specialize=["N_Q"])
-def _attn_bwd_pre_kernel(
-    O, DO, DELTA, CU_Q,
-    stride_ob, stride_oh, stride_on,
-    stride_db, stride_dh, stride_dn,
-    stride_lb, stride_lh,
-    N_Q,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, IS_VARLEN: tl.constexpr, LONG: tl.constexpr,
-):
-    """delta = rowsum(dO ∘ O) in float32."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
-    if m0 >= n_q:
-        return
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows = _rows(offs_m, LONG)
-    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows, stride_on,
-                   m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows,
-                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + b64 * stride_lb + h64 * stride_lh + q_start64 + offs_m, delta, mask=m_ok)
-
-
 @triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_dn,
                          offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
@@ -95,10 +63,10 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_q
         di = _load_rowvec(d_base, offs_m, m_ok, True)
         p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
                       window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
-        dv = _kt_acc(p, do, dv, PREC, False, QMAJOR)
+        dv = _dot_acc(p, do, dv, PREC, False, QMAJOR)
         dp = _kt_dot(v, do, None, PREC, QMAJOR)
         ds = p * (dp - _kt_q(di, QMAJOR))
-        dk = _kt_acc(ds, q, dk, PREC, False, QMAJOR)
+        dk = _dot_acc(ds, q, dk, PREC, False, QMAJOR)
     return dk, dv
 
 
@@ -197,10 +165,10 @@ def _attn_bwd_dq_kernel(
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, WRITE_DELTA: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
-    """dQ of one query tile; with WRITE_DELTA it also forms D = rowsum(dO∘O) of its rows and
-    writes it (for the dK/dV launch that follows) instead of reading it."""
+    """dQ of one query tile; it also forms D = rowsum(dO∘O) of its rows and writes it for
+    the dK/dV launch that follows."""
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -225,13 +193,10 @@ def _attn_bwd_dq_kernel(
                     stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     row_off = b64 * stride_lb + h64 * stride_lh + q_start64
     lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    if WRITE_DELTA:
-        o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
-                       stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        di = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(DELTA + row_off + offs_m, di, mask=m_ok)
-    else:
-        di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
+                   stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    di = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + row_off + offs_m, di, mask=m_ok)
     k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
     v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -243,24 +208,6 @@ def _attn_bwd_dq_kernel(
     dq = dq * scale
     _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start64 * stride_dqn, rows_m,
                 stride_dqn, dq.to(DQ.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
-
-
-def attn_bwd_delta(o, do, lay, cu_seqlens_q=None):
-    """delta = rowsum(dO ∘ O), float32 row vector in the layout of ``lse``."""
-    delta = new_rowvec(lay, o.device)
-    if delta.numel() == 0 or lay.n_q == 0:
-        return delta
-    bd = block_d(lay.head_dim)
-    cfg = get_config("bwd_pre", bd, o.dtype, o.device)
-    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-    _attn_bwd_pre_kernel[grid](
-        o, do, delta, cu_or_dummy(cu_seqlens_q, o),
-        *strides(o, lay.varlen), *strides(do, lay.varlen), *rowvec_strides(lay), lay.n_q,
-        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
-        IS_VARLEN=lay.varlen, LONG=long_rows(lay, o, do), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return delta
 
 
 @on_input_device
@@ -287,8 +234,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
                   LONG=long_rows(lay, q, k, v, o, do, dq, dk, dv))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
     # dQ first: its programs also form D = rowsum(dO∘O), which the dK/dV programs read
+    delta = new_rowvec(lay, q.device)
     if dq.numel() and lay.n_q > 0:
-        delta = new_rowvec(lay, q.device)
         cfg = get_config("bwd_dq", bd, q.dtype, q.device)
         grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
         _attn_bwd_dq_kernel[grid](
@@ -296,10 +243,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
             *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
             *strides(o, lay.varlen), *strides(do, lay.varlen), *strides(dq, lay.varlen),
             *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, WRITE_DELTA=True, **common,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
-    else:
-        delta = attn_bwd_delta(o, do, lay, cu_seqlens_q)
     if dk.numel():
         if lay.n_k > 0:
             cfg = get_config("bwd_dkdv", bd, q.dtype, q.device)

@@ -40,7 +40,6 @@ from .common import (
     LOG2E,
     _NO_SPECIALIZE,
     _key_tile_range,
-    _kt_acc,
     _kt_dot,
     _kt_probs,
     _kt_q,
@@ -123,7 +122,7 @@ def _bob_row_inner(
                 g = g * scale - al[:, None]  # G − α
             else:
                 g = g * scale
-        if DIRECT:  # ee holds E + αD: R = P∘((G−α)∘(dP−D) + B − (E + αD)), H = P∘(G−α)
+        if DIRECT:  # ee = E + αD; R = P∘((G−α)∘(dP−D) + B − ee), H = P∘(G−α)
             if NEED_DOB:
                 if HAS_G:
                     a_pgv = _dot_acc(p * g, v, a_pgv, PREC, SPLIT)
@@ -346,7 +345,7 @@ def _bob_col_inner(
                 g = _kt_dot(uk, q, None, PREC, QMAJOR)
             g = g * scale - _kt_q(al, QMAJOR)  # G − α
             if NEED_VB:
-                vb = _kt_acc(p * g, do, vb, PREC, SPLIT, QMAJOR)
+                vb = _dot_acc(p * g, do, vb, PREC, SPLIT, QMAJOR)
         if NEED_KB:
             ee = _load_rowvec(e_base, offs_m, m_ok, True)
             dpc = dp - _kt_q(di, QMAJOR)
@@ -357,9 +356,9 @@ def _bob_col_inner(
             else:
                 r = _kt_dot(uv, do, None, PREC, QMAJOR)
             r = p * (r - _kt_q(ee, QMAJOR))
-            kb = _kt_acc(r, q, kb, PREC, SPLIT, QMAJOR)
+            kb = _dot_acc(r, q, kb, PREC, SPLIT, QMAJOR)
             if HAS_UQ:
-                kb = _kt_acc(p * dpc, uq, kb, PREC, False, QMAJOR)
+                kb = _dot_acc(p * dpc, uq, kb, PREC, False, QMAJOR)
     return kb, vb
 
 
@@ -452,8 +451,9 @@ COL_SPLIT = os.environ.get("TTT_FLASH_BOB_COL_SPLIT", "0") == "1"
 ROW_SPLIT = os.environ.get("TTT_FLASH_BOB_ROW_SPLIT", "0") == "1"
 #: Longest key sequence for which the statistics and direct row sweeps run in one launch (when
 #: their tiles agree). Short sequences are host-bound, so a launch less counts (H200, N=1,024:
-#: chain 2.26 -> 1.89 ms with D also formed in the dQ launch); at N=65,536 one launch per sweep
-#: was ~1 % faster (421 vs 425 ms), the whole grid sweeping the same keys at a time.
+#: chain 2.26 -> 1.89 ms with D also formed in the dQ launch). At N=65,536 the chain measured
+#: 425.5 ms with one launch against 420.9 / 421.5 ms with two in earlier runs of the same day
+#: (not one A/B run), so long sequences keep one launch per sweep.
 FUSED_ROW_MAX_KEYS = 8192
 
 

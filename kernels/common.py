@@ -205,16 +205,23 @@ def _load_rowvec(base, rows, row_ok, MASK_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    """acc += a @ b for a float32 tile ``a`` rounded to b's dtype; with SPLIT, ``a`` enters
-    as hi + lo (two products), which removes most of the 16-bit rounding of ``a``."""
+def _dot_acc(a, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr,
+             TRANS_A: tl.constexpr = False):
+    """acc += A @ b, A the float32 tile ``a`` (transposed with TRANS_A) rounded to b's dtype;
+    with SPLIT, ``a`` enters as hi + lo (two products), which removes most of the 16-bit
+    rounding of ``a``."""
     hi = a.to(b.dtype)
-    acc = tl.dot(hi, b, acc, input_precision=PREC)
+    if TRANS_A:
+        acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
+    else:
+        acc = tl.dot(hi, b, acc, input_precision=PREC)
     if SPLIT:
         lo = (a - hi.to(tl.float32)).to(b.dtype)
-        acc = tl.dot(lo, b, acc, input_precision=PREC)
+        if TRANS_A:
+            acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
+        else:
+            acc = tl.dot(lo, b, acc, input_precision=PREC)
     return acc
-
 
 
 # Key-tile programs (dK/dV, BoB column pass) hold one key tile and loop over query tiles. They
@@ -252,24 +259,6 @@ def _kt_k(x, QMAJOR: tl.constexpr):
 
 
 @triton.jit
-def _kt_acc(t, b, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, QMAJOR: tl.constexpr):
-    """acc (keys x d) += T @ b, T the float32 score-shaped tile ``t`` (transposed when
-    QMAJOR) rounded to b's dtype; with SPLIT it enters as hi + lo (two products)."""
-    hi = t.to(b.dtype)
-    if QMAJOR:
-        acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
-    else:
-        acc = tl.dot(hi, b, acc, input_precision=PREC)
-    if SPLIT:
-        lo = (t - hi.to(tl.float32)).to(b.dtype)
-        if QMAJOR:
-            acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
-        else:
-            acc = tl.dot(lo, b, acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
 def _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift, window,
               qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
               QMAJOR: tl.constexpr):
@@ -282,6 +271,7 @@ def _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shi
                        CAUSAL, WINDOW)
         p = tl.where(vis, p, 0.0)
     return p
+
 
 @triton.jit
 def _lse_log2(lse):

@@ -14,8 +14,7 @@ BLOCK_M x 256 floats) at every tile size tried, and the float32 (IEEE, FMA) BoB 
 Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 
 - ``fwd``       forward, one program per query tile (BLOCK_M) looping over key tiles.
-- ``bwd_pre``   delta = rowsum(dO∘O), per query tile (BLOCK_N unused).
-- ``bwd_dq``    first backward dQ, per query tile.
+- ``bwd_dq``    first backward dQ and delta = rowsum(dO∘O), per query tile.
 - ``bwd_dkdv``  first backward dK/dV, per key tile (BLOCK_N) looping over query tiles.
 - ``bob_row``   BoB row pass (six tile x d accumulators: registers are tight).
 - ``bob_col``   BoB column pass (two accumulators, four key-side tiles held).
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("fwd", "bwd_pre", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col", "bob_stats", "bob_direct")
+KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col", "bob_stats", "bob_direct")
 
 
 @dataclass(frozen=True)
@@ -52,9 +51,10 @@ OVERRIDES: dict = {}
 
 
 def load_overrides(path: str) -> None:
-    """Fill OVERRIDES from a JSON file ``{kind: [block_m, block_n, num_warps, num_stages(, qmajor)]}``
-    (what ``tune.py`` writes as ``*.best.json``), to try sweep results without editing the
-    table. Read at import from the ``TTT_FLASH_TILE_OVERRIDES`` environment variable."""
+    """Fill OVERRIDES from a JSON file
+    ``{kind: [block_m, block_n, num_warps, num_stages(, qmajor)]}`` (what ``tune.py`` writes as
+    ``*.best.json``), to try sweep results without editing the table. Read at import from the
+    ``TTT_FLASH_TILE_OVERRIDES`` environment variable."""
     import json
 
     with open(path) as f:
@@ -69,7 +69,6 @@ if os.environ.get("TTT_FLASH_TILE_OVERRIDES"):
 # with BLOCK_M != BLOCK_N in both directions to exercise the tile-range logic.
 _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
-    "bwd_pre": TileConfig(32, 16, 4, 1),
     "bwd_dq": TileConfig(32, 16, 4, 1),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, True),
     "bob_row": TileConfig(32, 16, 4, 1),
@@ -92,7 +91,6 @@ _SM90_HALF = {
     # 427 ms each (scripts/tile_check.py), no change at 16,384.
     64: {
         "fwd": _T(128, 64, 8, 3),
-        "bwd_pre": _T(128, 64, 4, 1),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(128, 64, 4, 2, True),
         "bob_row": _T(32, 64, 8, 2),
@@ -107,7 +105,6 @@ _SM90_HALF = {
     # first-backward composer 2.03 -> 1.75 ms at N=8192.
     128: {
         "fwd": _T(128, 64, 8, 3),
-        "bwd_pre": _T(64, 64, 4, 1),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(64, 64, 4, 2, True),
         "bob_row": _T(16, 32, 8, 2),
@@ -117,7 +114,6 @@ _SM90_HALF = {
     },
     256: {
         "fwd": _T(64, 32, 8, 2),
-        "bwd_pre": _T(32, 64, 4, 1),
         "bwd_dq": _T(32, 32, 4, 2),
         "bwd_dkdv": _T(32, 32, 8, 2),
         "bob_row": _T(16, 16, 8, 1),
@@ -135,7 +131,6 @@ _SM90_HALF[16] = dict(_SM90_HALF[64], bob_row=_T(64, 32, 8, 2), bob_col=_T(64, 3
 _FP32 = {
     64: {
         "fwd": _T(64, 32, 4, 2),
-        "bwd_pre": _T(64, 64, 4, 1),
         "bwd_dq": _T(64, 32, 8, 2),
         "bwd_dkdv": _T(32, 32, 8, 1),
         "bob_row": _T(16, 32, 8, 1),
@@ -143,7 +138,6 @@ _FP32 = {
     },
     128: {
         "fwd": _T(32, 32, 4, 2),
-        "bwd_pre": _T(64, 64, 4, 1),
         "bwd_dq": _T(32, 32, 4, 2),
         "bwd_dkdv": _T(16, 32, 8, 1),
         "bob_row": _T(16, 16, 8, 1),
@@ -151,7 +145,6 @@ _FP32 = {
     },
     256: {
         "fwd": _T(32, 32, 4, 1),
-        "bwd_pre": _T(32, 64, 4, 1),
         "bwd_dq": _T(16, 32, 4, 1),
         "bwd_dkdv": _T(16, 16, 8, 1),
         "bob_row": _T(16, 16, 8, 1),

@@ -34,7 +34,6 @@ from .common import block_d
 #: kernel kind -> (composer name, extra composer kwargs)
 KIND_COMPOSER = {
     "fwd": ("fwd", {}),
-    "bwd_pre": ("bwd", {}),
     "bwd_dq": ("bwd", {}),
     "bwd_dkdv": ("bwd", {}),
     "bob_row": ("bob", {"precise": False}),

@@ -54,9 +54,9 @@ def main() -> int:
     kw = dict(scale=0.125, causal=False, window=None)
     o, lse = attn_fwd(qd, kd, vd, **kw)
     _, _, _, delta = attn_bwd(qd, kd, vd, o, lse, dod, **kw)
-    rows.append(("attn_fwd composer (1 launch)", per_call_ms(lambda: attn_fwd(qd, kd, vd, **kw), a.reps)))
-    rows.append(("attn_bwd composer (3 launches)", per_call_ms(lambda: attn_bwd(qd, kd, vd, o, lse, dod, **kw), a.reps)))
-    rows.append(("attn_bob composer, precise (3 launches)", per_call_ms(
+    rows.append(("attn_fwd composer", per_call_ms(lambda: attn_fwd(qd, kd, vd, **kw), a.reps)))
+    rows.append(("attn_bwd composer", per_call_ms(lambda: attn_bwd(qd, kd, vd, o, lse, dod, **kw), a.reps)))
+    rows.append(("attn_bob composer, precise", per_call_ms(
         lambda: attn_bob(qd, kd, vd, o, lse, dod, delta, *u, precise=True, **kw), a.reps)))
     rows.append(("torch.empty_like + one elementwise op (reference)", per_call_ms(lambda: qd * 2.0, a.reps)))
 

@@ -563,3 +563,14 @@ def test_matches_reference_composers(case):
     bob_r = reference.attn_bob(q, k, v, o, lse, do, grads[3], uq, uk, uv, **kw)
     for name, a, b in zip(("qb", "kb", "vb", "dob"), bob, bob_r):
         check(name, a, b)
+
+
+def test_tune_candidates_cover_both_orientations():
+    """The offline sweep tries both tile orientations exactly for the key-tile kinds."""
+    from ttt_flash.kernels import configs, tune
+
+    for kind in configs.KINDS:
+        orient = {c.qmajor for c in tune.candidates(kind)}
+        assert orient == ({False, True} if kind in tune.QMAJOR_KINDS else {False}), kind
+    assert set(tune.QMAJOR_KINDS) == {"bwd_dkdv", "bob_col"}
+    assert set(configs.KINDS) == set(tune.KIND_COMPOSER)

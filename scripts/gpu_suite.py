@@ -282,7 +282,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--stages", default="tests,errors,bench,shapes,startup")
     p.add_argument("--seq-lens", default="1024,4096,16384,65536")
-    p.add_argument("--length", type=int, default=1 << 20)
+    p.add_argument("--length", default=str(1 << 20), help="comma-separated sequence lengths")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -296,7 +296,7 @@ def main() -> int:
             {"tests": lambda: stage_tests(a.out), "errors": lambda: stage_errors(a.out),
              "bench": lambda: stage_bench(a.out, a.seq_lens), "shapes": lambda: stage_shapes(a.out),
              "startup": lambda: stage_startup(a.out), "profile": lambda: stage_profile(a.out),
-             "host": lambda: stage_host(a.out), "regs": lambda: stage_regs(a.out), "length": lambda: stage_length(a.out, a.length)}[stage]()
+             "host": lambda: stage_host(a.out), "regs": lambda: stage_regs(a.out), "length": lambda: [stage_length(a.out, int(n)) for n in a.length.split(",")]}[stage]()
         except Exception as e:  # noqa: BLE001 - report and go on to the next stage
             import traceback
 

@@ -28,6 +28,39 @@ def per_call_ms(fn, reps: int) -> float:
     return host
 
 
+def launch_costs(reps: int) -> list:
+    """Host time of launching an empty Triton kernel with 4 pointers and 0 / 30 / 60 int
+    arguments (+ 20 constexpr flags on the last): what a launch's argument count costs."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k4(A, B, C, D):
+        pass
+
+    names30 = ", ".join(f"s{i}" for i in range(30))
+    names60 = ", ".join(f"s{i}" for i in range(60))
+    flags = ", ".join(f"F{i}: tl.constexpr" for i in range(20))
+    src = (f"def k34(A, B, C, D, {names30}):\n    pass\n"
+           f"def k84(A, B, C, D, {names60}, {flags}):\n    pass\n")
+    import tempfile, importlib.util
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write("import triton.language as tl\n" + src)
+    spec = importlib.util.spec_from_file_location("launch_probe_kernels", f.name)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    k34, k84 = triton.jit(mod.k34), triton.jit(mod.k84)
+    t = [torch.empty(16, device="cuda") for _ in range(4)]
+    ints30 = [64 * (i + 1) for i in range(30)]
+    ints60 = [64 * (i + 1) for i in range(60)]
+    fl = {f"F{i}": bool(i % 2) for i in range(20)}
+    return [
+        ("launch, 4 pointers", per_call_ms(lambda: k4[(1,)](*t), reps) * 1e3),
+        ("launch, 4 pointers + 30 ints", per_call_ms(lambda: k34[(1,)](*t, *ints30), reps) * 1e3),
+        ("launch, 4 pointers + 60 ints + 20 constexpr", per_call_ms(lambda: k84[(1,)](*t, *ints60, **fl), reps) * 1e3),
+    ]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=1024)
@@ -74,6 +107,8 @@ def main() -> int:
     for (m, name), fn in saved.items():
         setattr(m, name, fn)
 
+    rows += launch_costs(a.reps)
+
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(50):
@@ -84,7 +119,8 @@ def main() -> int:
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(22)
     print(buf.getvalue()[:5000])
     for name, ms in rows:
-        print(f"{name:<56} {ms:8.3f} ms")
+        unit = "us" if name.startswith("launch") else "ms"
+        print(f"{name:<56} {ms:8.3f} {unit}")
     return 0
 
 

@@ -103,7 +103,7 @@ def _apply(q, k, v, spec: "_Spec", cu_q, cu_k) -> Tensor:
             q, k, v, cu_q, cu_k, scale=spec.scale, causal=spec.causal, window=spec.window,
             max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, backend=spec.backend,
         )
-    o, _ = _Attention.apply(q, k, v, spec, cu_q, cu_k)
+    o, _ = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
     return o
 
 
@@ -186,6 +186,13 @@ class _Spec:
         )
 
 
+def _no_graph() -> bool:
+    """True inside a backward that records no graph (``create_graph=False``) and runs under
+    no torch.func transform: a backward may then call the next composer directly instead of
+    through an autograd.Function (host time per call at short lengths)."""
+    return not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+
+
 class _Attention(torch.autograd.Function):
     _KINDS = ("tensor", "tensor", "tensor", "static", "cu", "cu")
 
@@ -212,7 +219,10 @@ class _Attention(torch.autograd.Function):
         if do is None:
             return None, None, None, None, None, None
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv, _ = _AttentionBackward.apply(q, k, v, o, lse, do, ctx.spec, cu_q, cu_k)
+        if _no_graph():  # plain first-order backward: no Function node needed
+            dq, dk, dv, _ = _AttentionBackward.forward(q, k, v, o, lse, do, ctx.spec, cu_q, cu_k)
+        else:
+            dq, dk, dv, _ = _AttentionBackward.fast_apply(q, k, v, o, lse, do, ctx.spec, cu_q, cu_k)
         return dq, dk, dv, None, None, None
 
 
@@ -251,9 +261,11 @@ class _AttentionBackward(torch.autograd.Function):
             ctx.needs_input_grad[2],
             ctx.needs_input_grad[5],
         )
-        qb, kb, vb, dob = _AttentionBoB.apply(
-            q, k, v, o, lse, do, delta, uq, uk, uv, ctx.spec, cu_q, cu_k, needs
-        )
+        args = (q, k, v, o, lse, do, delta, uq, uk, uv, ctx.spec, cu_q, cu_k, needs)
+        if _no_graph():  # the usual second backward (create_graph=False): run the composer
+            qb, kb, vb, dob = _AttentionBoB.forward(*args)
+        else:  # a graph is recorded: the Function node raises on a third derivative
+            qb, kb, vb, dob = _AttentionBoB.fast_apply(*args)
         return qb, kb, vb, None, None, dob, None, None, None
 
 
@@ -288,10 +300,24 @@ class _AttentionBoB(torch.autograd.Function):
 
 
 # torch.autograd.Function.apply binds default arguments with inspect.signature(forward) on
-# every call when setup_context is defined (~0.1 ms each, three per chain): give each
-# forward its signature once, which inspect.signature returns directly.
+# every call when setup_context is defined. Every call here passes every argument
+# positionally, so outside torch.func transforms ``_fast_apply`` goes straight to the C++
+# apply (what Function.apply ends in); under a transform it takes the full path (vmap rules).
+# Each forward also carries its signature, which inspect.signature then returns directly.
+_C_APPLY = {}  # class -> the C++ apply bound to it
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _fast_apply(cls, *args):
+    if _functorch_active():
+        return cls.apply(*args)
+    return _C_APPLY[cls](*args)
+
+
 for _fn in (_Attention, _AttentionBackward, _AttentionBoB):
     _fn.forward.__signature__ = inspect.signature(_fn.forward)
+    _C_APPLY[_fn] = super(torch.autograd.Function, _fn).apply
+    _fn.fast_apply = classmethod(_fast_apply)
 del _fn
 
 

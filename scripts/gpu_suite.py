@@ -10,7 +10,7 @@ Stages:
   startup  first chain call at N=4096 in a fresh process with an empty Triton cache
   host     host (Python) cost of a chain at N=1024: wall time, kernel count, cProfile
   regs     registers / spills / shared memory of every compiled kernel (Triton metadata)
-  length   one chain at N=1,048,576 (B=1, H=12, d=64), causal and non-causal, row spot-check
+  length   one chain at N=1,048,576 (--length: a comma list), causal and non-causal, row spot-check
 Prints a short summary table last; details go to --out.
 """
 
@@ -272,7 +272,7 @@ def stage_length(out: str, n: int) -> None:
                 errs.append(((res[j][:, :, i:i + 1].double() - e).norm() / e.norm()).item())
         del res
         SUMMARY.append((f"N={n} chain {'causal' if causal else 'non-causal'}",
-                        f"{dt:.1f} s, peak {peak:.2f} GiB, row spot-check worst rel. L2 {max(errs):.2e}"))
+                        f"{dt:.2f} s, peak {peak:.2f} GiB, row spot-check worst rel. L2 {max(errs):.2e}"))
         log(SUMMARY[-1])
         del q, k, v, do, x
         torch.cuda.empty_cache()

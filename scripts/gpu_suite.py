@@ -241,8 +241,12 @@ def stage_length(out: str, n: int) -> None:
     from ttt_flash.reference import naive_attention
 
     for causal in (True, False):
-        # warm-up (compilation) on a short sequence with the same specialisation
-        w = [torch.randn(1, 12, 4096, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
+        # warm-up (compilation) on a shorter sequence with the same specialisation: above
+        # FUSED_ROW_MAX_KEYS the BoB row sweeps are separate launches
+        from ttt_flash.kernels.bob import FUSED_ROW_MAX_KEYS
+
+        nw = 4096 if n <= FUSED_ROW_MAX_KEYS else 2 * FUSED_ROW_MAX_KEYS
+        w = [torch.randn(1, 12, nw, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
         _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), *w, [t.detach() for t in w[:3]])
         del w
         torch.manual_seed(0)

@@ -37,3 +37,32 @@ def test_bad_config():
         BenchConfig(heads=12, kv_heads=5)
     with pytest.raises(ValueError, match="unknown providers"):
         BenchConfig(providers=["nope"])
+
+
+def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monkeypatch):
+    import torch
+
+    from ttt_flash import bench
+
+    seen = []
+    real = bench._make
+
+    def spy(cfg, provider, n):
+        fn, first_order = real(cfg, provider, n)
+
+        def run():
+            seen.append(torch._C._is_multithreading_enabled())
+            return fn()
+
+        return run, first_order
+
+    monkeypatch.setattr(bench, "_make", spy)
+    rc = main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
+               "ttt_flash", "--rep-ms", "1", "--no-check", "--no-autograd-threads", "--out", str(tmp_path)])
+    assert rc == 0 and seen and not any(seen)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["config"]["autograd_threads"] is False
+    seen.clear()
+    main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
+          "ttt_flash", "--rep-ms", "1", "--no-check", "--out", str(tmp_path)])
+    assert seen and all(seen)

@@ -67,6 +67,10 @@ class BenchConfig:
     rep_ms: float = 100.0
     check: bool = True  #: compare ttt_flash with a float64 reference before timing
     out: Optional[str] = "bench_out"
+    #: False: time every provider under ``torch.autograd.set_multithreading_enabled(False)``
+    #: (backward on the calling thread instead of autograd's per-device thread; see
+    #: docs/benchmarks.md: at short lengths the chain is host-bound)
+    autograd_threads: bool = True
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -161,6 +165,14 @@ def _make(cfg: BenchConfig, provider: str, n: int):
     return _sdpa_first_order_fn(cfg, backend, q, k, v, do), True
 
 
+def _single_threaded(fn: Callable) -> Callable:
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            return fn()
+
+    return run
+
+
 def median_ms(cfg, fn: Callable) -> float:
     """Median milliseconds of fn(): ``triton.testing.do_bench`` on CUDA, a wall-clock loop on
     the CPU. ``cfg`` has ``device``, ``warmup_ms`` and ``rep_ms``."""
@@ -191,6 +203,8 @@ def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         fn, first_order = _make(cfg, provider, n)
+        if not cfg.autograd_threads:
+            fn = _single_threaded(fn)
         if cuda:
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -379,6 +393,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--autograd-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-autograd-threads: run every provider's backward on the calling thread "
+                        "(torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
     step.add_argument("--gpt-step", action="store_true",
@@ -394,7 +411,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                       head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, window=a.window,
                       providers=_providers(a.providers, BenchConfig), device=a.device,
-                      warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check, out=a.out)
+                      warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check, out=a.out,
+                      autograd_threads=a.autograd_threads)
     result = run_bench(cfg)
     paths = save(result, cfg.out) if cfg.out else []
     print(format_table(result))

@@ -306,12 +306,13 @@ class _AttentionBoB(torch.autograd.Function):
 # Each forward also carries its signature, which inspect.signature then returns directly.
 _C_APPLY = {}  # class -> the C++ apply bound to it
 _functorch_active = torch._C._are_functorch_transforms_active
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # noqa: E402 (as Function.apply)
 
 
 def _fast_apply(cls, *args):
     if _functorch_active():
         return cls.apply(*args)
-    return _C_APPLY[cls](*args)
+    return _C_APPLY[cls](*_unwrap_dead(args))
 
 
 for _fn in (_Attention, _AttentionBackward, _AttentionBoB):

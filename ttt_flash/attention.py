@@ -10,6 +10,9 @@ style so that ``torch.func`` transforms compose with them):
   gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
   third-order derivatives are not supported.
 
+A backward that records no graph (``create_graph=False``, no torch.func transform) calls the
+next composer directly instead of through the next Function: nothing will differentiate it.
+
 This module is the only place that validates attention inputs and the only place that
 chooses between the Triton kernels and the PyTorch reference.
 """
@@ -26,6 +29,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # as Function.apply does
 
 from . import ops, reference
 
@@ -35,6 +39,8 @@ __all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS"]
 BACKENDS = ("auto", "triton", "reference")
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -190,10 +196,24 @@ def _no_graph() -> bool:
     """True inside a backward that records no graph (``create_graph=False``) and runs under
     no torch.func transform: a backward may then call the next composer directly instead of
     through an autograd.Function (host time per call at short lengths)."""
-    return not torch.is_grad_enabled() and not torch._C._are_functorch_transforms_active()
+    return not torch.is_grad_enabled() and not _functorch_active()
 
 
-class _Attention(torch.autograd.Function):
+class _Function(torch.autograd.Function):
+    """Base of the three Functions below: ``fast_apply``."""
+
+    @classmethod
+    def fast_apply(cls, *args):
+        """``apply`` with every argument positional. Outside torch.func transforms it goes
+        straight to the C++ apply that ``Function.apply`` ends in (skipping its per-call
+        default-argument binding through ``inspect``); under a transform, ``Function.apply``
+        (the vmap rules)."""
+        if _functorch_active():
+            return cls.apply(*args)
+        return super(torch.autograd.Function, cls).apply(*_unwrap_dead(args))
+
+
+class _Attention(_Function):
     _KINDS = ("tensor", "tensor", "tensor", "static", "cu", "cu")
 
     @staticmethod
@@ -226,7 +246,7 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-class _AttentionBackward(torch.autograd.Function):
+class _AttentionBackward(_Function):
     """(q, k, v, o, lse, dO) -> (dq, dk, dv). o and lse are functions of (q, k, v); the
     BoB below returns the total derivative w.r.t. q, k, v, so o and lse get none."""
 
@@ -269,7 +289,7 @@ class _AttentionBackward(torch.autograd.Function):
         return qb, kb, vb, None, None, dob, None, None, None
 
 
-class _AttentionBoB(torch.autograd.Function):
+class _AttentionBoB(_Function):
     """Backward-over-backward. Differentiating it once more is not supported."""
 
     _KINDS = ("tensor",) * 4 + ("row", "tensor", "row") + ("tensor",) * 3 + ("static", "cu", "cu", "static")
@@ -299,26 +319,11 @@ class _AttentionBoB(torch.autograd.Function):
         )
 
 
-# torch.autograd.Function.apply binds default arguments with inspect.signature(forward) on
-# every call when setup_context is defined. Every call here passes every argument
-# positionally, so outside torch.func transforms ``_fast_apply`` goes straight to the C++
-# apply (what Function.apply ends in); under a transform it takes the full path (vmap rules).
-# Each forward also carries its signature, which inspect.signature then returns directly.
-_C_APPLY = {}  # class -> the C++ apply bound to it
-_functorch_active = torch._C._are_functorch_transforms_active
-from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # noqa: E402 (as Function.apply)
-
-
-def _fast_apply(cls, *args):
-    if _functorch_active():
-        return cls.apply(*args)
-    return _C_APPLY[cls](*_unwrap_dead(args))
-
-
+# Function.apply binds default arguments with inspect.signature(forward) on every call when
+# setup_context is defined; fast_apply (above) skips it outside torch.func transforms, and
+# under a transform each forward's precomputed signature is what inspect.signature returns.
 for _fn in (_Attention, _AttentionBackward, _AttentionBoB):
     _fn.forward.__signature__ = inspect.signature(_fn.forward)
-    _C_APPLY[_fn] = super(torch.autograd.Function, _fn).apply
-    _fn.fast_apply = classmethod(_fast_apply)
 del _fn
 
 

@@ -32,10 +32,24 @@ _LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 def _lightning(argv: Sequence[str]) -> int:
-    """LightningCLI with subclass mode: a recipe names its module and data by class_path."""
+    """LightningCLI with subclass mode: a recipe names its module and data by class_path.
+
+    A run stopped by SIGTERM / SIGINT (after writing ``last.ckpt``, see
+    :mod:`ttt_flash.lightning.resume`) exits with status 128 + signal: 143 / 130."""
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from .lightning.resume import interrupt_exit_code
+
+    try:
+        _run_cli(LightningCLI, LightningModule, LightningDataModule, argv)
+    except SIGTERMException:
+        return interrupt_exit_code()
+    return 0
+
+
+def _run_cli(LightningCLI, LightningModule, LightningDataModule, argv: Sequence[str]) -> None:
     LightningCLI(
         LightningModule,
         LightningDataModule,
@@ -52,7 +66,6 @@ def _lightning(argv: Sequence[str]) -> int:
         },
         auto_configure_optimizers=False,
     )
-    return 0
 
 
 def _check(argv: Sequence[str]) -> int:

@@ -41,7 +41,9 @@ def _lightning(argv: Sequence[str]) -> int:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     from .lightning.resume import interrupt_exit_code
+    from .lightning.resume import check_ckpt_path
 
+    check_ckpt_path(argv)
     try:
         _run_cli(LightningCLI, LightningModule, LightningDataModule, argv)
     except SIGTERMException:
@@ -88,6 +90,9 @@ def _check(argv: Sequence[str]) -> int:
     p.add_argument("--backend", choices=["auto", "triton", "reference"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    for flag in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)} (nothing to compare)")
     dtype_name = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float64")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(a.seed)

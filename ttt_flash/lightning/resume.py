@@ -42,7 +42,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.utils.data import DataLoader, Sampler
 
-__all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code"]
+__all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
+           "check_ckpt_path"]
 
 
 # --------------------------------------------------------------------------- data order
@@ -169,6 +170,26 @@ def interrupt_exit_code() -> int:
     """Exit status of a run stopped by a signal: ``128 + signum`` (143 for SIGTERM, 130 for
     SIGINT), SIGTERM's when the signal is not known."""
     return 128 + (_received[-1] if _received else int(signal.SIGTERM))
+
+
+def check_ckpt_path(argv) -> None:
+    """Refuse, before anything is built, a ``--ckpt_path`` that names an empty or unreadable
+    file (``torch.load`` would fail late with a bare ``EOFError``)."""
+    argv = list(argv)
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--ckpt_path" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--ckpt_path="):
+            path = arg.split("=", 1)[1]
+    if path is None or path in ("last", "best", "hpc", "registry") or not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise SystemExit(f"ttt-flash: --ckpt_path {path} is a directory; give the checkpoint file, e.g. "
+                         f"{os.path.join(path, 'last.ckpt')}, or --ckpt_path last")
+    if os.path.getsize(path) == 0:
+        raise SystemExit(f"ttt-flash: --ckpt_path {path} is an empty file (0 bytes), not a checkpoint (was its "
+                         "write interrupted?); give another checkpoint, or start without --ckpt_path")
 
 
 # --------------------------------------------------------------------------- logger

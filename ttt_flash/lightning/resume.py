@@ -380,7 +380,7 @@ class ResumableCheckpoint(ModelCheckpoint):
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore_handlers()
         # The end of the run, whatever every_n_train_steps: --ckpt_path last continues from here.
-        if self.save_last and self._last_global_step_saved != trainer.global_step:
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

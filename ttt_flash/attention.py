@@ -104,6 +104,9 @@ ops.register_composers("triton", _triton_module)
 def _apply(q, k, v, spec: "_Spec", cu_q, cu_k) -> Tensor:
     """Eager: the autograd.Functions (differentiable twice, vmap rules). While
     ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.ops` (first order)."""
+    if spec.backend == "triton" and not q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # The Triton interpreter (CPU) computes 16-bit dots wrongly: run the kernels in float32.
+        return _apply(q.float(), k.float(), v.float(), spec, cu_q, cu_k).to(q.dtype)
     if torch.compiler.is_compiling():
         return ops.compiled_attention(
             q, k, v, cu_q, cu_k, scale=spec.scale, causal=spec.causal, window=spec.window,
@@ -358,6 +361,8 @@ def _check_common(q, k, v, scale, window, causal) -> float:
             raise ValueError(f"window must be >= 1 (the number of most recent keys a query sees), got {window}")
         if not causal:
             raise ValueError("window requires causal=True (a sliding window looks back from each query)")
+    if q.dim() > 0 and q.shape[-1] == 0:
+        raise ValueError(f"head dim (q.shape[-1]) must be >= 1, got 0 (q of shape {tuple(q.shape)})")
     if scale is None:
         return q.shape[-1] ** -0.5
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):

@@ -32,10 +32,26 @@ _LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
 def _lightning(argv: Sequence[str]) -> int:
-    """LightningCLI with subclass mode: a recipe names its module and data by class_path."""
+    """LightningCLI with subclass mode: a recipe names its module and data by class_path.
+
+    A run stopped by SIGTERM / SIGINT (after writing ``last.ckpt``, see
+    :mod:`ttt_flash.lightning.resume`) exits with status 128 + signal: 143 / 130."""
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    from .lightning.resume import interrupt_exit_code
+    from .lightning.resume import check_ckpt_path
+
+    check_ckpt_path(argv)
+    try:
+        _run_cli(LightningCLI, LightningModule, LightningDataModule, argv)
+    except SIGTERMException:
+        return interrupt_exit_code()
+    return 0
+
+
+def _run_cli(LightningCLI, LightningModule, LightningDataModule, argv: Sequence[str]) -> None:
     LightningCLI(
         LightningModule,
         LightningDataModule,
@@ -52,7 +68,6 @@ def _lightning(argv: Sequence[str]) -> int:
         },
         auto_configure_optimizers=False,
     )
-    return 0
 
 
 def _check(argv: Sequence[str]) -> int:
@@ -75,6 +90,9 @@ def _check(argv: Sequence[str]) -> int:
     p.add_argument("--backend", choices=["auto", "triton", "reference"], default="auto")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
+    for flag in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)} (nothing to compare)")
     dtype_name = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float64")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(a.seed)

@@ -382,6 +382,12 @@ class FastWeightTTT(nn.Module):
         steps = self.inner_steps if steps is None else steps
         first_order = self.first_order if first_order is None else first_order
         track, create_graph = _inner_grad_mode(first_order)
+        if context.dim() != 2 or context_targets.shape != context.shape:
+            raise ValueError(
+                f"FastWeightTTT.adapt expects context (B, L) and context_targets of the same shape "
+                f"(one target per context token, -100 where not scored), got context "
+                f"{tuple(context.shape)} and context_targets {tuple(context_targets.shape)}"
+            )
         batch, length = context.shape
         fast = self.initial_fast_weights(batch)
         lr = self.inner_lr
@@ -526,8 +532,17 @@ class GradientMemoryAttention(nn.Module):
 
     def forward(self, x: Tensor, *unused, write: bool = True, **unused_kw) -> Tensor:
         """x: (B, N, d_model) → (B, N, d_model). ``write=False`` never writes (every chunk
-        reads the initial slots: the pre-write baseline). Other arguments are ignored."""
+        reads the initial slots: the pre-write baseline). Other arguments are ignored.
+        An empty sequence (N = 0) gives an empty (B, 0, d_model) output."""
+        width = self.qkv.in_features
+        if x.dim() != 3 or x.shape[-1] != width:
+            raise ValueError(
+                f"GradientMemoryAttention expects x of shape (batch, seq_len, d_model={width}), got "
+                f"{tuple(x.shape)}" + ("; add a batch dimension with x.unsqueeze(0)" if x.dim() == 2 else "")
+            )
         batch, n, _ = x.shape
+        if n == 0:
+            return self.proj(x.new_zeros(batch, 0, self.proj.in_features))
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
         slot_k = self.slot_k.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         slot_v = self.slot_v.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)

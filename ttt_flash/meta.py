@@ -197,10 +197,33 @@ def _check_steps(steps) -> int:
     return int(steps)
 
 
-def _check_lr(lr, name: str = "lr"):
+def _bad_values(x: Tensor, allow_negative: bool) -> bool:
+    """Whether ``x`` holds a NaN / ±inf (or, unless allowed, a negative) value. Not checked
+    while compiling or under a torch.func transform, where values cannot be inspected."""
+    if torch.compiler.is_compiling():
+        return False
+    try:
+        bad = ~torch.isfinite(x) if allow_negative else ~torch.isfinite(x) | (x < 0)
+        return bool(bad.any())
+    except RuntimeError:
+        return False
+
+
+def _check_lr(lr, name: str = "lr", scalar: bool = True):
     if isinstance(lr, Tensor):
         if not lr.is_floating_point():
             raise TypeError(f"{name} must be a float or a floating-point tensor, got dtype {lr.dtype}")
+        if scalar and lr.dim() != 0:
+            raise ValueError(
+                f"{name} must be a float or a 0-dim tensor (one step size for every parameter), got a "
+                f"tensor of shape {tuple(lr.shape)}; use lr.reshape(()) or, for per-parameter step "
+                "sizes, lrs={name: tensor} (Meta-SGD)"
+            )
+        if _bad_values(lr, allow_negative=not scalar):
+            raise ValueError(
+                f"{name} must be finite" + (" and >= 0" if scalar else "") + f", got a tensor holding "
+                f"{lr.detach().flatten()[:4].tolist()}{'...' if lr.numel() > 4 else ''}"
+            )
         return lr
     if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         raise TypeError(f"{name} must be a float or a tensor, got {type(lr).__name__}")
@@ -263,13 +286,15 @@ def inner_loop(
             passed positionally to ``model``. Shapes are whatever the model takes, e.g.
             (K, 1) for sinusoid regression, (S, N, d_in) for sequences.
         steps: number of inner steps (>= 0; 0 returns ``params`` unchanged).
-        lr: inner step size α (float >= 0, or a tensor, e.g. a learnable scalar).
+        lr: inner step size α (float >= 0, or a finite, non-negative 0-dim tensor, e.g. a
+            learnable scalar).
         first_order: drop second-order terms (FOMAML): inner gradients are computed without
             ``create_graph`` and treated as constants. The query gradient then flows only
             through the identity path of each update (and into ``lrs``).
         lrs: Meta-SGD: ``{name: tensor}`` of per-parameter step sizes (scalar or the
             parameter's shape, see :func:`meta_sgd_lrs`), used instead of ``lr`` for the
-            parameters it names; every name must be an adapted parameter.
+            parameters it names; every name must be an adapted parameter. Values must be
+            finite; learned step sizes may turn negative (Meta-SGD learns their sign too).
         adapt: which parameters to adapt (see :func:`select_adapted`): None (all), names or
             module prefixes, or a predicate. The others are returned unchanged, as the very
             same tensor objects (ANIL: ``adapt=["head"]``).
@@ -312,7 +337,7 @@ def inner_loop(
                 f"adapted parameters are {_preview(names)}"
             )
         for n, a in lrs.items():
-            a = _check_lr(a, f"lrs[{n!r}]")
+            a = _check_lr(a, f"lrs[{n!r}]", scalar=False)
             if isinstance(a, Tensor) and a.dim() > 0 and a.shape != params[n].shape:
                 raise ValueError(
                     f"lrs[{n!r}] must be a scalar or have the parameter's shape "

@@ -178,6 +178,18 @@ def _probs(s: Tensor, lse: Tensor) -> Tensor:
     return torch.exp(s - lse_safe.unsqueeze(-1))
 
 
+def _poison_nonfinite_rows(lse: Tensor, qc: Tensor, n_q: int, n_k: int, causal, window, r0, r1) -> Tensor:
+    """L = NaN on rows whose q holds a NaN / ±inf and that see a key: their softmax is
+    undefined (NaN in the kernels and in materialised attention), not ±inf or 0."""
+    bad = ~torch.isfinite(qc).all(-1)
+    if n_k == 0 or not bool(bad.any()):
+        return lse
+    mask = attention_mask(n_q, n_k, causal=causal, window=window, device=qc.device, row_start=r0, row_end=r1)
+    if mask is not None:
+        bad = bad & mask.any(-1)
+    return lse.masked_fill(bad, float("nan"))
+
+
 def _fwd_dense(q, k, v, scale, causal, window, chunk):
     cd = _compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
@@ -188,6 +200,7 @@ def _fwd_dense(q, k, v, scale, causal, window, chunk):
     for r0, r1 in _chunks(n_q, chunk):
         s = _scores(qf[:, :, r0:r1], kf, scale, n_q, causal, window, r0, r1)
         l = torch.logsumexp(s, dim=-1) if s.shape[-1] > 0 else s.new_full(s.shape[:-1], float("-inf"))
+        l = _poison_nonfinite_rows(l, qf[:, :, r0:r1], n_q, k.shape[-2], causal, window, r0, r1)
         p = _probs(s, l)
         o[:, :, r0:r1] = torch.matmul(p, vf)
         lse[:, :, r0:r1] = l

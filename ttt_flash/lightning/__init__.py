@@ -12,6 +12,9 @@ Public names:
 * :class:`GradMemKV`, :class:`TTTE2EMQAR`, :class:`MemoryLayerMQAR`,
   :class:`AssociativeRecallDataModule`: gradient-written memory, fast-weight test-time
   training and the memory layer on key-value retrieval / MQAR.
+* :class:`ResumableCheckpoint`, :class:`ResumableCSVLogger`: ``last.ckpt`` written atomically, with what an exact resume
+  needs beyond Lightning's own state; SIGTERM/SIGINT checkpoint and stop
+  (:mod:`ttt_flash.lightning.resume`).
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
@@ -19,6 +22,7 @@ from .lm import ByteTextDataModule, HessianRefresh, LanguageModel
 from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 from .nets import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
+from .resume import ResumableCheckpoint, ResumableCSVLogger
 
 __all__ = [
     "MAML",
@@ -35,4 +39,6 @@ __all__ = [
     "TTTE2EMQAR",
     "MemoryLayerMQAR",
     "AssociativeRecallDataModule",
+    "ResumableCheckpoint",
+    "ResumableCSVLogger",
 ]

@@ -10,14 +10,15 @@ meta-batches are fresh every epoch (epoch ``e`` uses indices ``e·train_batches 
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Dict
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
+from .resume import EpochSampler, ResumableLoader
 
 __all__ = ["SinusoidDataModule", "InContextRegressionDataModule"]
 
@@ -34,22 +35,6 @@ class _MetaBatches(Dataset):
         state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
         g = torch.Generator().manual_seed(int(state) & (2**63 - 1))
         return self.tasks.sample(self.meta_batch_size, generator=g)
-
-
-class _EpochSampler(Sampler):
-    """``range(n)`` every epoch, or, with ``fresh``, ``range(e·n, (e+1)·n)`` in epoch ``e``."""
-
-    def __init__(self, n: int, fresh: bool):
-        self.n, self.fresh, self.epoch = n, fresh, 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.epoch * self.n if self.fresh else 0
-        if self.fresh:
-            self.epoch += 1
-        return iter(range(start, start + self.n))
 
 
 def _check_positive(**kwargs) -> None:
@@ -69,17 +54,26 @@ class _MetaDataModule(LightningDataModule):
         self.tasks = tasks
         self.meta_batch_size, self.seed, self.num_workers = meta_batch_size, seed, num_workers
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
-        self._train_sampler = _EpochSampler(train_batches, fresh=True)
+        self._train_sampler = EpochSampler(train_batches, fresh=True)
 
     def _loader(self, split: str) -> DataLoader:
-        sampler = self._train_sampler if split == "train" else _EpochSampler(self.batches[split], fresh=False)
-        return DataLoader(
+        sampler = self._train_sampler if split == "train" else EpochSampler(self.batches[split], fresh=False)
+        return ResumableLoader(
             _MetaBatches(self.tasks, self.meta_batch_size, self.seed, split),
             batch_size=None,
             sampler=sampler,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            generator=torch.Generator().manual_seed(self.seed),
         )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The training order's position (epoch, batches delivered), saved in checkpoints."""
+        return {"train_order": self._train_sampler.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "train_order" in state_dict:
+            self._train_sampler.load_state_dict(state_dict["train_order"])
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -43,17 +43,18 @@ import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import average_gradients, disable_gradient_sync
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
+from .resume import EpochSampler, ResumableLoader
 
 __all__ = [
     "LanguageModel",
@@ -88,21 +89,51 @@ class HessianRefresh(Callback):
         every_k: refresh every ``every_k`` optimizer steps (global steps 0, k, 2k, ...).
             ``None``: when the optimizer says so (its ``hessian_due``, i.e. its own ``k``).
         n_samples: Hutchinson probes per refresh (each one Hessian-vector product).
+        seed: seed of the callback's own probe generator (on the parameters' device);
+            ``None``: ``torch.initial_seed()`` (the run's ``seed_everything`` seed). The
+            generator's state and the refresh count are saved in checkpoints, so a resumed
+            run draws the probes the uninterrupted run would have drawn.
 
     Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
     optimization only; fp16 loss scaling is not supported (the estimate would be scaled):
     use ``precision="bf16-mixed"`` or 32-bit.
     """
 
-    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1):
+    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1, seed: Optional[int] = None):
         if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1):
             raise ValueError(f"every_k must be an int >= 1 or None, got {every_k!r}")
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
-        self.every_k, self.n_samples = every_k, n_samples
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.every_k, self.n_samples, self.seed = every_k, n_samples, seed
         #: Number of refreshes done.
         self.refreshes = 0
         self._refresh_s = 0.0
+        self._generator: Optional[torch.Generator] = None
+        self._generator_state: Optional[Tuple[str, Tensor]] = None  # loaded, applied on first use
+
+    def _probe_generator(self, optimizer) -> torch.Generator:
+        device = next(p.device for g in optimizer.param_groups for p in g["params"])
+        if self._generator is None or self._generator.device.type != device.type:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(torch.initial_seed() if self.seed is None else self.seed)
+            if self._generator_state is not None and self._generator_state[0] == device.type:
+                self._generator.set_state(self._generator_state[1])
+            self._generator_state = None
+        return self._generator
+
+    def state_dict(self) -> dict:
+        """Refresh count and probe-generator state (checkpointed by Lightning)."""
+        state = {"refreshes": self.refreshes}
+        if self._generator is not None:
+            state["generator"] = (self._generator.device.type, self._generator.get_state())
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.refreshes = int(state_dict.get("refreshes", 0))
+        self._generator = None
+        self._generator_state = state_dict.get("generator")
 
     @staticmethod
     def _second_order(trainer) -> List[HessianOptimizer]:
@@ -134,7 +165,8 @@ class HessianRefresh(Callback):
         start = time.perf_counter()
         try:
             # weight: this process's share of the global batch under DDP (docs/distributed.md).
-            optimizer.update_hessian(n_samples=self.n_samples, weight=getattr(pl_module, "_grad_weight", None) or None)
+            optimizer.update_hessian(n_samples=self.n_samples, generator=self._probe_generator(optimizer),
+                                     weight=getattr(pl_module, "_grad_weight", None) or None)
         except ValueError as e:
             raise RuntimeError(
                 f"HessianRefresh: {e}. The LightningModule's backward must call "
@@ -437,21 +469,6 @@ class _Windows(Dataset):
         return w[:-1], w[1:]
 
 
-class _FreshSampler(Sampler):
-    """``range(e·n, (e+1)·n)`` in epoch e: new random windows every epoch."""
-
-    def __init__(self, n: int):
-        self.n, self.epoch = n, 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __iter__(self) -> Iterator[int]:
-        start = self.epoch * self.n
-        self.epoch += 1
-        return iter(range(start, start + self.n))
-
-
 class ByteTextDataModule(LightningDataModule):
     """Byte-level language-modelling data: tokens are the bytes of text files (vocabulary 256).
 
@@ -504,6 +521,15 @@ class ByteTextDataModule(LightningDataModule):
         self.train_tokens: Optional[Tensor] = None
         self.val_tokens: Optional[Tensor] = None
         self.files: List[Path] = []
+        self._train_order = EpochSampler(train_batches * batch_size, fresh=True)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The training order's position (epoch, windows delivered), saved in checkpoints."""
+        return {"train_order": self._train_order.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "train_order" in state_dict:
+            self._train_order.load_state_dict(state_dict["train_order"])
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_tokens is not None:
@@ -527,14 +553,15 @@ class ByteTextDataModule(LightningDataModule):
         hp = self.hparams
         n = hp.train_batches * hp.batch_size
         ds = _Windows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
-        return DataLoader(ds, batch_size=hp.batch_size, sampler=_FreshSampler(n), num_workers=hp.num_workers,
-                          drop_last=True)
+        return ResumableLoader(ds, batch_size=hp.batch_size, sampler=self._train_order, num_workers=hp.num_workers,
+                               drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
 
     def val_dataloader(self) -> DataLoader:
         hp = self.hparams
         n = hp.val_batches * hp.batch_size
         ds = _Windows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
-        return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers)
+        return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers,
+                          generator=torch.Generator().manual_seed(hp.seed))
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -28,7 +28,7 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..distributed import average_gradients, disable_gradient_sync
-from .data import _EpochSampler
+from .resume import EpochSampler, ResumableLoader
 from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
@@ -69,6 +69,8 @@ class AssociativeRecallDataModule(LightningDataModule):
     Every item of a loader is one :class:`ttt_flash.tasks.RecallBatch` of ``batch_size``
     sequences; batch ``i`` of a split comes from a generator seeded with (seed, split, i).
     Training batches are fresh every epoch; validation/test batches are the same every time.
+    The training order's position is saved in checkpoints: a resumed run continues with the
+    next unseen batch.
 
     Args:
         num_keys, num_values, num_pairs, num_queries, context_len: the task
@@ -106,7 +108,7 @@ class AssociativeRecallDataModule(LightningDataModule):
         self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
                                             num_queries=num_queries, context_len=context_len)
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
-        self._train_indices = _EpochSampler(train_batches, fresh=True)
+        self._train_indices = EpochSampler(train_batches, fresh=True)
 
     @property
     def vocab_size(self) -> int:
@@ -117,10 +119,19 @@ class AssociativeRecallDataModule(LightningDataModule):
         return self.tasks.chance
 
     def _loader(self, split: str) -> DataLoader:
-        indices = self._train_indices if split == "train" else _EpochSampler(self.batches[split], fresh=False)
-        return DataLoader(_RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split),
-                          batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
-                          persistent_workers=self.hparams.num_workers > 0)
+        indices = self._train_indices if split == "train" else EpochSampler(self.batches[split], fresh=False)
+        return ResumableLoader(_RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split),
+                               batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
+                               persistent_workers=self.hparams.num_workers > 0,
+                               generator=torch.Generator().manual_seed(self.hparams.seed))
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The training order's position (epoch, batches delivered), saved in checkpoints."""
+        return {"train_order": self._train_indices.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "train_order" in state_dict:
+            self._train_indices.load_state_dict(state_dict["train_order"])
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -1,0 +1,181 @@
+"""Exact resume of interrupted runs (ttt_flash.lightning.resume) through ``ttt-flash fit``.
+
+For the MAML, GradMem and LM recipes at tiny sizes: a straight run of N steps saves a
+checkpoint after every step; runs resumed from the checkpoint at an epoch boundary and from
+one mid-epoch end with exactly the weights and optimizer state of the straight run, log the
+same rows (same steps, same values) into the same folder, and raise no "not resumable"
+warning. Subprocess tests: SIGTERM mid-run exits 143 with a resumable ``last.ckpt``; a process
+killed (SIGKILL) while writing a checkpoint leaves the previous ``last.ckpt`` loadable.
+"""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttt_flash.cli import main
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_EVERY_STEP = [
+    "--trainer.callbacks.init_args.every_n_train_steps=1",
+    "--trainer.callbacks.init_args.save_top_k=-1",
+    "--trainer.callbacks.init_args.filename={step}",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_model_summary=false",
+]
+
+# name: (recipe, overrides (4 steps per epoch, 3 epochs), epoch-boundary step, mid-epoch step)
+CASES = {
+    "maml": ("maml_sinusoid", [
+        "--data.init_args.train_batches=4", "--data.init_args.meta_batch_size=2",
+        "--data.init_args.val_batches=1", "--trainer.max_epochs=3"]),
+    "gradmem": ("gradmem_kv", [
+        "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.val_batches=1",
+        "--data.init_args.num_pairs=2", "--model.init_args.memory_tokens=2",
+        "--model.init_args.n_layer=1", "--model.init_args.d_model=16", "--model.init_args.n_head=2",
+        "--trainer.max_epochs=3", "--trainer.val_check_interval=2", "--model.init_args.warmup_steps=3"]),
+    "lm": ("sophia_gpt_tiny", [
+        "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.seq_len=16",
+        "--data.init_args.max_bytes=20000", "--data.init_args.val_batches=1",
+        "--model.init_args.gpt.n_layer=1", "--model.init_args.gpt.d_model=16", "--model.init_args.gpt.n_head=4",
+        "--model.init_args.hessian_every=3", "--model.init_args.warmup_steps=2",
+        "--trainer.max_steps=12", "--trainer.val_check_interval=2"]),
+}
+
+
+def _rows(path):
+    with open(path, newline="") as f:
+        # every column but wall-clock times (step_time_s, tokens_per_s, hessian_refresh_s)
+        return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in csv.DictReader(f)]
+
+
+def _assert_same_state(a, b):
+    assert a["global_step"] == b["global_step"]
+    for name in a["state_dict"]:
+        assert torch.equal(a["state_dict"][name], b["state_dict"][name]), name
+    for sa, sb in zip(a["optimizer_states"], b["optimizer_states"]):
+        for key in sa["state"]:
+            for k, v in sa["state"][key].items():
+                if torch.is_tensor(v):
+                    assert torch.equal(v, sb["state"][key][k]), (key, k)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_is_exact(case, tmp_path, monkeypatch):
+    recipe, overrides = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, *_EVERY_STEP]
+    assert main(argv) == 0
+    folder = tmp_path / "runs" / recipe
+    reference = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_rows = _rows(folder / "metrics.csv")
+    assert reference["global_step"] == 12
+    for k in (4, 6):  # step 4 ends epoch 0; step 6 is mid-epoch 1
+        shutil.copy(folder / "checkpoints" / f"step={k}.ckpt", tmp_path / f"k{k}.ckpt")
+    for k in (4, 6):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main([*argv, "--ckpt_path", str(tmp_path / f"k{k}.ckpt")]) == 0
+        assert not [w for w in caught if "not resumable" in str(w.message)]
+        _assert_same_state(reference, torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True))
+        assert _rows(folder / "metrics.csv") == reference_rows, f"resumed at step {k}"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [recipe]  # one log folder
+
+
+def test_ckpt_path_last_resumes(tmp_path, monkeypatch):
+    """``--ckpt_path last`` finds runs/NAME/checkpoints/last.ckpt and continues from it."""
+    recipe, overrides = CASES["maml"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides[:-1], "--trainer.enable_model_summary=false"]
+    assert main([*argv, "--trainer.max_epochs=1"]) == 0
+    first = torch.load(tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt", weights_only=True)
+    assert first["global_step"] == 4
+    assert main([*argv, "--trainer.max_epochs=2", "--ckpt_path", "last"]) == 0
+    second = torch.load(tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt", weights_only=True)
+    assert second["global_step"] == 8 and second["SinusoidDataModule"]["train_order"]["epoch"] == 1
+
+
+_SCRIPT = """
+import os, signal, sys
+from ttt_flash.cli import main
+from ttt_flash.lightning.maml import MAML
+{patch}
+sys.exit(main({argv!r}))
+"""
+
+
+def _script(argv, patch):
+    return _SCRIPT.format(argv=argv, patch=textwrap.dedent(patch))
+
+
+def _run(tmp_path, code, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def _maml_argv(epochs=3):
+    recipe, overrides = CASES["maml"]
+    return ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides[:-1], f"--trainer.max_epochs={epochs}",
+            "--trainer.enable_model_summary=false", "--trainer.callbacks.init_args.every_n_train_steps=2"]
+
+
+def test_sigterm_exits_nonzero_with_resumable_checkpoint(tmp_path, monkeypatch):
+    # The process sends itself SIGTERM during step 6 (mid-epoch 1; the last scheduled
+    # checkpoint is step 4): it must finish step 6, write last.ckpt of step 6 and exit 143.
+    patch = """
+    step = MAML.training_step
+    def training_step(self, batch, i):
+        if self.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, batch, i)
+    MAML.training_step = training_step
+    """
+    done = _run(tmp_path, _script(_maml_argv(), patch))
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    last = tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(last, weights_only=True)
+    assert ckpt["global_step"] == 6
+    assert ckpt["SinusoidDataModule"]["train_order"] == {"epoch": 1, "position": 2}
+    # Resumed, it ends where an uninterrupted run ends.
+    monkeypatch.chdir(tmp_path)
+    assert main([*_maml_argv(), "--ckpt_path", "last"]) == 0
+    resumed = torch.load(last, weights_only=True)
+    shutil.rmtree(tmp_path / "runs")
+    assert main(_maml_argv()) == 0
+    _assert_same_state(torch.load(last, weights_only=True), resumed)
+
+
+def test_sigkill_while_writing_a_checkpoint_leaves_last_ckpt_loadable(tmp_path):
+    # The third checkpoint write writes half of its bytes to the file it is given, and the
+    # process is killed (SIGKILL) there: last.ckpt must still be the complete second one.
+    patch = """
+    import io, torch
+    import lightning.fabric.plugins.io.torch_io as torch_io
+    save, calls = torch_io._atomic_save, [0]
+    def dying_save(checkpoint, path):
+        calls[0] += 1
+        if calls[0] == 3:
+            buf = io.BytesIO()
+            torch.save(checkpoint, buf)
+            with open(path, "wb") as out:
+                out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+        save(checkpoint, path)
+    torch_io._atomic_save = dying_save
+    """
+    done = _run(tmp_path, _script(_maml_argv(), patch))
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 4  # the second checkpoint, complete

@@ -1,0 +1,393 @@
+"""Exact resumption of interrupted runs: resumable samplers and loaders, and a checkpoint
+callback that saves what Lightning does not.
+
+* :class:`EpochSampler` + :class:`ResumableLoader`: the index order of the task DataModules
+  (fresh indices every training epoch) with their position: epoch, and batches delivered in
+  it. The loader is *stateful* in Lightning's sense (``state_dict`` / ``load_state_dict``),
+  so a run resumed mid-epoch continues with the next unseen batch (no "dataloader is not
+  resumable" warning), and the DataModules also save the position themselves, so a run
+  resumed at an epoch boundary starts the next epoch rather than replaying epoch 0.
+* :class:`ResumableCheckpoint`: a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that
+
+  - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
+    a process killed while writing leaves the previous complete checkpoint),
+  - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``) and puts
+    them back just before the first resumed step,
+  - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
+    a :class:`ResumableCSVLogger` with a fixed ``version`` continue the same ``metrics.csv``
+    (rows the interrupted run wrote after the checkpoint are dropped),
+  - on SIGTERM or SIGINT finishes the current training step, writes ``last.ckpt`` and stops;
+    ``ttt-flash fit`` then exits with status ``128 + signal`` (143 for SIGTERM, 130 for
+    SIGINT), as a shell reports a process killed by that signal. A second SIGINT aborts at once.
+
+Resume with ``ttt-flash fit --config recipes/NAME.yaml --ckpt_path last``: the recipes log to
+``runs/NAME/`` and checkpoint to ``runs/NAME/checkpoints/last.ckpt``.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import signal
+import threading
+import warnings
+from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from torch.utils.data import DataLoader, Sampler
+
+__all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
+           "check_ckpt_path"]
+
+
+# --------------------------------------------------------------------------- data order
+
+
+class EpochSampler(Sampler):
+    """Indices ``range(n)`` every epoch, or, with ``fresh``, ``range(e·n, (e+1)·n)`` in epoch
+    ``e`` (fresh items every epoch), with a position that can be saved and restored.
+
+    The position (:meth:`state_dict`) is ``(epoch, position)``: the epoch under way and the
+    number of its items delivered so far (counted by :class:`ResumableLoader` as it yields
+    batches, so items prefetched by workers are not counted). Each new iteration starts the
+    next epoch, except the first one after :meth:`load_state_dict`, which continues the saved
+    epoch at the saved position (or starts the next epoch if the saved one was complete).
+    """
+
+    def __init__(self, n: int, fresh: bool):
+        self.n, self.fresh = n, fresh
+        self.epoch, self.position = 0, 0
+        self._begun = False  # an iteration has started since construction / load
+        self._resume = False
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _begin(self) -> None:
+        if self._begun and not self._resume:
+            self.epoch, self.position = self.epoch + 1, 0
+        elif self.position >= self.n:  # resumed after the last item of an epoch
+            self.epoch, self.position = self.epoch + 1, 0
+        self._begun, self._resume = True, False
+
+    def __iter__(self) -> Iterator[int]:
+        base = self.epoch * self.n if self.fresh else 0
+        return iter(range(base + self.position, base + self.n))
+
+    def state_dict(self) -> Dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.n:
+            raise ValueError(f"a sampler state must have epoch >= 0 and 0 <= position <= {self.n}, got {state}")
+        self.epoch, self.position = epoch, position
+        self._begun, self._resume = True, True
+
+
+class ResumableLoader(DataLoader):
+    """A :class:`~torch.utils.data.DataLoader` over an :class:`EpochSampler` whose position
+    it saves and restores (Lightning's stateful-loader interface).
+
+    Each yielded batch advances the sampler's position by the loader's ``batch_size``
+    (1 with ``batch_size=None``). The state also holds the loader's own ``generator`` (the
+    source of worker seeds; given one, iterating never draws from the global random state).
+    """
+
+    def _order(self) -> Optional[EpochSampler]:
+        sampler = self.sampler
+        return sampler if isinstance(sampler, EpochSampler) else None
+
+    def __iter__(self):
+        order = self._order()
+        if order is None:  # the sampler was replaced (e.g. a distributed wrapper): no tracking
+            return super().__iter__()
+        order._begin()
+        return self._track(super().__iter__(), order, self.batch_size or 1)
+
+    @staticmethod
+    def _track(batches, order: EpochSampler, per_batch: int):
+        for batch in batches:
+            order.position += per_batch
+            yield batch
+
+    def state_dict(self) -> Dict[str, Any]:
+        order = self._order()
+        state: Dict[str, Any] = {} if order is None else order.state_dict()
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        order = self._order()
+        if order is not None and "epoch" in state:
+            order.load_state_dict(state)
+        if self.generator is not None and "generator" in state:
+            self.generator.set_state(state["generator"])
+
+
+# --------------------------------------------------------------------------- random states
+
+
+def _rng_state() -> Dict[str, Any]:
+    """The global random states, as tensors and plain Python values (``weights_only``-loadable)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: Dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+
+
+# --------------------------------------------------------------------------- signals
+
+#: The signal that stopped the last run (set by :class:`ResumableCheckpoint`'s handlers).
+_received: List[int] = []
+
+
+def interrupt_exit_code() -> int:
+    """Exit status of a run stopped by a signal: ``128 + signum`` (143 for SIGTERM, 130 for
+    SIGINT), SIGTERM's when the signal is not known."""
+    return 128 + (_received[-1] if _received else int(signal.SIGTERM))
+
+
+def check_ckpt_path(argv) -> None:
+    """Refuse, before anything is built, a ``--ckpt_path`` that names an empty or unreadable
+    file (``torch.load`` would fail late with a bare ``EOFError``)."""
+    argv = list(argv)
+    path = None
+    for i, arg in enumerate(argv):
+        if arg == "--ckpt_path" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif arg.startswith("--ckpt_path="):
+            path = arg.split("=", 1)[1]
+    if path is None or path in ("last", "best", "hpc", "registry") or not os.path.exists(path):
+        return
+    if os.path.isdir(path):
+        raise SystemExit(f"ttt-flash: --ckpt_path {path} is a directory; give the checkpoint file, e.g. "
+                         f"{os.path.join(path, 'last.ckpt')}, or --ckpt_path last")
+    if os.path.getsize(path) == 0:
+        raise SystemExit(f"ttt-flash: --ckpt_path {path} is an empty file (0 bytes), not a checkpoint (was its "
+                         "write interrupted?); give another checkpoint, or start without --ckpt_path")
+
+
+# --------------------------------------------------------------------------- logger
+
+
+class _ContinuingWriter(ExperimentWriter):
+    """CSV writer that leaves an existing ``metrics.csv`` alone until the first save: a resumed
+    run (:meth:`continue_from`) keeps its earlier rows, a fresh run replaces the file."""
+
+    def _check_log_dir_exists(self) -> None:
+        self._fresh = True  # decided by continue_from() or, failing that, at the first save
+
+    def continue_from(self, step: int) -> None:
+        """Keep the rows logged at steps before ``step`` (the first step the resumed run logs)."""
+        self._fresh = False
+        if not os.path.isfile(self.metrics_file_path):
+            return
+        with open(self.metrics_file_path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("step", "") != "" and int(float(r["step"])) < step]
+        keys = sorted({k for r in rows for k in r})
+        with open(self.metrics_file_path, "w", newline="") as f:
+            out = csv.DictWriter(f, fieldnames=keys)
+            out.writeheader()
+            out.writerows(rows)
+        self.metrics_keys = keys
+
+    def save(self) -> None:
+        if self._fresh and self.metrics and os.path.isfile(self.metrics_file_path):
+            os.remove(self.metrics_file_path)  # a new run in this folder: start a new file
+        if self.metrics:
+            self._fresh = False
+        super().save()
+
+
+class ResumableCSVLogger(CSVLogger):
+    """:class:`~lightning.pytorch.loggers.CSVLogger` whose ``metrics.csv`` a resumed run
+    continues: with :class:`ResumableCheckpoint`, the rows logged before the checkpoint stay
+    and the resumed run appends its own (rows the interrupted run logged after the checkpoint
+    are dropped). A run started without a checkpoint replaces the file, as CSVLogger does.
+    Give it a fixed ``version`` (a folder name) so that a resumed run finds its folder.
+
+    Args: as :class:`~lightning.pytorch.loggers.CSVLogger`.
+    """
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuingWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
+# --------------------------------------------------------------------------- the callback
+
+
+class ResumableCheckpoint(ModelCheckpoint):
+    """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` for exactly resumable runs
+    (see the module docstring).
+
+    Args:
+        dirpath: checkpoint folder (None: ``<logger log_dir>/checkpoints``; with a logger of
+            fixed ``version`` this is a stable place, so ``--ckpt_path last`` finds it).
+        filename, monitor, mode, save_top_k, every_n_epochs, save_on_train_epoch_end: as in
+            ModelCheckpoint (``save_top_k=0``: only ``last.ckpt``).
+        every_n_train_steps: also save every this many optimizer steps (None: at the end of
+            every epoch / validation, ModelCheckpoint's default).
+        save_last: write ``last.ckpt`` (default True; ``"link"`` as in ModelCheckpoint).
+        save_on_signal: on SIGTERM / SIGINT, finish the current step, write ``last.ckpt``
+            and stop (the run raises Lightning's ``SIGTERMException``).
+    """
+
+    def __init__(
+        self,
+        dirpath: Optional[str] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        mode: str = "min",
+        save_top_k: int = 0,
+        every_n_train_steps: Optional[int] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
+        save_last: Union[bool, Literal["link"]] = True,
+        save_on_signal: bool = True,
+    ):
+        super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, mode=mode, save_top_k=save_top_k,
+                         every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
+                         save_on_train_epoch_end=save_on_train_epoch_end, save_last=save_last)
+        self.save_on_signal = save_on_signal
+        self._stepped: Optional[int] = None  # logging step after the last finished batch
+        self._pending: Optional[Dict[str, Any]] = None  # loaded state, applied at the first resumed batch
+        self._handlers: Dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ atomic writes
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        from fsspec.implementations.local import LocalFileSystem
+
+        if not isinstance(self._fs, LocalFileSystem):
+            return super()._save_checkpoint(trainer, filepath)
+        tmp = os.path.join(os.path.dirname(filepath) or ".", f".{os.path.basename(filepath)}.tmp")
+        super()._save_checkpoint(trainer, tmp)
+        if trainer.is_global_zero:
+            os.replace(tmp, filepath)
+        trainer.strategy.barrier("ResumableCheckpoint")
+        self._last_checkpoint_saved = filepath
+
+    # ------------------------------------------------------------------ state
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loop = trainer.fit_loop.epoch_loop
+        # The value of Lightning's logging step once this batch is finished.
+        self._stepped = loop._batches_that_stepped + (0 if loop._should_accumulate() else 1)
+        with warnings.catch_warnings():
+            # Manual optimization: the checkpoint holds the weights after the step, as a resume needs.
+            warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved")
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def state_dict(self) -> Dict[str, Any]:
+        state = super().state_dict()
+        trainer = getattr(self, "_trainer_ref", None)
+        state["rng"] = _rng_state()
+        if trainer is not None:
+            stepped = self._stepped
+            if stepped is None:
+                stepped = trainer.fit_loop.epoch_loop._batches_that_stepped
+            state["batches_that_stepped"] = stepped
+            for lg in trainer.loggers:  # flush: the rows logged so far survive a kill
+                if isinstance(getattr(lg, "_experiment", None), _ContinuingWriter):
+                    lg.save()
+        return state
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        self._trainer_ref = trainer
+        super().setup(trainer, pl_module, stage)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None:
+            return
+        self._pending = {k: state[k] for k in ("rng", "batches_that_stepped") if k in state}
+        if "batches_that_stepped" in state:
+            for lg in trainer.loggers:
+                writer = getattr(lg, "_experiment", None)
+                if isinstance(writer, _ContinuingWriter):
+                    writer.continue_from(int(state["batches_that_stepped"]))
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.save_on_signal:
+            self._install_handlers(trainer)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._pending is None:
+            return
+        if "batches_that_stepped" in self._pending:
+            trainer.fit_loop.epoch_loop._batches_that_stepped = int(self._pending["batches_that_stepped"])
+        if "rng" in self._pending:
+            _set_rng_state(self._pending["rng"])
+        self._pending = None
+
+    # ------------------------------------------------------------------ signals
+
+    def _install_handlers(self, trainer) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        _received.clear()
+        connector = trainer._signal_connector
+
+        def handler(signum, frame, previous=None):
+            if signum == signal.SIGINT and _received:
+                raise KeyboardInterrupt  # a second Ctrl-C: stop now
+            _received.append(signum)
+            connector.received_sigterm = True  # Lightning stops after the current step
+            if callable(previous):
+                previous(signum, frame)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig) if sig == signal.SIGTERM else None
+            self._handlers[sig] = signal.getsignal(sig)
+            signal.signal(sig, lambda s, f, p=previous: handler(s, f, p))
+
+    def _restore_handlers(self) -> None:
+        for sig, h in self._handlers.items():
+            if threading.current_thread() is threading.main_thread() and h is not None:
+                signal.signal(sig, h)
+        self._handlers = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore_handlers()
+        # The end of the run, whatever every_n_train_steps: --ckpt_path last continues from here.
+        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        self._restore_handlers()
+        if isinstance(exception, SIGTERMException) and self.save_on_signal and self.dirpath is not None:
+            path = os.path.join(self.dirpath, self.CHECKPOINT_NAME_LAST + self.FILE_EXTENSION)
+            self.last_model_path = path
+            self._save_checkpoint(trainer, path)

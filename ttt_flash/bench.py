@@ -157,7 +157,7 @@ def _make(cfg: BenchConfig, provider: str, n: int):
     kw = dict(causal=cfg.causal, window=cfg.window)
     if provider in ("ttt_flash", "ttt_flash_fast"):
         kw["precise_bob"] = provider == "ttt_flash"
-        return _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do, u), False
+        return _chain_fn(lambda a, b, c: flash_attention(a, b, c, layout="bhnd", **kw), q, k, v, do, u), False
     if provider == "math":
         return _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u), False
     backend = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -233,7 +233,7 @@ def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
     kw = dict(causal=cfg.causal, window=cfg.window)
     exact = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u)()
     low = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v, do)]
-    ours = _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
+    ours = _chain_fn(lambda a, b, c: flash_attention(a, b, c, layout="bhnd", **kw), *low, [t.to(dtype) for t in u])()
     lowmath = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
     names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
     res = {}

@@ -97,7 +97,7 @@ def _check(argv: Sequence[str]) -> int:
 
     kw = dict(causal=a.causal, window=a.window)
     t0 = time.perf_counter()
-    ours = chain(lambda q, k, v: flash_attention(q, k, v, backend=a.backend, **kw), dtype)
+    ours = chain(lambda q, k, v: flash_attention(q, k, v, backend=a.backend, layout="bhnd", **kw), dtype)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0

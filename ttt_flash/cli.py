@@ -34,14 +34,16 @@ _LIGHTNING_COMMANDS = ("fit", "validate", "test")
 def _lightning(argv: Sequence[str]) -> int:
     """LightningCLI with subclass mode: a recipe names its module and data by class_path."""
     from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
 
+    from ._recipe_cli import recipe_cli
+
+    # LightningCLI on sys.argv = ["ttt-flash", *argv], quiet, short unknown-key errors, CPU threads
+    LightningCLI = recipe_cli(argv)
     LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(argv),
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
             "logger": {

@@ -38,6 +38,7 @@ def test_check_passes_and_prints_table(capsys):
     assert main(["check", "--seq-len", "19", "--head-dim", "8", "--window", "5"]) == 0
     out = capsys.readouterr().out
     assert "q_bar" in out and out.strip().endswith("OK")
+    assert re.search(r"backend=auto \((triton|reference)\)", out)  # what "auto" ran
 
 
 def test_console_script_is_installed():

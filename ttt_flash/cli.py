@@ -108,7 +108,7 @@ def _check(argv: Sequence[str]) -> int:
     names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
     print(f"ttt-flash {__version__} check: B={a.batch} H={a.heads}/{a.kv_heads} N={a.seq_len} "
           f"D={a.head_dim} causal={a.causal} window={a.window} {dtype_name} on {a.device}, "
-          f"backend={a.backend}")
+          f"backend={a.backend}{_resolved(a.backend, ours[0])}")
     print(f"{'output':>8}  {'rel. L2 error vs float64':>24}")
     ok = True
     for name, x, e in zip(names, ours, exact):
@@ -118,6 +118,13 @@ def _check(argv: Sequence[str]) -> int:
     print(f"chain (forward, backward, backward-over-backward): {elapsed * 1e3:.1f} ms (first call)")
     print("OK" if ok else f"FAILED: an error exceeds {tol:g}")
     return 0 if ok else 1
+
+
+def _resolved(backend: str, o) -> str:
+    """For backend="auto", the suffix naming what ran (" (triton)" / " (reference)"); else ""."""
+    from .attention import _resolve_backend
+
+    return f" ({_resolve_backend(backend, o)})" if backend == "auto" else ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

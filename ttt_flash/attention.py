@@ -529,14 +529,14 @@ def flash_attention(
                 f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
                 f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
             )
-    if layout == "bnhd":  # views: the kernels and the reference take strides
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if layout == "bnhd":  # views: the kernels and the reference take strides
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     _check_heads_bhnd(q, k, layout_given)
     backend = _resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[2] == 0:

@@ -105,7 +105,7 @@ def causal_attention(
         (B, H_q, N, D).
     """
     if impl == "ttt_flash":
-        return flash_attention(q, k, v, causal=True, window=window)
+        return flash_attention(q, k, v, causal=True, window=window, layout="bhnd")
     if impl == "math":
         return naive_attention(q, k, v, causal=True, window=window)
     if impl == "sdpa":

@@ -66,3 +66,42 @@ def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monk
     main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
           "ttt_flash", "--rep-ms", "1", "--no-check", "--out", str(tmp_path)])
     assert seen and all(seen)
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-defaults", "cuda-defaults"])
+def test_every_option_has_help_with_its_default(cuda):
+    from ttt_flash.bench import build_parser
+
+    p = build_parser(cuda=cuda)
+    text = p.format_help()
+    for action in p._actions:
+        if action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings} has no help text"
+        assert "%(default)s" in p._get_formatter()._get_help_string(action), action.option_strings
+    assert "(default: " + ("bfloat16" if cuda else "float64") + ")" in text
+    assert "(default: " + ("1024,4096" if cuda else "64,128") + ")" in text
+    assert p.parse_args([]).seq_lens == ([1024, 4096] if cuda else [64, 128])
+
+
+def test_cpu_table_has_no_zero_rates_and_no_memory_column(tmp_path, capsys):
+    from ttt_flash.bench import flop_unit, format_table, plot_panels
+
+    rc = main(["--device", "cpu", "--seq-lens", "16,32", "--heads", "2", "--head-dim", "8",
+               "--rep-ms", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("provider"))
+    assert "GFLOP/s" in header and "TFLOP/s" not in header and "peak GiB" not in header
+    data = json.loads((tmp_path / "bench.json").read_text())
+    rates = [float(line.split()[3]) for line in out.splitlines()
+             if line.split() and line.split()[0] in ("ttt_flash", "math", "sdpa")]
+    assert len(rates) == 6 and all(r > 0 for r in rates)  # printed with enough digits to be non-zero
+    assert plot_panels(data) == ["time"]  # no empty memory panel on the CPU
+    # a CUDA result (peak memory, TFLOP/s-scale rates) keeps both
+    cuda_rows = [{"provider": "ttt_flash", "N": 4096, "ms": 1.0, "tflops": 120.0, "peak_gib": 0.5,
+                  "ratio_sdpa_flash": 3.0, "ratio_sdpa_cudnn": 3.5}]
+    cuda = {**data, "rows": cuda_rows}
+    assert plot_panels(cuda) == ["time", "memory"] and flop_unit(cuda_rows) == ("TFLOP/s", 1.0)
+    table = format_table(cuda)
+    assert "TFLOP/s" in table and "peak GiB" in table and "/cudnn" in table and "120.0" in table

@@ -1,10 +1,15 @@
 """The ``ttt-flash`` command line."""
 
+import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
 import ttt_flash
 from ttt_flash.cli import main
@@ -33,6 +38,7 @@ def test_check_passes_and_prints_table(capsys):
     assert main(["check", "--seq-len", "19", "--head-dim", "8", "--window", "5"]) == 0
     out = capsys.readouterr().out
     assert "q_bar" in out and out.strip().endswith("OK")
+    assert re.search(r"backend=auto \((triton|reference)\)", out)  # what "auto" ran
 
 
 def test_console_script_is_installed():
@@ -42,3 +48,98 @@ def test_console_script_is_installed():
     assert r.stdout.strip() == f"ttt-flash {ttt_flash.__version__}"
     r = subprocess.run([sys.executable, "-m", "ttt_flash.cli", "--help"], capture_output=True, text=True, check=True)
     assert "check" in r.stdout
+
+
+# --------------------------------------------------------------------------- fit / validate / test
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+_WARNING_LINE = re.compile(r"\w+Warning\b|warnings\.warn|is deprecated|💡|Tip:|intended to run from within Python")
+
+
+def test_fit_help_prints_no_warning_lines():
+    r = subprocess.run([sys.executable, "-m", "ttt_flash.cli", "fit", "--help"], capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert r.stdout.startswith("usage: ttt-flash [options] fit"), r.stdout[:200]
+    noisy = [line for line in (r.stdout + r.stderr).splitlines() if _WARNING_LINE.search(line)]
+    assert not noisy, "\n".join(noisy)
+    assert not r.stderr.strip(), r.stderr
+
+
+def test_every_recipe_turns_the_progress_bar_on():
+    for path in sorted(RECIPES.glob("*.yaml")):
+        trainer = yaml.safe_load(path.read_text())["trainer"]
+        assert trainer.get("enable_progress_bar") is True, path.name
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_fit_runs_quietly_with_a_rich_progress_bar(monkeypatch, tmp_path, recwarn):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    seen = []
+    real_fit = Trainer.fit
+
+    def fit(self, *args, **kwargs):
+        seen.append(self.progress_bar_callback)
+        return real_fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    monkeypatch.chdir(tmp_path)
+    collect = _Collect()
+    logging.getLogger("lightning.pytorch").addHandler(collect)
+    try:
+        assert main(["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--trainer.fast_dev_run=true",
+                     f"--trainer.default_root_dir={tmp_path}"]) == 0
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(collect)
+    assert len(seen) == 1 and isinstance(seen[0], RichProgressBar)
+    assert any("fast_dev_run" in m for m in collect.messages)  # the handler does see Lightning's log
+    assert not [m for m in collect.messages if "Tip" in m]
+    # the two warnings every CLI call used to print (jsonargparse's DeprecationWarnings about
+    # Lightning's calls are hidden outside pytest by Python's default filters)
+    noisy = [str(w.message) for w in recwarn if "LeafSpec" in str(w.message) or "from within Python" in str(w.message)]
+    assert not noisy
+
+
+def test_unknown_recipe_key_gives_a_short_error(tmp_path, capsys):
+    text = (RECIPES / "maml_sinusoid.yaml").read_text()
+    assert "    inner_steps: 1 " in text
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(text.replace("    inner_steps: 1 ", "    inner_stepz: 1 "))
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(bad)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 1 < len(err) <= 4, err
+    assert "'model.init_args.inner_stepz'" in err[0] and f"{bad}:" in err[0] and "ttt_flash.lightning.MAML" in err[0]
+    assert err[1].split(":", 1)[1].split(",")[0].strip() == "inner_steps"  # the closest key first
+    # a trainer key on the command line
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--trainer.max_epochz=2"])
+    err = capsys.readouterr().err
+    assert "unknown key 'trainer.max_epochz' in the command line" in err and "max_epochs" in err
+    assert len(err.strip().splitlines()) <= 4
+
+
+def test_thread_default(monkeypatch):
+    import torch
+
+    from ttt_flash._recipe_cli import thread_default
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with thread_default() as n:
+        assert torch.get_num_threads() == (before if torch.cuda.is_available() else 1)
+        assert n == (None if torch.cuda.is_available() else 1)
+    assert torch.get_num_threads() == before
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with thread_default() as n:
+        assert n is None and torch.get_num_threads() == before

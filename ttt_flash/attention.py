@@ -33,7 +33,7 @@ from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # as Fu
 
 from . import ops, reference
 
-__all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS"]
+__all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS", "LAYOUTS"]
 
 #: Accepted values of the ``backend`` argument.
 BACKENDS = ("auto", "triton", "reference")
@@ -408,6 +408,50 @@ def _check_cu_seqlens(name: str, cu, tokens: int, device) -> list:
     return values
 
 
+#: Accepted values of ``flash_attention``'s ``layout`` argument.
+LAYOUTS = ("bhnd", "bnhd")
+
+
+def _check_layout(layout: Optional[str], q: Tensor, k: Tensor) -> str:
+    """The layout to use: ``layout`` itself, or ``"bhnd"`` when None, warning when the shapes
+    look like FlashAttention's (B, N, H, D): more heads than positions in q and in k."""
+    if layout is not None:
+        if layout not in LAYOUTS:
+            raise ValueError(
+                f"layout must be 'bhnd' (batch, heads, seq_len, head_dim; the default, as "
+                f"scaled_dot_product_attention) or 'bnhd' (batch, seq_len, heads, head_dim, as "
+                f"FlashAttention's flash_attn_func), got {layout!r}"
+            )
+        return layout
+    if q.dim() == 4 and k.dim() == 4 and q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]:
+        warnings.warn(
+            f"flash_attention reads q {tuple(q.shape)} and k {tuple(k.shape)} as (batch, heads, "
+            f"seq_len, head_dim): {q.shape[1]} heads over {q.shape[2]} queries and "
+            f"{k.shape[1]} heads over {k.shape[2]} keys. If they are (batch, seq_len, heads, "
+            "head_dim) (FlashAttention's layout), pass layout='bnhd'; pass layout='bhnd' to "
+            "state the layout and silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )
+    return "bhnd"
+
+
+def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
+    """:func:`_check_heads` for (B, H, N, D) tensors, with a hint when the tensors would be
+    consistent read as (B, N, H, D)."""
+    try:
+        _check_heads(q.shape[1], k.shape[1])
+    except ValueError as e:
+        hkv = k.shape[2]
+        if not layout_given and hkv and q.shape[2] % hkv == 0:
+            raise ValueError(
+                f"{e}; q {tuple(q.shape)} and k {tuple(k.shape)} are read as (batch, heads, "
+                "seq_len, head_dim): if they are (batch, seq_len, heads, head_dim) "
+                "(FlashAttention's layout), pass layout='bnhd'"
+            ) from None
+        raise
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -421,8 +465,9 @@ def flash_attention(
     window: Optional[int] = None,
     backend: str = "auto",
     precise_bob: bool = True,
+    layout: Optional[str] = None,
 ) -> Tensor:
-    r"""Softmax attention, differentiable twice exactly (FlashBoB).
+    r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable twice exactly.
 
     ``o = softmax(scale · q kᵀ + mask) v`` for each batch and head, with exact gradients
     and exact gradients of gradients (Hessian-vector products, MAML, gradient-written
@@ -447,10 +492,22 @@ def flash_attention(
             TTT_FLASH_BOB_ROW_SPLIT=1`` set before import, ~20 % slower BoB). False: the
             two-pass affine form of docs/bob-math.md (fewer products), whose 16-bit error
             grows where attention is peaked (terms cancel).
+        layout: axis order of q, k, v and the output. ``"bhnd"``: (B, H, N, D), as
+            ``torch.nn.functional.scaled_dot_product_attention`` (the shapes above).
+            ``"bnhd"``: (B, N, H, D), as FlashAttention's ``flash_attn_func``; the inputs
+            are read through transposed views (no copies) and the output is returned as
+            a (B, N_q, H_q, D) view (its memory is (B, H, N, D)-contiguous; gradients come
+            back in the inputs' shapes). ``None`` (default): ``"bhnd"``, with a
+            ``UserWarning`` when the shapes look like (B, N, H, D), i.e. when q and k both
+            have more heads than positions (``q.shape[1] > q.shape[2]`` and
+            ``k.shape[1] > k.shape[2]``); and a ``ValueError`` on mismatched head counts
+            says so when the tensors would be consistent read as (B, N, H, D). Tensors of
+            one layout with equal shapes and at least as many positions as heads cannot
+            be told apart: pass ``layout`` explicitly to state it (and silence the check).
 
     Returns:
-        Tensor of shape (B, H_q, N_q, D), dtype of ``q``. A query row that sees no key
-        returns 0, and all its gradients are 0.
+        Tensor of shape (B, H_q, N_q, D) (``layout="bnhd"``: (B, N_q, H_q, D)), dtype of
+        ``q``. A query row that sees no key returns 0, and all its gradients are 0.
 
     Inputs may be non-contiguous (e.g. produced by ``transpose``). Third derivatives raise
     ``NotImplementedError``.
@@ -468,10 +525,13 @@ def flash_attention(
         [(1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
     """
     scale = _check_common(q, k, v, scale, window, causal)
+    layout_given = layout is not None
+    layout = _check_layout(layout, q, k)
+    axes = "(batch, seq_len, heads, head_dim)" if layout == "bnhd" else "(batch, heads, seq_len, head_dim)"
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 4:
             raise ValueError(
-                f"{name} must have 4 dimensions (batch, heads, seq_len, head_dim), got shape "
+                f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
                 f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
             )
     if k.shape != v.shape:
@@ -480,13 +540,16 @@ def flash_attention(
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    _check_heads(q.shape[1], k.shape[1])
+    if layout == "bnhd":  # views: the kernels and the reference take strides
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    _check_heads_bhnd(q, k, layout_given)
     backend = _resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
                  precise_bob=bool(precise_bob))
-    return _apply(q, k, v, spec, None, None)
+    o = _apply(q, k, v, spec, None, None)
+    return o.transpose(1, 2) if layout == "bnhd" else o
 
 
 def flash_attention_varlen(
@@ -510,6 +573,9 @@ def flash_attention_varlen(
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
     sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend`` and
     ``precise_bob`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
+
+    The packed (T, H, D) layout is FlashAttention's ``flash_attn_varlen_func`` layout (no
+    ``layout`` argument here).
 
     Args:
         q: (T_q, H_q, D) packed queries.

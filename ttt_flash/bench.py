@@ -157,7 +157,7 @@ def _make(cfg: BenchConfig, provider: str, n: int):
     kw = dict(causal=cfg.causal, window=cfg.window)
     if provider in ("ttt_flash", "ttt_flash_fast"):
         kw["precise_bob"] = provider == "ttt_flash"
-        return _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), q, k, v, do, u), False
+        return _chain_fn(lambda a, b, c: flash_attention(a, b, c, layout="bhnd", **kw), q, k, v, do, u), False
     if provider == "math":
         return _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u), False
     backend = {"sdpa": None, "sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
@@ -233,7 +233,7 @@ def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
     kw = dict(causal=cfg.causal, window=cfg.window)
     exact = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), q, k, v, do, u)()
     low = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v, do)]
-    ours = _chain_fn(lambda a, b, c: flash_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
+    ours = _chain_fn(lambda a, b, c: flash_attention(a, b, c, layout="bhnd", **kw), *low, [t.to(dtype) for t in u])()
     lowmath = _chain_fn(lambda a, b, c: naive_attention(a, b, c, **kw), *low, [t.to(dtype) for t in u])()
     names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
     res = {}
@@ -308,8 +308,18 @@ def _add_ratios(result: dict) -> None:
                     r[f"ratio_{unit}"] = r["ms"] / u["ms"]
 
 
+def flop_unit(rows: Sequence[dict]) -> tuple:
+    """(name, divisor of TFLOP/s) for a table's rate column: TFLOP/s when any rate reaches
+    1 TFLOP/s (GPUs), else GFLOP/s (the CPU), so that no column reads 0.0."""
+    rates = [r["tflops"] for r in rows if "tflops" in r]
+    return ("TFLOP/s", 1.0) if rates and max(rates) >= 1.0 else ("GFLOP/s", 1e-3)
+
+
 def format_table(result: dict) -> str:
+    """The printed table: one row per (provider, N). Columns without a value in any row
+    (peak memory on the CPU, the cuDNN ratio without cuDNN) are left out."""
     cfg = result["config"]
+    rows = result["rows"]
     lines = [
         f"chain benchmark on {result['device_name']} ({result['date']}, torch {result['torch']}): "
         f"B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} {cfg['dtype']} "
@@ -319,18 +329,34 @@ def format_table(result: dict) -> str:
         chk = result["check"]
         worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
         lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {'ok' if chk['ok'] else 'FAILED'}")
-    unit = "sdpa_flash" if any(r["provider"] == "sdpa_flash" for r in result["rows"]) else "sdpa"
-    lines.append(f"ratios: time / first-order {unit} fwd+bwd ('/unit') and / sdpa_cudnn ('/cudnn')")
-    lines.append(f"{'provider':<14}{'N':>9}{'ms':>11}{'TFLOP/s':>9}{'peak GiB':>10}{'/unit':>8}{'/cudnn':>8}")
-    for r in result["rows"]:
+    unit = "sdpa_flash" if any(r["provider"] == "sdpa_flash" for r in rows) else "sdpa"
+    cudnn = any("ratio_sdpa_cudnn" in r for r in rows)
+    peak = any("peak_gib" in r for r in rows)
+    rate_name, rate_div = flop_unit(rows)
+    lines.append(f"ratios: time / first-order {unit} fwd+bwd ('/unit')" + (" and / sdpa_cudnn ('/cudnn')" if cudnn else ""))
+    if not peak:
+        lines.append("peak memory: measured on CUDA only (see the GPU numbers in docs/benchmarks.md)")
+    header = f"{'provider':<14}{'N':>9}{'ms':>11}{rate_name:>9}" + (f"{'peak GiB':>10}" if peak else "") + f"{'/unit':>8}"
+    lines.append(header + (f"{'/cudnn':>8}" if cudnn else ""))
+    for r in rows:
         if "ms" not in r:
             lines.append(f"{r['provider']:<14}{r['N']:>9}  {r['error']}")
             continue
-        peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-"
         f1 = f"{r['ratio_sdpa_flash']:.2f}" if "ratio_sdpa_flash" in r else (f"{r['ratio_sdpa']:.2f}" if "ratio_sdpa" in r else "-")
-        f2 = f"{r['ratio_sdpa_cudnn']:.2f}" if "ratio_sdpa_cudnn" in r else "-"
-        lines.append(f"{r['provider']:<14}{r['N']:>9}{r['ms']:>11.3f}{r['tflops']:>9.1f}{peak:>10}{f1:>8}{f2:>8}")
+        line = f"{r['provider']:<14}{r['N']:>9}{r['ms']:>11.3f}{r['tflops'] / rate_div:>9.{3 if rate_div < 1 else 1}f}"
+        if peak:
+            line += f"{r['peak_gib']:>10.3f}" if "peak_gib" in r else f"{'-':>10}"
+        line += f"{f1:>8}"
+        if cudnn:
+            line += f"{r['ratio_sdpa_cudnn']:>8.2f}" if "ratio_sdpa_cudnn" in r else f"{'-':>8}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def plot_panels(result: dict) -> List[str]:
+    """The panels of bench.png: "time", and "memory" when some row has a peak-memory value
+    (CUDA runs; the CPU has no per-call peak to report, so its plot has the time panel only)."""
+    return ["time"] + (["memory"] if any("peak_gib" in r for r in result["rows"]) else [])
 
 
 def save(result: dict, out: str) -> List[str]:
@@ -347,17 +373,20 @@ def save(result: dict, out: str) -> List[str]:
     except ImportError:
         print("matplotlib not installed (pip install 'ttt-flash[plot]'): no plot written")
         return paths
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    panels = plot_panels(result)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    axes = axes[0]
     providers = sorted({r["provider"] for r in result["rows"]})
     for p in providers:
         rows = [r for r in result["rows"] if r["provider"] == p and "ms" in r]
         if rows:
             axes[0].loglog([r["N"] for r in rows], [r["ms"] for r in rows], "o-", label=p)
         rows = [r for r in rows if "peak_gib" in r]
-        if rows:
+        if rows and "memory" in panels:
             axes[1].loglog([r["N"] for r in rows], [max(r["peak_gib"], 1e-4) for r in rows], "o-", label=p)
     axes[0].set(xlabel="sequence length N", ylabel="time (ms)", title="chain (sdpa: first order)")
-    axes[1].set(xlabel="sequence length N", ylabel="peak memory above inputs (GiB)", title="memory")
+    if "memory" in panels:
+        axes[1].set(xlabel="sequence length N", ylabel="peak memory above inputs (GiB)", title="memory")
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -373,26 +402,43 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.replace(" ", "").split(",") if x]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    cuda = torch.cuda.is_available()
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written; every option's help ends with its default."""
+
+
+def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
+    """The ``ttt-flash bench`` parser. Defaults depend on whether CUDA is available (``cuda``;
+    None: ask torch): GPU-sized shapes on CUDA, a seconds-long smoke test on the CPU."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    where = "CUDA" if cuda else "no CUDA"
     p = argparse.ArgumentParser(prog="ttt-flash bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=_ints, default=[1024, 4096] if cuda else [64, 128],
-                   help="comma-separated sequence lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12 if cuda else 2)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
-    p.add_argument("--dtype", default="bfloat16" if cuda else "float64")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--window", type=int, default=None)
+                                epilog="Defaults shown are for this machine (" + where + "); on "
+                                + ("the CPU: --seq-lens 64,128 --heads 2 --head-dim 16 --dtype float64."
+                                   if cuda else "CUDA: --seq-lens 1024,4096 --heads 12 --head-dim 64 "
+                                   "--dtype bfloat16."),
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--seq-lens", type=_ints, default="1024,4096" if cuda else "64,128", metavar="N[,N...]",
+                   help="comma-separated sequence lengths N (queries = keys)")
+    p.add_argument("--batch", type=int, default=1, help="batch size B")
+    p.add_argument("--heads", type=int, default=12 if cuda else 2, help="query heads H")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="key/value heads (a divisor of --heads: grouped-query attention); None: --heads")
+    p.add_argument("--head-dim", type=int, default=64 if cuda else 16, help="head dimension d")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
+                   default="bfloat16" if cuda else "float64", help="dtype of q, k, v and dO")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False,
+                   help="causal mask (flop counts halve)")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding window of keys per query (needs --causal); None: no window")
     p.add_argument("--providers", default=None,
-                   help="comma-separated; default ttt_flash,math,sdpa_flash,sdpa_cudnn "
-                        "(with --gpt-step: eager,compiled)")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0)
-    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+                   help="comma-separated; None: ttt_flash,math,sdpa_flash,sdpa_cudnn "
+                        "(with --gpt-step: eager,compiled); sdpa_* fall back to sdpa without CUDA")
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up time per measurement (ms; CUDA)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (ms)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the correctness check against float64 before timing")
     p.add_argument("--autograd-threads", action=argparse.BooleanOptionalAction, default=True,
                    help="--no-autograd-threads: run every provider's backward on the calling thread "
                         "(torch.autograd.set_multithreading_enabled(False))")
@@ -405,6 +451,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--vocab-size", type=int, default=4096, help="GPT vocabulary (--gpt-step)")
     step.add_argument("--compile-backend", default="inductor",
                       help="torch.compile backend (--gpt-step; aot_eager needs no compiler)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.gpt_step:
         return _gpt_step_main(a)

@@ -169,17 +169,19 @@ def format_step_table(result: dict) -> str:
         f"first-order GPT step on {result['device_name']} ({result['date']}, torch {result['torch']}): "
         f"B={cfg['batch']} layers={cfg['layers']} H={cfg['heads']}/{cfg['kv_heads'] or cfg['heads']} "
         f"d={cfg['head_dim']} {cfg['dtype']} window={cfg['window']} compile backend={cfg['compile_backend']}",
-        f"{'provider':<10}{'N':>8}{'ms':>10}{'tok/s':>12}{'peak GiB':>10}{'1st call s':>11}{'speedup':>9}{'grad err':>10}",
     ]
+    has_peak = any("peak_gib" in r for r in result["rows"])  # CUDA only: no column on the CPU
+    lines.append(f"{'provider':<10}{'N':>8}{'ms':>10}{'tok/s':>12}" + (f"{'peak GiB':>10}" if has_peak else "")
+                 + f"{'1st call s':>11}{'speedup':>9}{'grad err':>10}")
     for r in result["rows"]:
         if "ms" not in r:
             lines.append(f"{r['provider']:<10}{r['N']:>8}  {r['error']}")
             continue
-        peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-"
+        peak = (f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-") if has_peak else ""
         sp = f"{r['speedup']:.2f}" if "speedup" in r else "-"
         err = f"{r['grad_rel_err']:.1e}" if "grad_rel_err" in r else "-"
         if r.get("ok") is False:
             err += " FAILED"
-        lines.append(f"{r['provider']:<10}{r['N']:>8}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{peak:>10}"
+        lines.append(f"{r['provider']:<10}{r['N']:>8}{r['ms']:>10.2f}{r['tokens_per_s']:>12.0f}{peak:>{10 if has_peak else 0}}"
                      f"{r['first_call_s']:>11.1f}{sp:>9}{err:>10}")
     return "\n".join(lines)

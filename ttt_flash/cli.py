@@ -37,27 +37,26 @@ def _lightning(argv: Sequence[str]) -> int:
     A run stopped by SIGTERM / SIGINT (after writing ``last.ckpt``, see
     :mod:`ttt_flash.lightning.resume`) exits with status 128 + signal: 143 / 130."""
     from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from .lightning.resume import interrupt_exit_code
-    from .lightning.resume import check_ckpt_path
+    from ._recipe_cli import recipe_cli
+    from .lightning.resume import check_ckpt_path, interrupt_exit_code
 
     check_ckpt_path(argv)
     try:
-        _run_cli(LightningCLI, LightningModule, LightningDataModule, argv)
+        # LightningCLI on sys.argv = ["ttt-flash", *argv], quiet, short unknown-key errors, CPU threads
+        _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
     except SIGTERMException:
         return interrupt_exit_code()
     return 0
 
 
-def _run_cli(LightningCLI, LightningModule, LightningDataModule, argv: Sequence[str]) -> None:
+def _run_cli(LightningCLI, LightningModule, LightningDataModule) -> None:
     LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(argv),
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
             "logger": {
@@ -115,7 +114,7 @@ def _check(argv: Sequence[str]) -> int:
 
     kw = dict(causal=a.causal, window=a.window)
     t0 = time.perf_counter()
-    ours = chain(lambda q, k, v: flash_attention(q, k, v, backend=a.backend, **kw), dtype)
+    ours = chain(lambda q, k, v: flash_attention(q, k, v, backend=a.backend, layout="bhnd", **kw), dtype)
     if a.device.startswith("cuda"):
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
@@ -124,7 +123,7 @@ def _check(argv: Sequence[str]) -> int:
     names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
     print(f"ttt-flash {__version__} check: B={a.batch} H={a.heads}/{a.kv_heads} N={a.seq_len} "
           f"D={a.head_dim} causal={a.causal} window={a.window} {dtype_name} on {a.device}, "
-          f"backend={a.backend}")
+          f"backend={a.backend}{_resolved(a.backend, ours[0])}")
     print(f"{'output':>8}  {'rel. L2 error vs float64':>24}")
     ok = True
     for name, x, e in zip(names, ours, exact):
@@ -134,6 +133,13 @@ def _check(argv: Sequence[str]) -> int:
     print(f"chain (forward, backward, backward-over-backward): {elapsed * 1e3:.1f} ms (first call)")
     print("OK" if ok else f"FAILED: an error exceeds {tol:g}")
     return 0 if ok else 1
+
+
+def _resolved(backend: str, o) -> str:
+    """For backend="auto", the suffix naming what ran (" (triton)" / " (reference)"); else ""."""
+    from .attention import _resolve_backend
+
+    return f" ({_resolve_backend(backend, o)})" if backend == "auto" else ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -79,7 +79,7 @@ def _log_lr(inner_lr: float, learn: bool) -> nn.Parameter:
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, impl: str) -> Tensor:
     if impl == "ttt_flash":
-        return flash_attention(q, k, v, causal=causal)
+        return flash_attention(q, k, v, causal=causal, layout="bhnd")
     if impl == "math":
         return naive_attention(q, k, v, causal=causal)
     raise ValueError(f"attention must be one of {MEMORY_ATTENTION_IMPLS}, got {impl!r}")

@@ -541,7 +541,7 @@ def ttt_bob_attention(
         value = torch.nn.functional.pad(value, (0, width - v_dim))
 
     if not pm.packed:
-        out = flash_attention(query, key, value, causal=pm.causal, scale=scale, window=pm.window)
+        out = flash_attention(query, key, value, causal=pm.causal, scale=scale, window=pm.window, layout="bhnd")
         out = out.transpose(1, 2)
     else:
         def pack(x: Tensor, index: Tensor) -> Tensor:

@@ -60,7 +60,7 @@ class _Block(nn.Module):
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         if self.attention == "ttt_flash":
-            return flash_attention(q, k, v, causal=self.causal)
+            return flash_attention(q, k, v, causal=self.causal, layout="bhnd")
         if self.attention == "math":
             return naive_attention(q, k, v, causal=self.causal)
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)

@@ -1,0 +1,230 @@
+"""What ``ttt-flash fit|validate|test`` adds to LightningCLI: a quiet start, short errors
+for unknown recipe keys, and one CPU thread by default.
+
+* LightningCLI runs on ``sys.argv = ["ttt-flash", *argv]``, as it is meant to from a console
+  script (its ``args=`` parameter is for calls from Python, and warns when a command line is
+  present too).
+* Lightning's "💡 Tip" adverts and torch's ``isinstance(treespec, LeafSpec)`` deprecation
+  warning (raised inside Lightning) are filtered.
+* A key that no class accepts (``inner_stepz``) fails in a few lines that name the key, the
+  recipe file it is in and the closest valid keys, instead of the full usage text.
+* ``trainer.enable_progress_bar: true`` (every shipped recipe) shows Lightning's
+  ``RichProgressBar`` (steps, speed, logged metrics) unless the recipe names its own progress
+  bar callback; the CSV logs are unchanged.
+* On a machine without CUDA, unless ``OMP_NUM_THREADS`` is set, torch runs one thread:
+  the recipes' steps are small, and several threads spinning on a few cores make a MAML
+  step many times slower (README, "Speed on the CPU").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+import inspect
+import logging
+import os
+import re
+import sys
+import warnings
+from typing import Iterator, List, Optional, Sequence
+
+__all__ = ["recipe_cli", "quiet_lightning", "rich_progress_bar", "thread_default", "unknown_key_message"]
+
+_TIP = "💡 Tip"
+_LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning_utilities.core.rank_zero",
+)
+
+
+class _DropAdverts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_TIP)
+
+
+def quiet_lightning() -> None:
+    """Filter Lightning's adverts and the known third-party deprecation (idempotent)."""
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+    for name in _LIGHTNING_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropAdverts) for f in logger.filters):
+            logger.addFilter(_DropAdverts())
+
+
+@contextlib.contextmanager
+def thread_default() -> Iterator[Optional[int]]:
+    """One torch thread while the block runs, on a machine without CUDA where
+    ``OMP_NUM_THREADS`` is unset (that variable, when set, decides). Yields the thread count
+    set, or None when it was left alone."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS") or torch.cuda.is_available():
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def rich_progress_bar(trainer_config: dict):
+    """A ``RichProgressBar`` for a trainer config that enables the progress bar (Lightning's
+    default) and names no progress bar callback; None otherwise, or without ``rich``."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    if trainer_config.get("enable_progress_bar") is False:
+        return None
+    callbacks = trainer_config.get("callbacks") or []
+    if any(isinstance(c, ProgressBar) for c in (callbacks if isinstance(callbacks, list) else [callbacks])):
+        return None
+    try:
+        from lightning.pytorch.callbacks import RichProgressBar
+
+        return RichProgressBar()
+    except (ImportError, ModuleNotFoundError):  # rich not installed: Lightning's default bar
+        return None
+
+
+# --------------------------------------------------------------------------- unknown keys
+
+# jsonargparse's wordings: a subclass's init_args key, and a key of a plain group / the root
+_NOT_ACCEPTED = re.compile(r"Option '([\w.\-]+)' is not accepted")
+_CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
+_UNEXPECTED = re.compile(r"does not accept option '([\w.\-]+)'|[Uu]nrecognized arguments: (\S+)")
+_PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
+
+
+def _config_files(argv: Sequence[str]) -> List[str]:
+    files = []
+    for i, a in enumerate(argv):
+        if a in ("-c", "--config") and i + 1 < len(argv):
+            files.append(argv[i + 1])
+        elif a.startswith("--config="):
+            files.append(a.split("=", 1)[1])
+    return files
+
+
+def _where(key: str, files: Sequence[str]) -> str:
+    """The recipe file (and line) that holds ``key``, else "the command line"."""
+    leaf = key.rsplit(".", 1)[-1]
+    pattern = re.compile(rf"^\s*(?:-\s+)?{re.escape(leaf)}\s*:")
+    for path in files:
+        try:
+            with open(path) as f:
+                for n, line in enumerate(f, 1):
+                    if pattern.match(line):
+                        return f"{path}:{n}"
+        except OSError:
+            continue
+    return "the command line"
+
+
+def _init_keys(class_path: str) -> List[str]:
+    """The keyword arguments of ``class_path``'s ``__init__``."""
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _group_keys(parser, key: str) -> List[str]:
+    """Valid keys next to a dotted ``key`` in ``parser`` (the root or a subcommand's)."""
+    prefix = key.rsplit(".", 1)[0] + "." if "." in key else ""
+    keys = set()
+    for action in getattr(parser, "_actions", []):
+        dest = getattr(action, "dest", "")
+        if dest.startswith(prefix) and dest != "help":
+            rest = dest[len(prefix):]
+            if rest:
+                keys.add(rest.split(".", 1)[0])
+    return sorted(keys)
+
+
+def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: str = "ttt-flash") -> Optional[str]:
+    """A short error for a jsonargparse ``message`` about a key no class accepts, or None
+    when ``message`` is about something else."""
+    m = _NOT_ACCEPTED.search(message)
+    if m:
+        key = m.group(1)
+        cp = _CLASS_PATH.search(message)
+        valid = _init_keys(cp.group(1)) if cp else []
+        owner = f" of {cp.group(1)}" if cp else ""
+        group = _PARSER_KEY.search(message)
+        if cp and group:
+            key = f"{group.group(1)}.init_args.{key}"
+        help_hint = f"{prog} --{group.group(1)}.help {cp.group(1)}" if cp and group else f"{prog} --help"
+    else:
+        m = _UNEXPECTED.search(message)
+        if not m:
+            return None
+        key = (m.group(1) or m.group(2)).lstrip("-").split("=", 1)[0]
+        valid = _group_keys(parser, key) if parser is not None else []
+        owner = ""
+        help_hint = f"{prog} --help"
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.6)
+    lines = [f"{prog}: error: unknown key '{key}'{owner} in {_where(key, _config_files(argv))}"]
+    if close:
+        lines.append("  closest valid keys: " + ", ".join(close))
+    elif valid:
+        lines.append("  valid keys: " + ", ".join(valid))
+    lines.append(f"  (every option: {help_hint})")
+    return "\n".join(lines)
+
+
+def recipe_cli(argv: Sequence[str]):
+    """A LightningCLI subclass that runs on ``ttt-flash <argv>`` as described in the module
+    docstring; construct it with LightningCLI's own arguments (no ``args=``)."""
+    import lightning.pytorch
+    from jsonargparse import ActionConfigFile
+    from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+    argv = list(argv)
+    prog = "ttt-flash " + argv[0] if argv else "ttt-flash"
+
+    class _Parser(LightningArgumentParser):
+        def error(self, message: str, ex: Optional[Exception] = None):
+            if self.exit_on_error:
+                short = unknown_key_message(message, argv, getattr(ex, "subcommand_parser", None) or self, prog)
+                if short is not None:
+                    sys.stderr.write(short + "\n")
+                    sys.exit(2)
+            super().error(message, ex)
+
+    class RecipeCLI(LightningCLI):
+        def __init__(self, *args, **kwargs):
+            quiet_lightning()
+            saved = sys.argv
+            sys.argv = ["ttt-flash", *argv]
+            try:
+                with thread_default():
+                    super().__init__(*args, **kwargs)
+            finally:
+                sys.argv = saved
+
+        def instantiate_trainer(self, **kwargs):
+            config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+            bar = rich_progress_bar(config)
+            if bar is not None:
+                callbacks = config.get("callbacks") or []
+                kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), bar]
+            return super().instantiate_trainer(**kwargs)
+
+        def init_parser(self, **kwargs) -> LightningArgumentParser:
+            kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])
+            parser = _Parser(**kwargs)
+            parser.add_argument(
+                "-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format."
+            )
+            return parser
+
+    return RecipeCLI

@@ -67,6 +67,9 @@ __all__ = [
 #: Accepted values of ``LanguageModel(optimizer=...)``.
 OPTIMIZERS = ("sophiah", "adamw", "adahessian")
 
+#: Accepted values of ``HessianRefresh(mode=...)`` / ``LanguageModel(hessian_mode=...)``.
+HESSIAN_MODES = ("rev_rev", "fwd_rev")
+
 _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
 
 
@@ -88,18 +91,26 @@ class HessianRefresh(Callback):
         every_k: refresh every ``every_k`` optimizer steps (global steps 0, k, 2k, ...).
             ``None``: when the optimizer says so (its ``hessian_due``, i.e. its own ``k``).
         n_samples: Hutchinson probes per refresh (each one Hessian-vector product).
+        mode: ``"rev_rev"`` (default): products through the step's ``create_graph`` graph,
+            as above. ``"fwd_rev"``: forward over reverse (:mod:`ttt_flash.hessian`); the
+            step's backward stays first-order and, before the optimizer step, each probe
+            re-runs ``pl_module.hessian_loss(batch)`` on the step's (last) batch, keeping
+            no ``create_graph`` graph (less memory, one more forward and backward).
 
     Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
     optimization only; fp16 loss scaling is not supported (the estimate would be scaled):
     use ``precision="bf16-mixed"`` or 32-bit.
     """
 
-    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1):
+    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1, mode: str = "rev_rev"):
         if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1):
             raise ValueError(f"every_k must be an int >= 1 or None, got {every_k!r}")
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
-        self.every_k, self.n_samples = every_k, n_samples
+        if mode not in HESSIAN_MODES:
+            raise ValueError(f"mode must be one of {HESSIAN_MODES}, got {mode!r}")
+        self.every_k, self.n_samples, self.mode = every_k, n_samples, mode
+        self._batch = None
         #: Number of refreshes done.
         self.refreshes = 0
         self._refresh_s = 0.0
@@ -123,9 +134,14 @@ class HessianRefresh(Callback):
             due = trainer.global_step % self.every_k == 0
         else:
             due = any(o.hessian_due for o in opts)
-        pl_module.hessian_refresh_pending = due
+        # fwd_rev: the backward stays first-order; the batch is kept for the refresh
+        pl_module.hessian_refresh_pending = due and self.mode == "rev_rev"
+        self._batch = batch if due and self.mode == "fwd_rev" else None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.mode == "fwd_rev":
+            self._refresh_fwd_rev(pl_module, optimizer)
+            return
         if not getattr(pl_module, "hessian_refresh_pending", False) or not hasattr(optimizer, "update_hessian"):
             return
         cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
@@ -144,6 +160,29 @@ class HessianRefresh(Callback):
         if cuda:
             torch.cuda.synchronize()
         pl_module.hessian_refresh_pending = False
+        self.refreshes += 1
+        self._refresh_s = time.perf_counter() - start
+
+    def _refresh_fwd_rev(self, pl_module, optimizer) -> None:
+        batch = self._batch
+        if batch is None or not hasattr(optimizer, "update_hessian"):
+            return
+        if not callable(getattr(pl_module, "hessian_loss", None)):
+            raise RuntimeError(
+                "HessianRefresh(mode='fwd_rev') re-runs the loss for each probe and needs "
+                f"{type(pl_module).__name__}.hessian_loss(batch) -> scalar loss "
+                "(ttt_flash.lightning.lm.LanguageModel has one); or use mode='rev_rev'"
+            )
+        cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
+                                 weight=getattr(pl_module, "_grad_weight", None) or None,
+                                 mode="fwd_rev", module=pl_module)
+        if cuda:
+            torch.cuda.synchronize()
+        self._batch = None
         self.refreshes += 1
         self._refresh_s = time.perf_counter() - start
 
@@ -183,6 +222,9 @@ class LanguageModel(LightningModule):
         min_lr_ratio: with ``schedule="cosine"``, the final learning rate as a fraction of ``lr``.
         schedule: ``"cosine"`` (decay to ``min_lr_ratio · lr`` over the run's optimizer
             steps, ``trainer.estimated_stepping_batches``) or ``"constant"``.
+        hessian_mode: how the added :class:`HessianRefresh` takes its Hessian-vector
+            products: ``"rev_rev"`` (through the step's ``create_graph`` graph) or
+            ``"fwd_rev"`` (forward over reverse, less memory; :mod:`ttt_flash.hessian`).
     """
 
     def __init__(
@@ -199,6 +241,7 @@ class LanguageModel(LightningModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         schedule: Literal["cosine", "constant"] = "cosine",
+        hessian_mode: Literal["rev_rev", "fwd_rev"] = "rev_rev",
     ):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -207,6 +250,8 @@ class LanguageModel(LightningModule):
             raise TypeError(f"gpt must be a GPTConfig, got {type(gpt).__name__}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if hessian_mode not in HESSIAN_MODES:
+            raise ValueError(f"hessian_mode must be one of {HESSIAN_MODES}, got {hessian_mode!r}")
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
         if not lr > 0:
@@ -281,7 +326,7 @@ class LanguageModel(LightningModule):
         trainer = self._trainer
         if trainer is not None and any(isinstance(c, HessianRefresh) for c in trainer.callbacks):
             return []  # the user's own HessianRefresh (e.g. a different every_k) stays
-        return [HessianRefresh()]
+        return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"))]
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self.hessian_refresh_pending:
@@ -294,6 +339,11 @@ class LanguageModel(LightningModule):
             super().backward(loss, *args, **kwargs)
 
     # ------------------------------------------------------------------ steps
+
+    def hessian_loss(self, batch) -> Tensor:
+        """The training loss of ``batch``, re-run by ``HessianRefresh(mode="fwd_rev")``."""
+        x, y = self._check_batch(batch)
+        return self.model.loss(x, y)
 
     def _check_batch(self, batch) -> Tuple[Tensor, Tensor]:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:

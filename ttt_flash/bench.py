@@ -34,6 +34,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -374,6 +375,11 @@ def _ints(s: str) -> List[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--jvp" in args:  # forward-mode benchmark, with its own options (ttt_flash.bench_jvp)
+        from .bench_jvp import main as jvp_main
+
+        return jvp_main([x for x in args if x != "--jvp"])
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="ttt-flash bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -397,6 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="--no-autograd-threads: run every provider's backward on the calling thread "
                         "(torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench_jvp; "
+                   "its options: ttt-flash bench --jvp --help)")
     step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
     step.add_argument("--gpt-step", action="store_true",
                       help="time a first-order training step of the models/ GPT, eager and compiled "

@@ -206,6 +206,12 @@ def _no_graph() -> bool:
     return not torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0
 
 
+def _forward_mode_possible() -> bool:
+    """Whether a ``jvp`` may follow this call: a ``forward_ad`` level is open or a torch.func
+    transform runs (otherwise ``setup_context`` skips ``save_for_forward``: host time)."""
+    return _forward_ad._current_level >= 0 or _functorch_active()
+
+
 def _plain_backward() -> bool:
     """True inside a backward that records no graph and runs under no torch.func transform.
     Backwards whose results are second derivatives then call the composers directly; inside
@@ -268,7 +274,8 @@ class _Attention(_Function):
         q, k, v, spec, cu_q, cu_k = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-        ctx.save_for_forward(q, k, v, o, lse, cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, cu_q, cu_k)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -316,7 +323,8 @@ class _AttentionBackward(_Function):
         q, k, v, o, lse, do, spec, cu_q, cu_k = inputs
         ctx.mark_non_differentiable(output[3])
         ctx.save_for_backward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
-        ctx.save_for_forward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
 

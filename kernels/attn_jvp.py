@@ -129,7 +129,8 @@ def _attn_jvp_kernel(
         p = tl.exp2(s - m_use[:, None])
         corr = tl.exp2(m_i - m_use)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        l_i = l_i * corr
+        p_sum = tl.sum(p, 1)
+        l_i = l_i * corr + p_sum
         acc = acc * corr[:, None]
         acc_t = acc_t * corr[:, None]
         sbar = sbar * corr
@@ -143,7 +144,6 @@ def _attn_jvp_kernel(
                 kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
                 sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
             sd = sd * scale
-            p_sum = tl.sum(p, 1)
             psd = p * sd
             first = (has_ref == 0.0) & (p_sum > 0.0)
             ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
@@ -151,7 +151,6 @@ def _attn_jvp_kernel(
             psd = psd - p * ref[:, None]
             sbar = sbar + tl.sum(psd, 1)
             acc_t = tl.dot(psd.to(v.dtype), v, acc_t, input_precision=PREC)
-        l_i = l_i + tl.sum(p, 1)
         p16 = p.to(v.dtype)
         acc = tl.dot(p16, v, acc, input_precision=PREC)
         if HAS_VD:

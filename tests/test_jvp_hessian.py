@@ -63,13 +63,13 @@ def test_fwd_rev_on_plain_tensors_uses_forward_ad():
 
 def test_estimators_in_fwd_rev_mode_match_rev_rev():
     model, loss = _gpt_loss()
-    params = {n: p for n, p in model.named_parameters() if "attn" in n or "blocks.0" in n}
+    params = {n: p for n, p in model.named_parameters() if "attn" in n}
     out = {}
     for mode in ("rev_rev", "fwd_rev"):
         gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
-        diag = hutchinson_diagonal(loss, params, 2, generator=gen(), mode=mode, module=model)
-        trace = hutchinson_trace(loss, params, 2, generator=gen(), mode=mode, module=model)
-        eig = top_eigenvalue(loss, params, 5, generator=gen(), mode=mode, module=model)
+        diag = hutchinson_diagonal(loss, params, 1, generator=gen(), mode=mode, module=model)
+        trace = hutchinson_trace(loss, params, 1, generator=gen(), mode=mode, module=model)
+        eig = top_eigenvalue(loss, params, 3, generator=gen(), mode=mode, module=model)
         out[mode] = (diag, trace, eig)
     _close(out["fwd_rev"][0], out["rev_rev"][0])
     assert abs(out["fwd_rev"][1] - out["rev_rev"][1]) <= 1e-9 * max(1.0, abs(out["rev_rev"][1]))

@@ -4,7 +4,7 @@ correctness check passes and the JSON is written."""
 import json
 
 from ttt_flash.bench import main as bench_main
-from ttt_flash.bench_jvp import PROVIDERS
+from ttt_flash.bench_jvp import default_providers
 
 
 def test_bench_jvp_runs_on_cpu(tmp_path, one_thread, capsys):
@@ -14,7 +14,7 @@ def test_bench_jvp_runs_on_cpu(tmp_path, one_thread, capsys):
     assert rc == 0
     result = json.loads((tmp_path / "bench_jvp.json").read_text())
     assert result["check"]["ok"]
-    assert {r["provider"] for r in result["rows"]} == set(PROVIDERS)
+    assert {r["provider"] for r in result["rows"]} == set(default_providers())
     assert all("ms" in r for r in result["rows"]), [r for r in result["rows"] if "ms" not in r]
     assert all("ratio_sdpa_fwd" in r for r in result["rows"] if r["provider"] in ("tangent_fwd", "jvp_bwd"))
     hvp = {r["provider"]: r for r in result["hvp"]}

@@ -13,6 +13,10 @@ on CUDA, of a wall-clock loop on the CPU):
   ``sdpa_fwd_bwd`` (first-order SDPA forward + backward) and ``chain`` (our
   reverse-over-reverse chain: forward, first backward with ``create_graph``, BoB):
   the ``/sdpa_fb`` and ``/chain`` columns.
+* ``jvp_flash_attention``: where the ``jvp-flash-attention`` package is installed (a Triton
+  jvp with a first-order backward; ``pip install jvp-flash-attention``, or its wheel carried
+  to the GPU machine), its primal + tangent forward (``JVPAttn.fwd_dual`` under forward_ad),
+  against ``sdpa_fwd``. It has no backward through the tangent, so no ``jvp_bwd`` row.
 
 Flop counts per attending (query, key) pair, per unit of head dim (causal halves them):
 forward 4, tangent forward 12 (S, Q̇Kᵀ, QK̇ᵀ, PV, (P∘Ṡ)V, PV̇), first backward 10,
@@ -40,6 +44,7 @@ Writes ``bench_jvp.json`` into ``--out`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -57,8 +62,15 @@ __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS
 
 #: Flops per attending (query, key) pair per unit of head dim, by row kind.
 FLOPS_PER_PAIR_PER_D = {"tangent_fwd": 12, "jvp": 16, "jvp_bwd": 74, "chain": 52,
-                        "sdpa_fwd": 4, "sdpa_fwd_bwd": 14}
+                        "sdpa_fwd": 4, "sdpa_fwd_bwd": 14, "jvp_flash_attention": 12}
 PROVIDERS = tuple(FLOPS_PER_PAIR_PER_D)
+#: Providers of other packages, run only where the package is installed.
+OPTIONAL = {"jvp_flash_attention": "jvp_flash_attention"}
+
+
+def default_providers() -> List[str]:
+    """Every provider, the optional ones only where their package is installed."""
+    return [p for p in PROVIDERS if p not in OPTIONAL or importlib.util.find_spec(OPTIONAL[p]) is not None]
 _FLOOR = {"float64": 1e-12, "float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
@@ -72,7 +84,7 @@ class JvpBenchConfig:
     head_dim: int = 64
     dtype: str = "bfloat16"
     causal: bool = False
-    providers: List[str] = field(default_factory=lambda: list(PROVIDERS))
+    providers: List[str] = field(default_factory=default_providers)
     device: str = "cuda"
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
@@ -127,6 +139,16 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
         return lambda: torch.func.jvp(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v), (qd, kd, vd))
     if provider == "jvp_bwd":
         return _jvp_bwd_fn(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v, qd, kd, vd), (ob, odb))
+    if provider == "jvp_flash_attention":
+        from jvp_flash_attention.jvp_attention import JVPAttn
+
+        def dual():
+            with fwAD.dual_level():
+                o = JVPAttn.fwd_dual(fwAD.make_dual(q, qd), fwAD.make_dual(k, kd), fwAD.make_dual(v, vd),
+                                     causal=cfg.causal)
+                return fwAD.unpack_dual(o)
+
+        return dual
     if provider == "chain":
         leaves = [t.requires_grad_(True) for t in (q, k, v, ob)]
 
@@ -311,7 +333,8 @@ def run_jvp_bench(cfg: JvpBenchConfig) -> dict:
     by = {(r["provider"], r["N"]): r.get("ms") for r in result["rows"]}
     for r in result["rows"]:
         for col, unit in (("ratio_sdpa_fwd", "sdpa_fwd"), ("ratio_sdpa_fwd_bwd", "sdpa_fwd_bwd"), ("ratio_chain", "chain")):
-            if r["provider"] in ("tangent_fwd", "jvp", "jvp_bwd") and "ms" in r and by.get((unit, r["N"])):
+            if r["provider"] in ("tangent_fwd", "jvp", "jvp_bwd", "jvp_flash_attention") and "ms" in r \
+                    and by.get((unit, r["N"])):
                 r[col] = r["ms"] / by[(unit, r["N"])]
     if cfg.hvp:
         result["hvp"] = hvp_memory(cfg)
@@ -365,7 +388,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
     p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--providers", default=",".join(PROVIDERS), help=f"comma-separated, of {list(PROVIDERS)}")
+    p.add_argument("--providers", default=",".join(default_providers()),
+                   help=f"comma-separated, of {list(PROVIDERS)} (default: all installed)")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--warmup-ms", type=float, default=25.0)
     p.add_argument("--rep-ms", type=float, default=100.0)

@@ -6,7 +6,7 @@ interpreter against the reference."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
+from torch.func import grad, hessian, jacfwd, jvp, vmap
 
 from ttt_flash import flash_attention, flash_attention_varlen, reference
 from ttt_flash.reference import naive_attention, naive_attention_varlen

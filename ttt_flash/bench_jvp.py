@@ -332,7 +332,8 @@ def run_jvp_bench(cfg: JvpBenchConfig) -> dict:
             result["rows"].append(_measure(cfg, provider, n))
     by = {(r["provider"], r["N"]): r.get("ms") for r in result["rows"]}
     for r in result["rows"]:
-        for col, unit in (("ratio_sdpa_fwd", "sdpa_fwd"), ("ratio_sdpa_fwd_bwd", "sdpa_fwd_bwd"), ("ratio_chain", "chain")):
+        for col, unit in (("ratio_sdpa_fwd", "sdpa_fwd"), ("ratio_sdpa_fwd_bwd", "sdpa_fwd_bwd"),
+                          ("ratio_chain", "chain")):
             if r["provider"] in ("tangent_fwd", "jvp", "jvp_bwd", "jvp_flash_attention") and "ms" in r \
                     and by.get((unit, r["N"])):
                 r[col] = r["ms"] / by[(unit, r["N"])]
@@ -348,15 +349,17 @@ def format_jvp_table(result: dict) -> str:
     if "check" in result:
         chk = result["check"]
         worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
-        lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {'ok' if chk['ok'] else 'FAILED'}")
-    lines.append(f"{'provider':<14}{'N':>8}{'ms':>11}{'TFLOP/s':>9}{'peak GiB':>10}{'/sdpa_fwd':>10}{'/sdpa_fb':>9}{'/chain':>8}")
+        verdict = "ok" if chk["ok"] else "FAILED"
+        lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {verdict}")
+    lines.append(f"{'provider':<20}{'N':>8}{'ms':>11}{'TFLOP/s':>9}{'peak GiB':>10}"
+                 f"{'/sdpa_fwd':>10}{'/sdpa_fb':>9}{'/chain':>8}")
     for r in result["rows"]:
         if "ms" not in r:
-            lines.append(f"{r['provider']:<14}{r['N']:>8}  {r['error']}")
+            lines.append(f"{r['provider']:<20}{r['N']:>8}  {r['error']}")
             continue
         cols = [f"{r[c]:.2f}" if c in r else "-" for c in ("ratio_sdpa_fwd", "ratio_sdpa_fwd_bwd", "ratio_chain")]
         peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-"
-        lines.append(f"{r['provider']:<14}{r['N']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{peak:>10}"
+        lines.append(f"{r['provider']:<20}{r['N']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{peak:>10}"
                      f"{cols[0]:>10}{cols[1]:>9}{cols[2]:>8}")
     for r in result.get("hvp", []):
         if "error" in r:

@@ -35,6 +35,7 @@ Example (a CPU smoke run)::
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -140,7 +141,7 @@ class HessianRefresh(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self.mode == "fwd_rev":
-            self._refresh_fwd_rev(pl_module, optimizer)
+            self._refresh_fwd_rev(trainer, pl_module, optimizer)
             return
         if not getattr(pl_module, "hessian_refresh_pending", False) or not hasattr(optimizer, "update_hessian"):
             return
@@ -163,7 +164,7 @@ class HessianRefresh(Callback):
         self.refreshes += 1
         self._refresh_s = time.perf_counter() - start
 
-    def _refresh_fwd_rev(self, pl_module, optimizer) -> None:
+    def _refresh_fwd_rev(self, trainer, pl_module, optimizer) -> None:
         batch = self._batch
         if batch is None or not hasattr(optimizer, "update_hessian"):
             return
@@ -177,9 +178,12 @@ class HessianRefresh(Callback):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
-                                 weight=getattr(pl_module, "_grad_weight", None) or None,
-                                 mode="fwd_rev", module=pl_module)
+        # the training step's precision (e.g. bf16-mixed autocast), as the step's own graph has
+        precision = getattr(trainer, "precision_plugin", None)
+        with precision.forward_context() if precision is not None else contextlib.nullcontext():
+            optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
+                                     weight=getattr(pl_module, "_grad_weight", None) or None,
+                                     mode="fwd_rev", module=pl_module)
         if cuda:
             torch.cuda.synchronize()
         self._batch = None

@@ -182,7 +182,7 @@ def _attn_jvp_kernel(
 
 _T = configs.TileConfig
 _HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
-         128: _T(64, 64, 4, 2), 256: _T(32, 32, 4, 1)}
+         128: _T(64, 64, 8, 2), 256: _T(32, 32, 8, 1)}
 _FP32 = {16: _T(64, 32, 4, 2), 32: _T(64, 32, 4, 2), 64: _T(32, 32, 4, 2),
          128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
 _OTHER = {16: _T(32, 32, 4, 1), 32: _T(32, 32, 4, 1), 64: _T(32, 32, 4, 1),
@@ -201,8 +201,8 @@ def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
     if major not in (8, 9, 10):
         return _OTHER[bd]
     cfg = (_FP32 if dtype == torch.float32 else _HALF)[bd]
-    if major == 8:  # 99 KiB of shared memory on 8.6 / 8.9: at most 2 stages
-        cfg = _T(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2))
+    if major == 8:  # 99 KiB of shared memory on 8.6 / 8.9 (K, K̇, V, V̇ tiles per stage)
+        cfg = _T(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2 if bd <= 64 else 1))
     return cfg
 
 

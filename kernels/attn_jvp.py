@@ -176,15 +176,18 @@ def _attn_jvp_kernel(
 # --------------------------------------------------------------------------- tiles
 #
 # Two tile x d accumulators and two query-side tiles (Q, Q̇): about twice the forward's
-# registers, so tiles one step smaller than the forward's at d >= 128. Not yet swept on a
-# GPU (``python -m ttt_flash.kernels.tune`` does not know this kernel): set
+# registers. Chosen offline by compiling for sm_90 and reading ptxas' register and spill counts
+# (scripts/jvp_tiles_ptxas.py, Triton 3.9), not by timing: 16-bit inputs spill
+# nothing at d <= 64 (128 x 64 tiles, 255 registers) and d = 256 (32 x 16), 12 bytes at
+# d = 128 (64 x 32; 64 x 64 spills 332); float32 with IEEE dots spills at every tile tried
+# (these spill least). A sweep on the GPU may replace them: set
 # ``configs.OVERRIDES["jvp"] = configs.TileConfig(...)`` to try others.
 
 _T = configs.TileConfig
 _HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
-         128: _T(64, 64, 8, 2), 256: _T(32, 32, 8, 1)}
-_FP32 = {16: _T(64, 32, 4, 2), 32: _T(64, 32, 4, 2), 64: _T(32, 32, 4, 2),
-         128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
+         128: _T(64, 32, 8, 2), 256: _T(32, 16, 8, 1)}
+_FP32 = {16: _T(32, 32, 8, 1), 32: _T(32, 32, 8, 1), 64: _T(32, 32, 8, 1),
+         128: _T(16, 32, 8, 1), 256: _T(16, 16, 8, 1)}
 _OTHER = {16: _T(32, 32, 4, 1), 32: _T(32, 32, 4, 1), 64: _T(32, 32, 4, 1),
           128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
 _INTERPRETER = _T(32, 16, 4, 1)

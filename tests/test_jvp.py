@@ -6,7 +6,7 @@ interpreter against the reference."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.func import grad, hessian, jacfwd, jvp, vmap
+from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
 from ttt_flash import flash_attention, flash_attention_varlen, reference
 from ttt_flash.reference import naive_attention, naive_attention_varlen
@@ -355,3 +355,15 @@ def test_autograd_modes_on_the_triton_backend_interpreter(one_thread):
         return jvp(f, (q, k, v), (tq, tk, tv))[1], grad(loss, argnums=tuple(range(6)))(q, k, v, tq, tk, tv), hv
 
     _close(run("triton"), run("reference"), tol=2e-4)
+
+
+def test_reverse_over_forward_hessian():
+    """jacrev(jacfwd(f)): reverse mode through a vmapped jvp (the tangent's backward under vmap)."""
+    ours, naive, x = _pair((2, 1, 4, 5, 3, True, None))
+    w = torch.randn_like(x[0])
+
+    def hess(attn):
+        f = lambda q, k, v: (attn(q, k, v).sin() * w).sum()  # noqa: E731
+        return jacrev(jacfwd(f, argnums=(0, 1, 2)), argnums=(0, 1, 2))(*x)
+
+    _close(hess(ours), hess(naive))

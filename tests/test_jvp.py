@@ -367,3 +367,11 @@ def test_reverse_over_forward_hessian():
         return jacrev(jacfwd(f, argnums=(0, 1, 2)), argnums=(0, 1, 2))(*x)
 
     _close(hess(ours), hess(naive))
+
+
+def test_tangent_kernel_strided_tangents_interpreter(one_thread):
+    """Tangents with their own (non-contiguous) strides, different from the primals'."""
+    x, _ = _kernel_inputs(1, 2, 1, 19, 21, 16, torch.float32, (0, 0, 0))
+    t = [torch.randn(1, a.shape[2], a.shape[1], 16).transpose(1, 2) for a in x]
+    assert not t[0].is_contiguous()
+    _check_kernel(x, t, dict(scale=0.25, causal=True, window=None), 2e-5, 2e-5)

@@ -96,7 +96,8 @@ class HessianRefresh(Callback):
             as above. ``"fwd_rev"``: forward over reverse (:mod:`ttt_flash.hessian`); the
             step's backward stays first-order and, before the optimizer step, each probe
             re-runs ``pl_module.hessian_loss(batch)`` on the step's (last) batch, keeping
-            no ``create_graph`` graph (less memory, one more forward and backward).
+            no ``create_graph`` graph (less memory, one more forward and backward; with
+            dropout the re-run draws fresh masks).
 
     Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
     optimization only; fp16 loss scaling is not supported (the estimate would be scaled):

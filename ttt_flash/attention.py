@@ -9,6 +9,11 @@ style so that ``torch.func`` transforms compose with them):
 * ``_AttentionBoB``: the closed-form backward-over-backward (bob-math.md), returning the
   gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
   third-order derivatives are not supported.
+* ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇), the tangent of the forward
+  (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the first backward
+  (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v): reverse mode through a jvp.
+  ``_AttentionBackward.jvp`` (forward-over-reverse) is the first backward with dO = dȮ plus
+  the BoB's (q̄, k̄, v̄) with U = ẋ. Other forward-mode compositions raise.
 
 A backward that records no graph (``create_graph=False``, no torch.func transform) calls the
 next composer directly instead of through the next Function: nothing will differentiate it.
@@ -30,6 +35,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # as Function.apply does
+from torch.autograd import forward_ad as _forward_ad
 
 from . import ops, reference
 
@@ -197,9 +203,47 @@ class _Spec:
 
 def _no_graph() -> bool:
     """True inside a backward that records no graph (``create_graph=False``) and runs under
-    no torch.func transform: a backward may then call the next composer directly instead of
-    through an autograd.Function (host time per call at short lengths)."""
+    no torch.func transform and no ``torch.autograd.forward_ad`` level: a backward may then
+    call the next composer directly instead of through an autograd.Function (host time per
+    call at short lengths)."""
+    return not torch.is_grad_enabled() and not _functorch_active() and _forward_ad._current_level < 0
+
+
+def _forward_mode_possible() -> bool:
+    """Whether a ``jvp`` may follow this call: a ``forward_ad`` level is open or a torch.func
+    transform runs (otherwise ``setup_context`` skips ``save_for_forward``: host time)."""
+    return _forward_ad._current_level >= 0 or _functorch_active()
+
+
+def _plain_backward() -> bool:
+    """True inside a backward that records no graph and runs under no torch.func transform.
+    Backwards whose results are second derivatives then call the composers directly; inside
+    a ``forward_ad`` level they read the primal values only, since the tangent of a second
+    derivative is third order (docs/forward-mode.md)."""
     return not torch.is_grad_enabled() and not _functorch_active()
+
+
+def _primals(args: tuple) -> tuple:
+    """``args`` with every dual tensor replaced by its primal (inside a forward_ad level)."""
+    if _forward_ad._current_level < 0:
+        return args
+    return tuple(_forward_ad.unpack_dual(a).primal if isinstance(a, Tensor) else a for a in args)
+
+
+#: What forward mode supports, named in the errors of the compositions it does not.
+_FORWARD_MODES = (
+    "ttt_flash attention supports torch.func.jvp / jacfwd / torch.autograd.forward_ad of the "
+    "attention output, reverse mode through a jvp (backward through the tangent output), and "
+    "forward-over-reverse (a jvp of the gradient: torch.func.hessian, jacfwd(jacrev), "
+    "ttt_flash.hessian with mode='fwd_rev'); "
+)
+
+
+def _unsupported_forward(what: str):
+    raise NotImplementedError(
+        _FORWARD_MODES + f"{what} is not supported. For a Hessian use forward-over-reverse "
+        "(torch.func.hessian or jacfwd(jacrev(f))) or reverse-over-reverse, not jacfwd(jacfwd(f))"
+    )
 
 
 class _Function(torch.autograd.Function):
@@ -233,9 +277,21 @@ class _Attention(_Function):
         q, k, v, spec, cu_q, cu_k = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, cu_q, cu_k)
         ctx.spec = spec
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, qd, kd, vd, *_):
+        """(ȯ, l̇) in direction (q̇, k̇, v̇), through ``_AttentionTangent`` (differentiable:
+        reverse mode through a jvp)."""
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        if qd is None and kd is None and vd is None:
+            return None, None
+        od, _ = _AttentionTangent.fast_apply(q, k, v, o, lse, qd, kd, vd, ctx.spec, cu_q, cu_k)
+        return od, None
 
     @staticmethod
     def backward(ctx, do, _dlse):
@@ -270,8 +326,26 @@ class _AttentionBackward(_Function):
         q, k, v, o, lse, do, spec, cu_q, cu_k = inputs
         ctx.mark_non_differentiable(output[3])
         ctx.save_for_backward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, o, lse, do, output[3], cu_q, cu_k)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def jvp(ctx, qd, kd, vd, _od, _lsed, dod, *_):
+        """Forward-over-reverse: the tangent of (dq, dk, dv) in direction (q̇, k̇, v̇, dȮ) is
+        the first backward with dO = dȮ plus the BoB's (q̄, k̄, v̄) with U = (q̇, k̇, v̇) (the
+        Hessian of ⟨O, dO⟩ is symmetric). The tangents of o and lse are those (q̇, k̇, v̇)
+        induce (o and lse are functions of q, k, v), so they are not read."""
+        q, k, v, o, lse, do, delta, cu_q, cu_k = ctx.saved_tensors
+        out = [None, None, None]
+        if dod is not None:
+            out = list(_AttentionBackward.fast_apply(q, k, v, o, lse, dod, ctx.spec, cu_q, cu_k)[:3])
+        if qd is not None or kd is not None or vd is not None:
+            bob = _AttentionBoB.fast_apply(q, k, v, o, lse, do, delta, qd, kd, vd, ctx.spec, cu_q, cu_k,
+                                           (True, True, True, False))
+            out = [b if a is None else (a if b is None else a + b) for a, b in zip(out, bob[:3])]
+        return out[0], out[1], out[2], None
 
     @staticmethod
     def backward(ctx, uq, uk, uv, _udelta):
@@ -285,8 +359,8 @@ class _AttentionBackward(_Function):
             ctx.needs_input_grad[5],
         )
         args = (q, k, v, o, lse, do, delta, uq, uk, uv, ctx.spec, cu_q, cu_k, needs)
-        if _no_graph():  # the usual second backward (create_graph=False): run the composer
-            qb, kb, vb, dob = _AttentionBoB.forward(*args)
+        if _plain_backward():  # the usual second backward (create_graph=False): run the composer
+            qb, kb, vb, dob = _AttentionBoB.forward(*_primals(args))
         else:  # a graph is recorded: the Function node raises on a third derivative
             qb, kb, vb, dob = _AttentionBoB.fast_apply(*args)
         return qb, kb, vb, None, None, dob, None, None, None
@@ -321,11 +395,66 @@ class _AttentionBoB(_Function):
             "not three times"
         )
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        _unsupported_forward("a jvp of a second derivative (third order)")
+
+
+class _AttentionTangent(_Function):
+    """(q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇): the tangent of the forward (q̇, k̇, v̇ may be
+    None). Backward with cotangent Ō̇ of ȯ: x̄ = BoB_x(dO = Ō̇, U = ẋ), ẋ̄ = bwd(dO = Ō̇); o and
+    lse get none (the total derivative goes to q, k, v)."""
+
+    _KINDS = ("tensor",) * 4 + ("row",) + ("tensor",) * 3 + ("static", "cu", "cu")
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_rule(_AttentionTangent.apply, info, in_dims, args, _AttentionTangent._KINDS,
+                          ("tensor", "row"))
+
+    @staticmethod
+    def forward(q, k, v, o, lse, qd, kd, vd, spec: _Spec, cu_q, cu_k):
+        _, _, od, lsed = _impl(spec.backend).attn_jvp(q, k, v, qd, kd, vd, **spec.kwargs(cu_q, cu_k))
+        return od, lsed
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, o, lse, qd, kd, vd, spec, cu_q, cu_k = inputs
+        ctx.save_for_backward(q, k, v, o, lse, qd, kd, vd, cu_q, cu_k)
+        ctx.spec = spec
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, god, _glsed):
+        if god is None:
+            return (None,) * 11
+        q, k, v, o, lse, qd, kd, vd, cu_q, cu_k = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = [None] * 11
+        plain = _plain_backward()
+        if plain:
+            q, k, v, o, lse, qd, kd, vd, god = _primals((q, k, v, o, lse, qd, kd, vd, god))
+        fn = _AttentionBackward.forward if plain else _AttentionBackward.fast_apply
+        dq, dk, dv, delta = fn(q, k, v, o, lse, god, ctx.spec, cu_q, cu_k)
+        grads[5], grads[6], grads[7] = (dq if need[5] else None, dk if need[6] else None,
+                                        dv if need[7] else None)
+        if (need[0] or need[1] or need[2]) and (qd is not None or kd is not None or vd is not None):
+            args = (q, k, v, o, lse, god, delta, qd, kd, vd, ctx.spec, cu_q, cu_k,
+                    (need[0], need[1], need[2], False))
+            fn = _AttentionBoB.forward if plain else _AttentionBoB.fast_apply
+            grads[0], grads[1], grads[2], _ = fn(*args)
+        return tuple(grads)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        _unsupported_forward("a jvp of a jvp (forward-over-forward, e.g. jacfwd(jacfwd(f)))")
+
 
 # Function.apply binds default arguments with inspect.signature(forward) on every call when
 # setup_context is defined; fast_apply (above) skips it outside torch.func transforms, and
 # under a transform each forward's precomputed signature is what inspect.signature returns.
-for _fn in (_Attention, _AttentionBackward, _AttentionBoB):
+for _fn in (_Attention, _AttentionBackward, _AttentionBoB, _AttentionTangent):
     _fn.forward.__signature__ = inspect.signature(_fn.forward)
 del _fn
 

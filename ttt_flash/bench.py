@@ -34,6 +34,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence
@@ -443,6 +444,8 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
                    help="--no-autograd-threads: run every provider's backward on the calling thread "
                         "(torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
+    p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench_jvp; "
+                   "its options: ttt-flash bench --jvp --help)")
     step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
     step.add_argument("--gpt-step", action="store_true",
                       help="time a first-order training step of the models/ GPT, eager and compiled "
@@ -455,6 +458,11 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--jvp" in args:  # forward-mode benchmark, with its own options (ttt_flash.bench_jvp)
+        from .bench_jvp import main as jvp_main
+
+        return jvp_main([x for x in args if x != "--jvp"])
     p = build_parser()
     a = p.parse_args(argv)
     if a.gpt_step:

@@ -1,11 +1,24 @@
 """Hessian-vector products and the estimators built on them, for any scalar loss.
 
 For a scalar loss L(θ) over parameters θ = (θ_1, ..., θ_m) (tensors of any shapes), a
-Hessian-vector product ``H v = ∇²L(θ) v`` is computed by reverse-over-reverse automatic
-differentiation: the gradient g = ∇L is built once with ``create_graph=True``, then each
-product is ``∇_θ ⟨g, v⟩``. Through a transformer whose attention is
-:func:`ttt_flash.flash_attention`, every product is exact and never materialises an
-N × N attention matrix on the Triton backend.
+Hessian-vector product ``H v = ∇²L(θ) v`` is computed in one of two :data:`MODES`:
+
+* ``"rev_rev"`` (default), reverse over reverse: the gradient g = ∇L is built once with
+  ``create_graph=True``, then each product is ``∇_θ ⟨g, v⟩`` (one reverse pass through
+  the kept graph). The loss may be a tensor.
+* ``"fwd_rev"``, forward over reverse: each product re-runs the loss (a zero-argument
+  callable) and takes the tangent in direction v of a plain gradient. No ``create_graph``
+  graph of the model is kept, so peak memory is lower (docs/forward-mode.md). When the
+  parameters belong to a module (``params`` is the module, or ``module=`` names it), the
+  product is ``torch.func.jvp`` of ``torch.func.grad`` with the module's parameters swapped
+  in (``torch.func.functional_call``), which covers every PyTorch op torch.func covers;
+  otherwise v is attached to the parameters (leaf tensors) as their
+  ``torch.autograd.forward_ad`` tangents, which needs forward-mode formulas for the
+  backward ops of the loss (``silu_backward``, e.g., has none: pass ``module=``).
+
+Through a transformer whose attention is :func:`ttt_flash.flash_attention`, every product
+is exact in both modes and never materialises an N × N attention matrix on the Triton
+backend.
 
 Public names:
 
@@ -18,7 +31,7 @@ Public names:
 * :func:`exact_diagonal`: diag(H) exactly, one product per scalar parameter (small sets only).
 * :func:`select_params`: ``{name: parameter}`` of a module, by names, prefixes or a predicate.
 * :func:`probe_like`: one random probe (Rademacher ±1 or Gaussian) per parameter.
-* :data:`PROBES`: accepted probe distributions.
+* :data:`PROBES`: accepted probe distributions; :data:`MODES`: accepted ``mode`` values.
 
 Parameters (the ``params`` argument everywhere) may be an ``nn.Module`` (its parameters
 that require grad), one tensor, a sequence of tensors or a ``{name: tensor}`` mapping
@@ -58,6 +71,8 @@ from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
+from torch.autograd import forward_ad
+
 from .ops import second_order_grad
 
 __all__ = [
@@ -71,11 +86,16 @@ __all__ = [
     "select_params",
     "probe_like",
     "PROBES",
+    "MODES",
 ]
 
 #: Accepted values of ``probe``: Rademacher (±1 with probability ½ each; the default,
 #: lower variance, and z ∘ (Hz) is exact for a diagonal H) or standard Gaussian.
 PROBES = ("rademacher", "gaussian")
+
+#: Accepted values of ``mode``: ``"rev_rev"`` (reverse over reverse, the default) or
+#: ``"fwd_rev"`` (forward over reverse; the loss must be a zero-argument callable).
+MODES = ("rev_rev", "fwd_rev")
 
 ParamsLike = Union[nn.Module, Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 LossLike = Union[Tensor, Callable[[], Tensor], "HessianOperator"]
@@ -223,13 +243,20 @@ class HessianOperator:
 
     Args:
         loss: scalar tensor whose graph reaches ``params``, or a zero-argument callable
-            returning one (called once, with grad enabled).
+            returning one (called once, with grad enabled; with ``mode="fwd_rev"`` a
+            callable is required and is called once per product).
         params: see the module docstring (module, tensor, list or ``{name: tensor}``).
+        mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (:data:`MODES`; module docstring).
+        module: ``"fwd_rev"``: the ``nn.Module`` whose parameters ``params`` are
+            (default: ``params`` itself when it is a module); ignored by ``"rev_rev"``.
 
     Attributes:
         names: one name per parameter (``"params[i]"`` for a list).
         params: the parameter tensors, in order.
+        mode: ``"rev_rev"`` or ``"fwd_rev"``.
         gradient: ∇L, one detached tensor per parameter (zeros where L does not depend on it).
+            With ``"fwd_rev"``: the gradient of the latest product's loss call (one plain
+            gradient pass if read before any product).
         reached: per parameter, whether the loss's graph reaches it (its gradient is not None).
         numel: total number of scalar parameters (the Hessian is numel × numel).
 
@@ -238,8 +265,13 @@ class HessianOperator:
     Third-order derivatives are not needed and not taken.
     """
 
-    def __init__(self, loss: Union[Tensor, Callable[[], Tensor]], params: ParamsLike):
+    def __init__(self, loss: Union[Tensor, Callable[[], Tensor]], params: ParamsLike, mode: str = "rev_rev",
+                 *, module: Optional[nn.Module] = None):
+        self.mode = _check_mode(mode)
         self.names, self.params = _as_params(params)
+        if mode == "fwd_rev":
+            self._init_fwd_rev(loss, params if module is None and isinstance(params, nn.Module) else module)
+            return
         if callable(loss) and not isinstance(loss, Tensor):
             with torch.enable_grad():
                 loss = loss()
@@ -260,6 +292,7 @@ class HessianOperator:
                 backward pass was run without ``create_graph=True``).
         """
         op = cls.__new__(cls)
+        op.mode = "rev_rev"
         op.names, op.params = _as_params(params)
         grads = list(grads)
         if len(grads) != len(op.params):
@@ -285,6 +318,53 @@ class HessianOperator:
             torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, self.params)
         ]
         self.numel = sum(p.numel() for p in self.params)
+
+    def _init_fwd_rev(self, loss, module: Optional[nn.Module]) -> None:
+        if isinstance(loss, Tensor) or not callable(loss):
+            raise TypeError(
+                "mode='fwd_rev' re-runs the loss for every product (forward over reverse): give a "
+                "zero-argument callable returning the scalar loss (e.g. lambda: model.loss(x, y)), "
+                f"not a {type(loss).__name__}; or use mode='rev_rev' with a loss tensor"
+            )
+        self._module, self._module_names = None, None
+        if module is not None:
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+            owned = {id(p): n for n, p in module.named_parameters()}
+            missing = [n for n, p in zip(self.names, self.params) if id(p) not in owned]
+            if missing:
+                raise ValueError(
+                    f"params {_preview(missing)} are not parameters of the module "
+                    f"({type(module).__name__}) given for mode='fwd_rev'"
+                )
+            self._module = module
+            self._module_names = [owned[id(p)] for p in self.params]
+        for n, p in zip(self.names, self.params):
+            if module is None and not p.is_leaf:
+                raise ValueError(
+                    f"mode='fwd_rev' attaches the direction to each parameter as a forward-mode "
+                    f"tangent, which needs leaf tensors; {n} is not a leaf (it has a grad_fn): "
+                    "pass the leaf tensors the loss is computed from, or use mode='rev_rev'"
+                )
+        self._loss_fn = loss
+        self._fwd_grad: Optional[List[Optional[Tensor]]] = None
+        self.numel = sum(p.numel() for p in self.params)
+
+    def __getattr__(self, name: str):
+        # fwd_rev: gradient and reached come from a loss call (the latest product's, or one
+        # plain gradient pass when read first); rev_rev sets them as attributes.
+        if name in ("gradient", "reached") and self.__dict__.get("mode") == "fwd_rev":
+            if self.__dict__.get("_fwd_grad") is None:
+                with torch.enable_grad():
+                    loss = self._loss_fn()
+                _check_loss(loss)
+                self._fwd_grad = [None if g is None else g.detach() for g in
+                                  torch.autograd.grad(loss, self.params, allow_unused=True)]
+            grads = self._fwd_grad
+            if name == "reached":
+                return [g is not None for g in grads]
+            return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, self.params)]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __len__(self) -> int:
         return len(self.params)
@@ -333,6 +413,8 @@ class HessianOperator:
         ``{name: tensor}`` mapping, or one tensor when there is one parameter).
         """
         vecs = self._check_vecs(vecs)
+        if self.mode == "fwd_rev":
+            return self._mv_fwd_rev(vecs)
         out = [torch.zeros_like(p) for p in self.params]
         if not self._live:
             return out
@@ -346,11 +428,76 @@ class HessianOperator:
             )
         return [o if h is None else h.detach() for o, h in zip(out, hv)]
 
+    def _mv_fwd_rev(self, vecs: List[Tensor]) -> List[Tensor]:
+        """H v as the tangent of ∇L in direction v (forward over reverse)."""
+        if self._module is not None:
+            return self._mv_func(vecs)
+        # v attached to each parameter in place as its forward-mode tangent at a fresh dual
+        # level (removed when the level closes); the loss is re-run and a plain gradient taken
+        out, grads = [], []
+        with forward_ad.dual_level():
+            with torch.no_grad():
+                for p, v in zip(self.params, vecs):
+                    p.copy_(forward_ad.make_dual(p.detach().clone(), v))
+            with torch.enable_grad():
+                loss = self._loss_fn()
+            _check_loss(loss)
+            gs = torch.autograd.grad(loss, self.params, allow_unused=True)
+            for g, p in zip(gs, self.params):
+                if g is None:
+                    grads.append(None)
+                    out.append(torch.zeros_like(p))
+                    continue
+                primal, tangent = forward_ad.unpack_dual(g)
+                grads.append(primal.detach())
+                out.append(torch.zeros_like(p) if tangent is None else tangent.detach().clone())
+        self._fwd_grad = grads
+        return out
+
+    def _mv_func(self, vecs: List[Tensor]) -> List[Tensor]:
+        """torch.func.jvp of torch.func.grad, the module's parameters swapped for the
+        transformed ones while the loss callable runs."""
+        call = _LossCall(self._module, self._loss_fn)
+        keys = ["module." + n for n in self._module_names]
+
+        def loss_of(*ps):
+            loss = torch.func.functional_call(call, dict(zip(keys, ps)), ())
+            _check_loss_shape(loss)
+            return loss
+
+        def grad_of(*ps):
+            return torch.func.grad(loss_of, argnums=tuple(range(len(ps))))(*ps)
+
+        with torch.enable_grad():
+            g, hv = torch.func.jvp(grad_of, tuple(p.detach() for p in self.params), tuple(vecs))
+        self._fwd_grad = [x.detach() for x in g]
+        return [h.detach() for h in hv]
+
     __call__ = mv
 
     def dot(self, a: Sequence[Tensor], b: Sequence[Tensor]) -> float:
         """⟨a, b⟩ summed over all parameters, in float64."""
         return float(sum((x.double() * y.double()).sum() for x, y in zip(a, b)))
+
+
+class _LossCall(nn.Module):
+    """Wraps a zero-argument loss callable that reads ``module``'s parameters, so that
+    ``torch.func.functional_call`` can swap them while it runs."""
+
+    def __init__(self, module: nn.Module, fn: Callable[[], Tensor]):
+        super().__init__()
+        self.module = module
+        self.fn = fn
+
+    def forward(self) -> Tensor:
+        return self.fn()
+
+
+def _check_loss_shape(loss) -> None:
+    if not isinstance(loss, Tensor):
+        raise TypeError(f"the loss callable must return a scalar torch.Tensor, got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(f"loss must be a scalar (one element), got shape {tuple(loss.shape)}; reduce it (.mean())")
 
 
 def _check_loss(loss) -> None:
@@ -365,21 +512,33 @@ def _check_loss(loss) -> None:
         )
 
 
-def _operator(loss: LossLike, params: Optional[ParamsLike]) -> HessianOperator:
+def _check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(
+            f"mode must be one of {MODES} (reverse over reverse, or forward over reverse), got {mode!r}"
+        )
+    return mode
+
+
+def _operator(loss: LossLike, params: Optional[ParamsLike], mode: Optional[str] = None,
+              module: Optional[nn.Module] = None) -> HessianOperator:
     if isinstance(loss, HessianOperator):
         if params is not None:
             raise ValueError("give params only with a loss, not with a HessianOperator (it has its own)")
+        if mode is not None and _check_mode(mode) != loss.mode:
+            raise ValueError(f"mode={mode!r} differs from the HessianOperator's mode {loss.mode!r}")
         return loss
     if params is None:
         raise TypeError("params is required when loss is a tensor or a callable")
-    return HessianOperator(loss, params)
+    return HessianOperator(loss, params, mode="rev_rev" if mode is None else mode, module=module)
 
 
 # --------------------------------------------------------------------------- products
 
 
-def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None) -> List[Tensor]:
-    """One Hessian-vector product ``∇²L(θ) v`` (reverse over reverse, exact).
+def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None, *, mode: Optional[str] = None,
+        module: Optional[nn.Module] = None) -> List[Tensor]:
+    """One Hessian-vector product ``∇²L(θ) v`` (exact; reverse over reverse by default).
 
     Args:
         loss: scalar loss tensor, zero-argument callable, or a :class:`HessianOperator`
@@ -387,6 +546,10 @@ def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None) -> List[
         params: parameters θ (module, tensor, list or ``{name: tensor}``).
         vecs: v, one tensor per parameter of its shape: list in parameter order,
             ``{name: tensor}``, or a single tensor for a single parameter.
+        mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (forward over reverse: ``loss``
+            must be a zero-argument callable; module docstring). With an operator, its own.
+        module: ``"fwd_rev"``: the module whose parameters ``params`` are (default:
+            ``params`` when it is a module); see :class:`HessianOperator`.
 
     Returns:
         H v as a list of tensors, one per parameter, of its shape.
@@ -404,7 +567,7 @@ def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None) -> List[
     """
     if vecs is None:
         raise TypeError("hvp() needs vecs (one vector per parameter)")
-    return _operator(loss, params).mv(vecs)
+    return _operator(loss, params, mode, module).mv(vecs)
 
 
 def hutchinson_diagonal(
@@ -415,6 +578,8 @@ def hutchinson_diagonal(
     probe: str = "rademacher",
     generator: Optional[torch.Generator] = None,
     progress: bool = False,
+    mode: Optional[str] = None,
+    module: Optional[nn.Module] = None,
 ) -> List[Tensor]:
     """Hutchinson estimate of the Hessian diagonal: the mean over ``n_samples`` probes z of z ∘ (H z).
 
@@ -427,12 +592,13 @@ def hutchinson_diagonal(
         probe: ``"rademacher"`` or ``"gaussian"`` (:data:`PROBES`).
         generator: random generator for the probes (default: the global one).
         progress: show a tqdm bar (off by default).
+        mode, module: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
 
     Returns:
         One tensor per parameter, of its shape; float32 for float16/bfloat16 parameters,
         the parameter's dtype otherwise.
     """
-    op = _operator(loss, params)
+    op = _operator(loss, params, mode, module)
     n_samples = _check_count("n_samples", n_samples)
     acc = [torch.zeros(p.shape, dtype=_acc_dtype(p.dtype), device=p.device) for p in op.params]
     bar = _progress(n_samples, "hutchinson diag", progress)
@@ -455,13 +621,15 @@ def hutchinson_trace(
     probe: str = "rademacher",
     generator: Optional[torch.Generator] = None,
     progress: bool = False,
+    mode: Optional[str] = None,
+    module: Optional[nn.Module] = None,
 ) -> float:
     """Hutchinson estimate of tr(H): the mean over ``n_samples`` probes z of zᵀ H z.
 
     Arguments as in :func:`hutchinson_diagonal`. Returns a Python float (accumulated in
     float64). With Rademacher probes one sample's variance is 2 Σ_{i≠j} H_ij².
     """
-    op = _operator(loss, params)
+    op = _operator(loss, params, mode, module)
     n_samples = _check_count("n_samples", n_samples)
     total = 0.0
     bar = _progress(n_samples, "hutchinson trace", progress)
@@ -497,6 +665,8 @@ def top_eigenvalue(
     *,
     generator: Optional[torch.Generator] = None,
     progress: bool = False,
+    mode: Optional[str] = None,
+    module: Optional[nn.Module] = None,
 ) -> Eigen:
     """Dominant eigenvalue of H by power iteration (v ← Hv / ‖Hv‖).
 
@@ -509,11 +679,12 @@ def top_eigenvalue(
         tol: stop when the Rayleigh quotient changes by at most ``tol`` relative.
         generator: random generator for the start vector.
         progress: show a tqdm bar (off by default).
+        mode, module: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
 
     Returns:
         :class:`Eigen` (value, unit vector, iterations run, converged). H = 0 gives value 0.
     """
-    op = _operator(loss, params)
+    op = _operator(loss, params, mode, module)
     n_iter = _check_count("n_iter", n_iter)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise ValueError(f"tol must be a number >= 0, got {tol!r}")
@@ -545,13 +716,14 @@ def top_eigenvalue(
     return Eigen(value=value, vector=v, n_iter=it, converged=converged)
 
 
-def exact_diagonal(loss: LossLike, params: Optional[ParamsLike] = None, *, progress: bool = False) -> List[Tensor]:
+def exact_diagonal(loss: LossLike, params: Optional[ParamsLike] = None, *, progress: bool = False,
+                   mode: Optional[str] = None, module: Optional[nn.Module] = None) -> List[Tensor]:
     """diag(H) exactly: H e_i for every unit vector e_i, one product per scalar parameter.
 
     Costs ``numel`` Hessian-vector products: for small parameter sets (tests, probing a
     few tensors); use :func:`hutchinson_diagonal` otherwise.
     """
-    op = _operator(loss, params)
+    op = _operator(loss, params, mode, module)
     out = [torch.zeros(p.shape, dtype=_acc_dtype(p.dtype), device=p.device) for p in op.params]
     bar = _progress(op.numel, "exact diagonal", progress)
     for k, p in enumerate(op.params):

@@ -142,6 +142,8 @@ class HessianOptimizer(torch.optim.Optimizer):
         n_samples: int = 1,
         generator: Optional[torch.Generator] = None,
         weight: Optional[float] = None,
+        mode: str = "rev_rev",
+        module: Optional[torch.nn.Module] = None,
     ) -> None:
         """Refresh the Hessian-diagonal estimate with ``n_samples`` Hutchinson probes.
 
@@ -156,6 +158,11 @@ class HessianOptimizer(torch.optim.Optimizer):
                 the global batch (``None``: equal shares). The probes are rank 0's
                 (broadcast) and the estimates are averaged over processes with these
                 weights: the estimate of the global-batch loss. Ignored in one process.
+            mode: ``"rev_rev"`` (default: the products go through a ``create_graph`` graph)
+                or ``"fwd_rev"`` (forward over reverse, no such graph: ``loss`` must be a
+                zero-argument callable, re-run for each probe; :mod:`ttt_flash.hessian`).
+            module: ``"fwd_rev"``: the module owning the parameters (products through
+                ``torch.func``; see :class:`ttt_flash.hessian.HessianOperator`).
 
         Only parameters the loss reaches are refreshed. Runs regardless of
         :attr:`hessian_due` (you decide when); does not count as a step.
@@ -164,7 +171,17 @@ class HessianOptimizer(torch.optim.Optimizer):
             ValueError: ``loss=None`` and no ``p.grad`` carries a graph.
         """
         pairs = self._trainable()
-        if loss is None:
+        if mode == "fwd_rev":
+            if loss is None or isinstance(loss, Tensor) or not callable(loss):
+                raise ValueError(
+                    "update_hessian(mode='fwd_rev') re-runs the loss for every probe: pass a "
+                    "zero-argument callable returning it, e.g. update_hessian(lambda: model.loss(x, y), "
+                    "mode='fwd_rev')"
+                )
+            if not pairs:
+                raise ValueError("the optimizer has no parameter that requires grad")
+            op = HessianOperator(loss, [p for _, p in pairs], mode="fwd_rev", module=module)
+        elif loss is None:
             pairs = [(g, p) for g, p in pairs if p.grad is not None]
             if not pairs:
                 raise ValueError(
@@ -186,12 +203,14 @@ class HessianOptimizer(torch.optim.Optimizer):
         if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
 
-        live = [i for i, r in enumerate(op.reached) if r]
+        live = None
         acc = [None] * len(pairs)
         for _ in range(n_samples):
             z = [probe_like([p], g["probe"], generator)[0] for g, p in pairs]
             broadcast_(z)  # distributed: every process uses rank 0's probes (no-op otherwise)
             hz = op.mv(z)
+            if live is None:  # after a product: fwd_rev learns what the loss reaches from it
+                live = [i for i, r in enumerate(op.reached) if r]
             for i in live:
                 sample = z[i] * hz[i]
                 acc[i] = sample if acc[i] is None else acc[i].add_(sample)

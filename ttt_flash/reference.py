@@ -25,6 +25,7 @@ __all__ = [
     "attn_fwd",
     "attn_bwd",
     "attn_bob",
+    "attn_jvp",
     "naive_attention",
     "naive_attention_varlen",
     "attention_mask",
@@ -429,3 +430,88 @@ def attn_bob(
         vb[ks:ke] = _unseq(r[2])
         dob[qs:qe] = _unseq(r[3])
     return qb, kb, vb, dob
+
+
+# --------------------------------------------------------------------------- tangent forward (jvp)
+
+
+def _jvp_dense(q, k, v, qd, kd, vd, scale, causal, window, chunk):
+    """O, L and their tangents Ȯ, L̇ in direction (Q̇, K̇, V̇), query rows in chunks:
+    Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ), L̇ = rowsum(P∘Ṡ), Ȯ = (P∘Ṡ) V − L̇ ∘ O + P V̇."""
+    cd = _compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+    qdf = None if qd is None else qd.to(cd)
+    kdf = None if kd is None else _expand_kv(kd.to(cd), groups)
+    vdf = None if vd is None else _expand_kv(vd.to(cd), groups)
+    b, h, n_q, d = q.shape
+    o = torch.empty(b, h, n_q, d, dtype=cd, device=q.device)
+    od = torch.empty_like(o)
+    lse = torch.empty(b, h, n_q, dtype=cd, device=q.device)
+    lsed = torch.empty_like(lse)
+    for r0, r1 in _chunks(n_q, chunk):
+        s = _scores(qf[:, :, r0:r1], kf, scale, n_q, causal, window, r0, r1)
+        l = torch.logsumexp(s, dim=-1) if s.shape[-1] > 0 else s.new_full(s.shape[:-1], float("-inf"))
+        p = _probs(s, l)
+        oc = torch.matmul(p, vf)
+        sd = None
+        if qdf is not None:
+            sd = torch.matmul(qdf[:, :, r0:r1], kf.transpose(-1, -2))
+        if kdf is not None:
+            t = torch.matmul(qf[:, :, r0:r1], kdf.transpose(-1, -2))
+            sd = t if sd is None else sd + t
+        odc = torch.zeros_like(oc)
+        ldc = oc.new_zeros(oc.shape[:-1])
+        if sd is not None:
+            psd = p * (sd * scale)  # P∘Ṡ (0 where masked: P = 0 there)
+            ldc = psd.sum(-1)
+            odc = torch.matmul(psd, vf) - ldc.unsqueeze(-1) * oc
+        if vdf is not None:
+            odc = odc + torch.matmul(p, vdf)
+        o[:, :, r0:r1], od[:, :, r0:r1] = oc, odc
+        lse[:, :, r0:r1], lsed[:, :, r0:r1] = l, ldc
+    return o.to(q.dtype), lse, od.to(q.dtype), lsed
+
+
+def attn_jvp(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qd: Optional[Tensor],
+    kd: Optional[Tensor],
+    vd: Optional[Tensor],
+    *,
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    chunk: int = DEFAULT_CHUNK,
+):
+    """Tangent forward: returns ``(o, lse, od, lsed)``, the forward's outputs and their
+    tangents in direction ``(qd, kd, vd)`` (each of its input's shape, or None for a zero
+    tangent). ``od`` has ``o``'s shape and dtype; ``lsed`` is a row vector like ``lse``
+    (0 on rows that see no key)."""
+    rd = _row_dtype(q.dtype)
+    if cu_seqlens_q is None:
+        o, lse, od, lsed = _jvp_dense(q, k, v, qd, kd, vd, scale, causal, window, chunk)
+        return o, lse.to(rd), od, lsed.to(rd)
+    o = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    od = torch.zeros_like(o)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=rd, device=q.device)
+    lsed = torch.zeros_like(lse)
+    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
+        if qe == qs:
+            continue
+        r = _jvp_dense(
+            _seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke),
+            None if qd is None else _seq(qd, qs, qe),
+            None if kd is None else _seq(kd, ks, ke),
+            None if vd is None else _seq(vd, ks, ke),
+            scale, causal, window, chunk,
+        )
+        o[qs:qe], od[qs:qe] = _unseq(r[0]), _unseq(r[2])
+        lse[:, qs:qe], lsed[:, qs:qe] = r[1][0], r[3][0]
+    return o, lse, od, lsed

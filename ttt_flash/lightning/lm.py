@@ -35,6 +35,7 @@ Example (a CPU smoke run)::
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -68,6 +69,9 @@ __all__ = [
 #: Accepted values of ``LanguageModel(optimizer=...)``.
 OPTIMIZERS = ("sophiah", "adamw", "adahessian")
 
+#: Accepted values of ``HessianRefresh(mode=...)`` / ``LanguageModel(hessian_mode=...)``.
+HESSIAN_MODES = ("rev_rev", "fwd_rev")
+
 _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
 
 
@@ -93,20 +97,30 @@ class HessianRefresh(Callback):
             ``None``: ``torch.initial_seed()`` (the run's ``seed_everything`` seed). The
             generator's state and the refresh count are saved in checkpoints, so a resumed
             run draws the probes the uninterrupted run would have drawn.
+        mode: ``"rev_rev"`` (default): products through the step's ``create_graph`` graph,
+            as above. ``"fwd_rev"``: forward over reverse (:mod:`ttt_flash.hessian`); the
+            step's backward stays first-order and, before the optimizer step, each probe
+            re-runs ``pl_module.hessian_loss(batch)`` on the step's (last) batch, keeping
+            no ``create_graph`` graph (less memory, one more forward and backward; with
+            dropout the re-run draws fresh masks).
 
     Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
     optimization only; fp16 loss scaling is not supported (the estimate would be scaled):
     use ``precision="bf16-mixed"`` or 32-bit.
     """
 
-    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1, seed: Optional[int] = None):
+    def __init__(self, every_k: Optional[int] = None, n_samples: int = 1, seed: Optional[int] = None,
+                 mode: str = "rev_rev"):
         if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1):
             raise ValueError(f"every_k must be an int >= 1 or None, got {every_k!r}")
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        self.every_k, self.n_samples, self.seed = every_k, n_samples, seed
+        if mode not in HESSIAN_MODES:
+            raise ValueError(f"mode must be one of {HESSIAN_MODES}, got {mode!r}")
+        self.every_k, self.n_samples, self.seed, self.mode = every_k, n_samples, seed, mode
+        self._batch = None
         #: Number of refreshes done.
         self.refreshes = 0
         self._refresh_s = 0.0
@@ -154,9 +168,14 @@ class HessianRefresh(Callback):
             due = trainer.global_step % self.every_k == 0
         else:
             due = any(o.hessian_due for o in opts)
-        pl_module.hessian_refresh_pending = due
+        # fwd_rev: the backward stays first-order; the batch is kept for the refresh
+        pl_module.hessian_refresh_pending = due and self.mode == "rev_rev"
+        self._batch = batch if due and self.mode == "fwd_rev" else None
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self.mode == "fwd_rev":
+            self._refresh_fwd_rev(trainer, pl_module, optimizer)
+            return
         if not getattr(pl_module, "hessian_refresh_pending", False) or not hasattr(optimizer, "update_hessian"):
             return
         cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
@@ -176,6 +195,33 @@ class HessianRefresh(Callback):
         if cuda:
             torch.cuda.synchronize()
         pl_module.hessian_refresh_pending = False
+        self.refreshes += 1
+        self._refresh_s = time.perf_counter() - start
+
+    def _refresh_fwd_rev(self, trainer, pl_module, optimizer) -> None:
+        batch = self._batch
+        if batch is None or not hasattr(optimizer, "update_hessian"):
+            return
+        if not callable(getattr(pl_module, "hessian_loss", None)):
+            raise RuntimeError(
+                "HessianRefresh(mode='fwd_rev') re-runs the loss for each probe and needs "
+                f"{type(pl_module).__name__}.hessian_loss(batch) -> scalar loss "
+                "(ttt_flash.lightning.lm.LanguageModel has one); or use mode='rev_rev'"
+            )
+        cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        # the training step's precision (e.g. bf16-mixed autocast), as the step's own graph has
+        precision = getattr(trainer, "precision_plugin", None)
+        with precision.forward_context() if precision is not None else contextlib.nullcontext():
+            optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
+                                     generator=self._probe_generator(optimizer),
+                                     weight=getattr(pl_module, "_grad_weight", None) or None,
+                                     mode="fwd_rev", module=pl_module)
+        if cuda:
+            torch.cuda.synchronize()
+        self._batch = None
         self.refreshes += 1
         self._refresh_s = time.perf_counter() - start
 
@@ -215,6 +261,9 @@ class LanguageModel(LightningModule):
         min_lr_ratio: with ``schedule="cosine"``, the final learning rate as a fraction of ``lr``.
         schedule: ``"cosine"`` (decay to ``min_lr_ratio · lr`` over the run's optimizer
             steps, ``trainer.estimated_stepping_batches``) or ``"constant"``.
+        hessian_mode: how the added :class:`HessianRefresh` takes its Hessian-vector
+            products: ``"rev_rev"`` (through the step's ``create_graph`` graph) or
+            ``"fwd_rev"`` (forward over reverse, less memory; :mod:`ttt_flash.hessian`).
     """
 
     def __init__(
@@ -231,6 +280,7 @@ class LanguageModel(LightningModule):
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         schedule: Literal["cosine", "constant"] = "cosine",
+        hessian_mode: Literal["rev_rev", "fwd_rev"] = "rev_rev",
     ):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -239,6 +289,8 @@ class LanguageModel(LightningModule):
             raise TypeError(f"gpt must be a GPTConfig, got {type(gpt).__name__}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        if hessian_mode not in HESSIAN_MODES:
+            raise ValueError(f"hessian_mode must be one of {HESSIAN_MODES}, got {hessian_mode!r}")
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
         if not lr > 0:
@@ -313,7 +365,7 @@ class LanguageModel(LightningModule):
         trainer = self._trainer
         if trainer is not None and any(isinstance(c, HessianRefresh) for c in trainer.callbacks):
             return []  # the user's own HessianRefresh (e.g. a different every_k) stays
-        return [HessianRefresh()]
+        return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"))]
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self.hessian_refresh_pending:
@@ -326,6 +378,11 @@ class LanguageModel(LightningModule):
             super().backward(loss, *args, **kwargs)
 
     # ------------------------------------------------------------------ steps
+
+    def hessian_loss(self, batch) -> Tensor:
+        """The training loss of ``batch``, re-run by ``HessianRefresh(mode="fwd_rev")``."""
+        x, y = self._check_batch(batch)
+        return self.model.loss(x, y)
 
     def _check_batch(self, batch) -> Tuple[Tensor, Tensor]:
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:

@@ -1,0 +1,257 @@
+"""Tangent forward: O, L and their tangents Ȯ, L̇ in one pass (forward-mode AD of attention).
+
+With the tangent (Q̇, K̇, V̇) of the inputs (docs/forward-mode.md):
+
+    Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ)      L̇ = rowsum(P∘Ṡ)      Ȯ = (P∘Ṡ) V − L̇ ∘ O + P V̇
+
+One program per (query tile, query head, batch) loops over the key tiles its rows can see,
+like the forward, with online softmax: besides the forward's accumulator of P V it keeps a
+second tile × d accumulator of (P∘Ṡ) V + P V̇ and the row sum of P∘Ṡ, rescaled together.
+A missing tangent (None) removes its products (constexpr flags).
+
+Rounding: Ȯ subtracts L̇ O from (P∘Ṡ) V, which cancels where Ṡ has a large per-row offset
+(a K̇ shared by every key moves every score of a row by the same amount and changes nothing).
+The kernel subtracts a per-row reference c from Ṡ before rounding P∘(Ṡ − c) to the input
+dtype, (P∘(Ṡ − c)) V − (L̇ − c) O being the same Ȯ; c is the P-weighted mean of Ṡ over the
+first key tile where the row has mass (before it every accumulator is 0, so fixing c then
+needs no correction).
+
+Per (query, key) pair: 2d flops for S, 2d per present Q̇ / K̇ for Ṡ, 2d each for P V,
+(P∘Ṡ) V and P V̇: 12d with every tangent (the forward alone: 4d).
+
+Tiles: ``configs.OVERRIDES["jvp"]`` if set, otherwise the table below (no autotuning).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (
+    _NO_SPECIALIZE,
+    _key_tile_range,
+    _load_tile,
+    _row_tile_id,
+    _rows,
+    _seq_info,
+    _store_tile,
+    _visible,
+    block_d,
+    cu_or_dummy,
+    dot_precision,
+    layout,
+    long_rows,
+    new_empty,
+    new_rowvec,
+    on_input_device,
+    prep,
+    rowvec_strides,
+    strides,
+)
+from . import configs
+
+__all__ = ["attn_jvp"]
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _attn_jvp_kernel(
+    Q, K, V, QD, KD, VD, O, LSE, OD, LSED, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_qdb, stride_qdh, stride_qdn,
+    stride_kdb, stride_kdh, stride_kdn,
+    stride_vdb, stride_vdh, stride_vdn,
+    stride_ob, stride_oh, stride_on,
+    stride_odb, stride_odh, stride_odn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
+):
+    pid_m = _row_tile_id(CAUSAL)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUPS).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
+    qd_base = QD + b64 * stride_qdb + h64 * stride_qdh + q_start64 * stride_qdn
+    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
+    od_base = OD + b64 * stride_odb + h64 * stride_odh + q_start64 * stride_odn
+    l_off = b64 * stride_lb + h64 * stride_lh + q_start64
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    kd_base = KD + b64 * stride_kdb + hk64 * stride_kdh + k_start64 * stride_kdn
+    vd_base = VD + b64 * stride_vdb + hk64 * stride_vdh + k_start64 * stride_vdn
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    rows_m = _rows(offs_m, LONG)
+    q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    if HAS_QD:
+        qd = _load_tile(qd_base, rows_m, stride_qdn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)    # Σ P V
+    acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # Σ (P∘(Ṡ − c)) V + P V̇
+    sbar = tl.zeros([BLOCK_M], dtype=tl.float32)            # Σ P∘(Ṡ − c)
+    ref = tl.zeros([BLOCK_M], dtype=tl.float32)             # c (fixed at the first tile with mass)
+    has_ref = tl.zeros([BLOCK_M], dtype=tl.float32)          # 1 once c is fixed
+    qk_scale = scale * 1.4426950408889634
+
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_k
+        rows = _rows(offs_n, LONG)
+        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if (start_n < mid_lo) | (start_n >= mid_hi):
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
+            s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+        p = tl.exp2(s - m_use[:, None])
+        corr = tl.exp2(m_i - m_use)
+        v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        p_sum = tl.sum(p, 1)
+        l_i = l_i * corr + p_sum
+        acc = acc * corr[:, None]
+        acc_t = acc_t * corr[:, None]
+        sbar = sbar * corr
+        if HAS_QD or HAS_KD:
+            if HAS_QD:
+                sd = tl.dot(qd, tl.trans(k), input_precision=PREC)
+                if HAS_KD:
+                    kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                    sd = tl.dot(q, tl.trans(kd), sd, input_precision=PREC)
+            else:
+                kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
+            sd = sd * scale
+            psd = p * sd
+            first = (has_ref == 0.0) & (p_sum > 0.0)
+            ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
+            has_ref = tl.where(first, 1.0, has_ref)
+            psd = psd - p * ref[:, None]
+            sbar = sbar + tl.sum(psd, 1)
+            acc_t = tl.dot(psd.to(v.dtype), v, acc_t, input_precision=PREC)
+        p16 = p.to(v.dtype)
+        acc = tl.dot(p16, v, acc, input_precision=PREC)
+        if HAS_VD:
+            vd = _load_tile(vd_base, rows, stride_vdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            acc_t = tl.dot(p16, vd, acc_t, input_precision=PREC)
+        m_i = m_new
+
+    # rows that saw no key: l = 0 -> O = Ȯ = 0, L = -inf, L̇ = 0
+    empty = l_i == 0.0
+    inv = 1.0 / tl.where(empty, 1.0, l_i)
+    o = acc * inv[:, None]
+    sbar = sbar * inv
+    od = acc_t * inv[:, None] - sbar[:, None] * o
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lsed = tl.where(empty, 0.0, sbar + ref)
+    _store_tile(o_base, rows_m, stride_on, o.to(O.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(od_base, rows_m, stride_odn, od.to(OD.dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+                EVEN_D)
+    tl.store(LSE + l_off + offs_m, lse, mask=m_ok)
+    tl.store(LSED + l_off + offs_m, lsed, mask=m_ok)
+
+
+# --------------------------------------------------------------------------- tiles
+#
+# Two tile x d accumulators and two query-side tiles (Q, Q̇): about twice the forward's
+# registers. Chosen offline by compiling for sm_90 and reading ptxas' register and spill counts
+# (scripts/jvp_tiles_ptxas.py, Triton 3.9), not by timing: 16-bit inputs spill
+# nothing at d <= 64 (128 x 64 tiles, 255 registers) and d = 256 (32 x 16), 12 bytes at
+# d = 128 (64 x 32; 64 x 64 spills 332); float32 with IEEE dots spills at every tile tried
+# (these spill least). A sweep on the GPU may replace them: set
+# ``configs.OVERRIDES["jvp"] = configs.TileConfig(...)`` to try others.
+
+_T = configs.TileConfig
+_HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
+         128: _T(64, 32, 8, 2), 256: _T(32, 16, 8, 1)}
+_FP32 = {16: _T(32, 32, 8, 1), 32: _T(32, 32, 8, 1), 64: _T(32, 32, 8, 1),
+         128: _T(16, 32, 8, 1), 256: _T(16, 16, 8, 1)}
+_OTHER = {16: _T(32, 32, 4, 1), 32: _T(32, 32, 4, 1), 64: _T(32, 32, 4, 1),
+          128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
+_INTERPRETER = _T(32, 16, 4, 1)
+
+
+def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
+    if "jvp" in configs.OVERRIDES:
+        return configs.OVERRIDES["jvp"]
+    if configs.interpreting() or device.type != "cuda":
+        return _INTERPRETER
+    import torch
+
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (8, 9, 10):
+        return _OTHER[bd]
+    cfg = (_FP32 if dtype == torch.float32 else _HALF)[bd]
+    if major == 8:  # 99 KiB of shared memory on 8.6 / 8.9 (K, K̇, V, V̇ tiles per stage)
+        cfg = _T(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2 if bd <= 64 else 1))
+    return cfg
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+@on_input_device
+def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
+             max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
+    """Tangent-forward composer: returns ``(o, lse, od, lsed)``.
+
+    ``qd``, ``kd``, ``vd``: tangents of q, k, v (their shapes and dtype), any of them None
+    (a zero tangent: its products are skipped). ``o``, ``od`` contiguous in the input dtype;
+    ``lse``, ``lsed`` float32 row vectors, (B, H_q, N_q) dense or (H_q, T_q) varlen; a row
+    that sees no key has o = od = 0, lse = -inf, lsed = 0. Layouts, masks and GQA as
+    :func:`attn_fwd` (docs/architecture.md).
+    """
+    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v = prep(q), prep(k), prep(v)
+    qd, kd, vd = prep(qd), prep(kd), prep(vd)
+    scale = lay.head_dim ** -0.5 if scale is None else float(scale)
+    causal_, use_window = bool(causal), bool(causal) and window is not None
+    o = new_empty(q.shape, q.dtype, q.device)
+    od = new_empty(q.shape, q.dtype, q.device)
+    lse = new_rowvec(lay, q.device)
+    lsed = new_rowvec(lay, q.device)
+    if o.numel() == 0 or lay.n_q == 0:
+        if lse.numel():
+            lse.fill_(float("-inf"))
+            lsed.zero_()
+        return o.zero_(), lse, od.zero_(), lsed
+    bd = block_d(lay.head_dim)
+    cfg = _tiles(bd, q.dtype, q.device)
+    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    _attn_jvp_kernel[grid](
+        q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,
+        o, lse, od, lsed, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),
+        *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
+        *strides(q if qd is None else qd, lay.varlen), *strides(k if kd is None else kd, lay.varlen),
+        *strides(v if vd is None else vd, lay.varlen),
+        *strides(o, lay.varlen), *strides(od, lay.varlen), *rowvec_strides(lay),
+        lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
+        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+        EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
+        LONG=long_rows(lay, q, k, v, o, qd, kd, vd, od), PREC=dot_precision(q.dtype, allow_tf32),
+        HAS_QD=qd is not None, HAS_KD=kd is not None, HAS_VD=vd is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse, od, lsed

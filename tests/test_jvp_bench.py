@@ -1,0 +1,22 @@
+"""ttt-flash bench --jvp on the CPU at tiny sizes: every provider and the GPT HVP run, the
+correctness check passes and the JSON is written."""
+
+import json
+
+from ttt_flash.bench import main as bench_main
+from ttt_flash.bench_jvp import default_providers
+
+
+def test_bench_jvp_runs_on_cpu(tmp_path, one_thread, capsys):
+    rc = bench_main(["--jvp", "--device", "cpu", "--seq-lens", "16", "--dtype", "float32", "--heads", "2",
+                     "--head-dim", "8", "--rep-ms", "1", "--warmup-ms", "1", "--hvp", "--hvp-seq-len", "8",
+                     "--hvp-d-model", "32", "--hvp-layers", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench_jvp.json").read_text())
+    assert result["check"]["ok"]
+    assert {r["provider"] for r in result["rows"]} == set(default_providers())
+    assert all("ms" in r for r in result["rows"]), [r for r in result["rows"] if "ms" not in r]
+    assert all("ratio_sdpa_fwd" in r for r in result["rows"] if r["provider"] in ("tangent_fwd", "jvp_bwd"))
+    hvp = {r["provider"]: r for r in result["hvp"]}
+    assert hvp["gpt_hvp_fwd_rev"]["rel_diff_vs_rev_rev"] < 1e-4  # float32: same product
+    assert "tangent_fwd" in capsys.readouterr().out

@@ -1,0 +1,135 @@
+"""GPU tests of forward mode (bf16, fp16, fp32) against a float64 reference.
+
+The Triton tangent forward (``attn_jvp``: o, lse, ȯ, l̇) for every variant, and the
+autograd modes built on it (torch.func.jvp, backward through (o, ȯ), forward-over-reverse
+HVP) on a few: each output's max error against float64 torch.func through
+``naive_attention`` must be at most 2x the error of PyTorch's own math path in the same
+dtype (torch.func.jvp of ``naive_attention``), plus one rounding unit at the output's scale
+(FlashAttention's rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import grad, jvp
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from ttt_flash import flash_attention, flash_attention_varlen  # noqa: E402
+from ttt_flash.kernels import attn_jvp, common  # noqa: E402
+from ttt_flash.reference import naive_attention, naive_attention_varlen  # noqa: E402
+
+DEV = "cuda"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-20}
+
+CASES = {
+    "Nq200-Nk200-d64-b2-gqa2": dict(b=2, hq=4, hkv=2, nq=200, nk=200, d=64, causal=False),
+    "Nq150-Nk250-d64-causal": dict(b=1, hq=2, hkv=2, nq=150, nk=250, d=64, causal=True),
+    "Nq250-Nk150-d64-causal-emptyrows": dict(b=1, hq=2, hkv=2, nq=250, nk=150, d=64, causal=True),
+    "Nq180-Nk160-d64-window40-mqa4": dict(b=1, hq=4, hkv=1, nq=180, nk=160, d=64, causal=True, window=40),
+    "N1-d40": dict(b=1, hq=2, hkv=2, nq=1, nk=1, d=40, causal=False),
+    "N130-d96-causal-gqa3": dict(b=1, hq=3, hkv=1, nq=130, nk=130, d=96, causal=True),
+    "N257-d128-causal": dict(b=1, hq=2, hkv=2, nq=257, nk=257, d=128, causal=True),
+    "Nq100-Nk140-d256-window64": dict(b=1, hq=2, hkv=2, nq=100, nk=140, d=256, causal=True, window=64),
+    "varlen-d128-causal-gqa2": dict(lens_q=[100, 0, 37, 200, 1], lens_k=[120, 0, 0, 190, 9],
+                                    hq=4, hkv=2, d=128, causal=True),
+    "varlen-d16-noncausal": dict(lens_q=[33, 0, 140], lens_k=[50, 7, 0], hq=2, hkv=2, d=16, causal=False),
+}
+
+
+def _make(case, dtype, seed=0):
+    """(x, t, fn_ours_kernel, fn_naive): inputs (float64), tangents, and the two functions."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    c = CASES[case]
+    window = c.get("window")
+    if "lens_q" in c:
+        cq = torch.tensor([0] + list(torch.tensor(c["lens_q"]).cumsum(0)), dtype=torch.int32, device=DEV)
+        ck = torch.tensor([0] + list(torch.tensor(c["lens_k"]).cumsum(0)), dtype=torch.int32, device=DEV)
+        shapes = ((sum(c["lens_q"]), c["hq"], c["d"]), (sum(c["lens_k"]), c["hkv"], c["d"]),
+                  (sum(c["lens_k"]), c["hkv"], c["d"]))
+        kw = dict(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=max(c["lens_q"]), max_seqlen_k=max(c["lens_k"]))
+
+        def naive(q, k, v):
+            return naive_attention_varlen(q, k, v, cq, ck, causal=c["causal"], window=window)
+
+        def ours(q, k, v):
+            return flash_attention_varlen(q, k, v, cq, ck, kw["max_seqlen_q"], kw["max_seqlen_k"],
+                                          causal=c["causal"], window=window)
+    else:
+        shapes = ((c["b"], c["hq"], c["nq"], c["d"]), (c["b"], c["hkv"], c["nk"], c["d"]),
+                  (c["b"], c["hkv"], c["nk"], c["d"]))
+        kw = {}
+
+        def naive(q, k, v):
+            return naive_attention(q, k, v, causal=c["causal"], window=window)
+
+        def ours(q, k, v):
+            return flash_attention(q, k, v, causal=c["causal"], window=window)
+
+    x = [torch.randn(s, device=DEV, dtype=torch.float64, generator=g) for s in shapes]
+    t = [torch.randn(s, device=DEV, dtype=torch.float64, generator=g) for s in shapes]
+    kern = dict(scale=c["d"] ** -0.5, causal=c["causal"], window=window, **kw)
+    return x, t, kern, ours, naive
+
+
+def _err(a, e):
+    return (a.double() - e).abs().max().item() if e.numel() else 0.0
+
+
+def _rule(name, ours, math, exact, dtype):
+    scale = max(exact.abs().max().item(), 1.0) if exact.numel() else 1.0
+    e_ours, e_math = _err(ours, exact), _err(math, exact)
+    bound = 2 * e_math + UNIT[dtype] * scale
+    assert e_ours <= bound, f"{name}: error {e_ours:.3e} > 2 x math {e_math:.3e} + unit ({bound:.3e})"
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_tangent_kernel_gpu(case, dt):
+    dtype = DTYPES[dt]
+    x, t, kern, _, naive = _make(case, dtype)
+    exact = jvp(naive, tuple(x), tuple(t))
+    low = [a.to(dtype) for a in x]
+    lowt = [a.to(dtype) for a in t]
+    math = jvp(naive, tuple(low), tuple(lowt))
+    common.POISON_OUTPUTS = True
+    try:
+        o, lse, od, lsed = attn_jvp(*low, *lowt, **kern)
+    finally:
+        common.POISON_OUTPUTS = False
+    assert not torch.isnan(o).any() and not torch.isnan(od).any() and not torch.isnan(lsed).any()
+    _rule("o", o, math[0], exact[0], dtype)
+    _rule("od", od, math[1], exact[1], dtype)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("case", ["Nq150-Nk250-d64-causal", "Nq180-Nk160-d64-window40-mqa4", "varlen-d128-causal-gqa2"])
+def test_autograd_modes_gpu(case, dt):
+    """jvp, backward through (o, ȯ) and forward-over-reverse HVP through the Triton path."""
+    dtype = DTYPES[dt]
+    x, t, _, ours, naive = _make(case, dtype, seed=1)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    w1 = torch.randn(x[0].shape, device=DEV, dtype=torch.float64, generator=g)
+    w2 = torch.randn(x[0].shape, device=DEV, dtype=torch.float64, generator=g)
+
+    def modes(attn, x, t, w1, w2):
+        def loss(q, k, v, a, b, c):
+            o, od = jvp(attn, (q, k, v), (a, b, c))
+            return (o * w1).sum() + (od * w2).sum()
+
+        through = grad(loss, argnums=tuple(range(6)))(*x, *t)
+        hvp = jvp(grad(lambda q, k, v: (attn(q, k, v) * w1).sum(), argnums=(0, 1, 2)), tuple(x), tuple(t))[1]
+        return (jvp(attn, tuple(x), tuple(t))[1], *through, *hvp)
+
+    exact = modes(naive, x, t, w1, w2)
+    low = lambda seq: [a.to(dtype) for a in seq]  # noqa: E731
+    args = (low(x), low(t), w1.to(dtype), w2.to(dtype))
+    mine, math = modes(ours, *args), modes(naive, *args)
+    names = ["od"] + [f"through_{n}" for n in ("q", "k", "v", "qd", "kd", "vd")] + ["hvp_q", "hvp_k", "hvp_v"]
+    for name, a, m, e in zip(names, mine, math, exact):
+        _rule(name, a, m, e, dtype)

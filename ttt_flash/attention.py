@@ -179,6 +179,11 @@ class _Spec:
     max_seqlen_q: Optional[int] = None
     max_seqlen_k: Optional[int] = None
     precise_bob: bool = True
+    deterministic: bool = False
+
+    def kernel_kwargs(self) -> dict:
+        """Keywords only the Triton composers take."""
+        return {} if self.backend == "reference" else {"deterministic": self.deterministic}
 
     def kwargs(self, cu_q, cu_k) -> dict:
         return dict(
@@ -259,7 +264,8 @@ class _AttentionBackward(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
-        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k))
+        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
+                                                          **spec.kernel_kwargs())
         return dq, dk, dv, delta
 
     @staticmethod
@@ -302,7 +308,7 @@ class _AttentionBoB(_Function):
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
         out = _impl(spec.backend).attn_bob(
             q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
-            **spec.kwargs(cu_q, cu_k),
+            **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
         )
         return tuple(out)
 
@@ -416,6 +422,7 @@ def flash_attention(
     window: Optional[int] = None,
     backend: str = "auto",
     precise_bob: bool = True,
+    deterministic: bool = False,
 ) -> Tensor:
     r"""Softmax attention, differentiable twice exactly (FlashBoB).
 
@@ -438,10 +445,15 @@ def flash_attention(
         precise_bob: Triton backend only. True (default): the backward-over-backward runs a
             row-statistics pass, then forms the cotangents of S and dP per tile, keeping
             16-bit errors below PyTorch's own math path even where attention is peaked
-            (bf16 ~2.4e-3 relative L2; ~1.9e-3 with ``TTT_FLASH_BOB_COL_SPLIT=1
-            TTT_FLASH_BOB_ROW_SPLIT=1`` set before import, ~20 % slower BoB). False: the
-            two-pass affine form of docs/bob-math.md (fewer products), whose 16-bit error
-            grows where attention is peaked (terms cancel).
+            (bf16 ~2.4e-3 relative L2). False: the two-pass affine form of
+            docs/bob-math.md (fewer products), whose 16-bit error grows where attention is
+            peaked (terms cancel).
+        deterministic: Triton backend only. False (default): the backward passes may add
+            row results with float32 atomics where the static tile table
+            (``ttt_flash.kernels.configs``) finds that faster for the dtype, GPU and length
+            (fewer recomputed products); results then differ between runs in the last bits.
+            True: atomic-free passes only, bitwise reproducible run to run. float32 inputs
+            always take the atomic-free first backward.
 
     Returns:
         Tensor of shape (B, H_q, N_q, D), dtype of ``q``. A query row that sees no key
@@ -480,7 +492,7 @@ def flash_attention(
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
-                 precise_bob=bool(precise_bob))
+                 precise_bob=bool(precise_bob), deterministic=bool(deterministic))
     return _apply(q, k, v, spec, None, None)
 
 
@@ -498,13 +510,14 @@ def flash_attention_varlen(
     window: Optional[int] = None,
     backend: str = "auto",
     precise_bob: bool = True,
+    deterministic: bool = False,
 ) -> Tensor:
     r"""Attention over variable-length sequences packed along the token axis.
 
     Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
-    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend`` and
-    ``precise_bob`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
+    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend``,
+    ``precise_bob`` and ``deterministic`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
 
     Args:
         q: (T_q, H_q, D) packed queries.
@@ -565,5 +578,6 @@ def flash_attention_varlen(
         max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
         max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
         precise_bob=bool(precise_bob),
+        deterministic=bool(deterministic),
     )
     return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

@@ -69,7 +69,7 @@ from .common import (
     rowvec_strides,
     strides,
 )
-from .configs import fuse_row_sweeps, get_config, use_atomics
+from .configs import ROWSUM_CORRECTION, fuse_row_sweeps, get_config, use_atomics
 
 
 # --------------------------------------------------------------------------- row-program helpers
@@ -792,7 +792,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         vb = None
     precise = bool(precise)
     half = q.dtype != torch.float32
-    rowsum = True
+    rowsum = ROWSUM_CORRECTION[q.dtype]
     with_stats = run_col or precise  # α, E go through HBM
     alpha = new_rowvec(lay, q.device) if with_stats else lse
     ee = new_rowvec(lay, q.device) if with_stats else lse

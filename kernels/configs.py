@@ -107,12 +107,12 @@ _SM90_HALF = {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(128, 64, 4, 2, True),
-        "bwd_fused": _T(64, 128, 8, 2, True),
+        "bwd_fused": _T(32, 128, 8, 2, True),
         "bob_row": _T(32, 64, 8, 2),
         "bob_col": _T(64, 64, 4, 2, True),
         "bob_stats": _T(128, 64, 8, 3),
         "bob_direct": _T(128, 64, 8, 3),
-        "bob_fused": _T(64, 128, 8, 2, True),
+        "bob_fused": _T(32, 128, 8, 2, True),
     },
     128: {
         "fwd": _T(128, 64, 8, 3),
@@ -123,7 +123,7 @@ _SM90_HALF = {
         "bob_col": _T(32, 128, 8, 3),
         "bob_stats": _T(128, 64, 8, 2),
         "bob_direct": _T(128, 32, 8, 3),
-        "bob_fused": _T(32, 128, 8, 3, True),
+        "bob_fused": _T(16, 128, 8, 2, True),
     },
     256: {
         "fwd": _T(64, 32, 8, 2),

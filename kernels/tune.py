@@ -71,6 +71,8 @@ def make_inputs(n: int, heads: int, head_dim: int, dtype: torch.dtype, causal: b
 
 def run_composer(kind: str, x: dict):
     which, extra = KIND_COMPOSER[kind]
+    if which == "bob":
+        extra = dict(extra, **x.get("bob_kw", {}))
     if which == "fwd":
         return attn_fwd(x["q"], x["k"], x["v"], **x["kw"])
     if which == "bwd":
@@ -107,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--kinds", default="fwd,bwd_dq,bwd_dkdv,bob_stats,bob_direct,bob_col")
     p.add_argument("--grid", choices=["default", "wide"], default="default")
+    p.add_argument("--bob-split", default="0,0", help="split_row,split_col of attn_bob (0/1 each)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile workers")
     p.add_argument("--out", default="tune.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -136,6 +139,8 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, a.dtype)
     x = make_inputs(a.seq_len, a.heads, a.head_dim, dtype, a.causal, seed=1)
+    split_row, split_col = (bool(int(f)) for f in a.bob_split.split(","))
+    x["bob_kw"] = dict(split_row=split_row, split_col=split_col)
     results = {"args": vars(a), "device": torch.cuda.get_device_name(), "kinds": {}}
     for kind in kinds:
         base_cfg = configs.get_config(kind, block_d(a.head_dim), dtype, x["q"].device)

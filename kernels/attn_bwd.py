@@ -79,29 +79,57 @@ def _attn_bwd_kt_tile(k, v, q_base, do_base, l_base, d_base, r_base, stride_qn, 
 
 
 @triton.jit
+def _attn_bwd_dkdv_step(dk, dv, k, v, q_base, do_base, l_base, d_base, r_base, dq_base,
+                        stride_qn, stride_dn, stride_dqn, offs_n, offs_d, start_m, mid_lo, mid_hi,
+                        n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                        WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+                        PREC: tl.constexpr, ROWSUM: tl.constexpr, QMAJOR: tl.constexpr,
+                        ATOMIC_DQ: tl.constexpr):
+    """One query tile of a dK/dV program; with ATOMIC_DQ also add its τ dS K to the float32
+    rows at ``dq_base``."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    q, do, p, ds = _attn_bwd_kt_tile(
+        k, v, q_base, do_base, l_base, d_base, r_base, stride_qn, stride_dn, offs_m, offs_n,
+        offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
+        CAUSAL, WINDOW, EVEN_D, LONG, PREC, ROWSUM, QMAJOR)
+    dv = _dot_acc(p, do, dv, PREC, False, QMAJOR)
+    dk = _dot_acc(ds, q, dk, PREC, False, QMAJOR)
+    if ATOMIC_DQ:
+        dq = _dot_acc(ds, k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, False,
+                      not QMAJOR)
+        ptrs = dq_base + _rows(offs_m, LONG)[:, None] * stride_dqn + offs_d[None, :]
+        tl.atomic_add(ptrs, dq * scale, mask=(offs_m < n_q)[:, None] & (offs_d[None, :] < HEAD_DIM))
+    return dk, dv
+
+
+@triton.jit
 def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, r_base, dq_base,
                          stride_qn, stride_dn, stride_dqn, offs_n, offs_d, lo, mid_lo, mid_hi,
-                         hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM: tl.constexpr,
+                         hi, rot, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                          WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
                          PREC: tl.constexpr, ROWSUM: tl.constexpr, QMAJOR: tl.constexpr,
                          ATOMIC_DQ: tl.constexpr):
-    """Accumulate dK (unscaled), dV of one key tile over query tiles [lo, hi); with
-    ATOMIC_DQ also add τ dS K of each tile to the float32 rows at ``dq_base``."""
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        q, do, p, ds = _attn_bwd_kt_tile(
-            k, v, q_base, do_base, l_base, d_base, r_base, stride_qn, stride_dn, offs_m, offs_n,
-            offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM,
-            CAUSAL, WINDOW, EVEN_D, LONG, PREC, ROWSUM, QMAJOR)
-        dv = _dot_acc(p, do, dv, PREC, False, QMAJOR)
-        dk = _dot_acc(ds, q, dk, PREC, False, QMAJOR)
-        if ATOMIC_DQ:
-            dq = _dot_acc(ds, k, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), PREC, False,
-                          not QMAJOR)
-            ptrs = dq_base + _rows(offs_m, LONG)[:, None] * stride_dqn + offs_d[None, :]
-            tl.atomic_add(ptrs, dq * scale,
-                          mask=(offs_m < n_q)[:, None] & (offs_d[None, :] < HEAD_DIM))
+    """Accumulate dK (unscaled), dV of one key tile over query tiles [lo, hi). With
+    ATOMIC_DQ the sweep starts at tile ``rot`` (mod the count) so that neighbouring programs
+    add to different dQ rows at a time."""
+    if ATOMIC_DQ:
+        n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        for i in range(0, n_tiles):
+            start_m = lo + ((i + rot) % n_tiles) * BLOCK_M
+            dk, dv = _attn_bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, l_base, d_base, r_base, dq_base, stride_qn,
+                stride_dn, stride_dqn, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift,
+                window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+                LONG, PREC, ROWSUM, QMAJOR, ATOMIC_DQ)
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            dk, dv = _attn_bwd_dkdv_step(
+                dk, dv, k, v, q_base, do_base, l_base, d_base, r_base, dq_base, stride_qn,
+                stride_dn, stride_dqn, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift,
+                window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+                LONG, PREC, ROWSUM, QMAJOR, ATOMIC_DQ)
     return dk, dv
 
 
@@ -157,8 +185,8 @@ def _attn_bwd_dkdv_kernel(
             DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, LSE + row_off,
             DELTA + row_off, RHO + row_off,
             DQ + b64 * stride_dqb + h64 * stride_dqh + q_start64 * stride_dqn,
-            stride_qn, stride_dn, stride_dqn, offs_n, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k,
-            shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+            stride_qn, stride_dn, stride_dqn, offs_n, offs_d, lo, mid_lo, mid_hi, hi, pid_n, n_q,
+            n_k, shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
             LONG, PREC, ROWSUM, QMAJOR, ATOMIC_DQ)
     dk = dk * scale
     _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start64 * stride_dkn, rows_n,

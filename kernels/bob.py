@@ -701,7 +701,10 @@ def _bob_fused_kernel(
         qb_base = QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn
         dob_base = DOB + b64 * stride_dobb + h64 * stride_dobh + q_start64 * stride_dobn
         row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-        for start_m in range(lo, hi, BLOCK_M):
+        n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+        for i in range(0, n_tiles):
+            # start at a program-dependent tile: neighbouring programs add to different rows
+            start_m = lo + ((i + n0 // BLOCK_N) % n_tiles) * BLOCK_M
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q, do, uq, p, h, r, dpc = _bob_kt_tile(
                 k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,

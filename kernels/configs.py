@@ -118,12 +118,12 @@ _SM90_HALF = {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(64, 64, 4, 2, True),
-        "bwd_fused": _T(64, 64, 4, 2, True),
+        "bwd_fused": _T(32, 64, 4, 2, True),
         "bob_row": _T(16, 32, 8, 2),
         "bob_col": _T(32, 128, 8, 3),
         "bob_stats": _T(128, 64, 8, 2),
         "bob_direct": _T(128, 32, 8, 3),
-        "bob_fused": _T(16, 128, 8, 2, True),
+        "bob_fused": _T(16, 64, 4, 2, True),
     },
     256: {
         "fwd": _T(64, 32, 8, 2),
@@ -193,9 +193,11 @@ _DEFAULT = {
 
 #: Whether the backward passes scale the recomputed P by ρ = 1 / rowsum(P), measured by the
 #: pass that sweeps each query row (first backward: dQ; BoB: statistics), per input dtype.
-#: float32 needs it at large logits (|L|·2⁻²⁴ errors of L, amplified by the BoB); for 16-bit
-#: inputs the same errors stay below the inputs' own rounding.
-ROWSUM_CORRECTION = {torch.float32: True, torch.float16: True, torch.bfloat16: True}
+#: float32 needs it at large logits (|L|·2⁻²⁴ errors of L, amplified by the BoB). For 16-bit
+#: inputs those errors stay below the inputs' own rounding (PyTorch's bf16 math chain errs far
+#: more at such logits), and on an H200 it cost 5 % of the bf16 chain at N = 65,536 (the dQ
+#: pass's row sums): off (docs/benchmarks.md).
+ROWSUM_CORRECTION = {torch.float32: True, torch.float16: False, torch.bfloat16: False}
 
 #: Longest key sequence for which the BoB statistics and direct row sweeps run in one launch
 #: (when their tiles agree): short sequences are host-bound, so a launch less counts; long

@@ -766,7 +766,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     attention (mean max P 0.64, N=512, d=64) 1.0e-2 / 5.8e-3 affine, 5.6e-3 / 1.8e-3 precise).
 
     ``deterministic`` (precise only): True takes the atomic-free passes (direct row pass, then
-    the column pass): bitwise reproducible. False lets the tile table (``configs.bob_path``)
+    the column pass): bitwise reproducible. False lets the tile table (``configs.use_atomics``)
     choose the fused key-tile pass, whose Q̄ / dŌ are sums of float32 atomics.
 
     ``split_row`` / ``split_col`` (16-bit inputs, precise only): the direct row pass / the

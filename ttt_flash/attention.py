@@ -452,8 +452,9 @@ def flash_attention(
             row results with float32 atomics where the static tile table
             (``ttt_flash.kernels.configs``) finds that faster for the dtype, GPU and length
             (fewer recomputed products); results then differ between runs in the last bits.
-            True: atomic-free passes only, bitwise reproducible run to run. float32 inputs
-            always take the atomic-free first backward.
+            The table picks them on no GPU today (they measured slower on an H200,
+            docs/benchmarks.md), so both settings run the same kernels there. True:
+            atomic-free passes only, bitwise reproducible run to run.
 
     Returns:
         Tensor of shape (B, H_q, N_q, D), dtype of ``q``. A query row that sees no key

@@ -126,12 +126,11 @@ def _attn_fwd_kernel(
 
 @on_input_device
 def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
+             max_seqlen_q=None, max_seqlen_k=None):
     """Forward composer (contract: docs/architecture.md). Returns (o, lse).
 
     ``o`` is contiguous in the input dtype; ``lse`` float32, (B, H_q, N_q) dense or
-    (H_q, T_q) varlen, -inf for rows that see no key. ``allow_tf32`` lets float32 inputs
-    use TF32 tensor cores (default: IEEE float32).
+    (H_q, T_q) varlen, -inf for rows that see no key. float32 inputs use IEEE float32 dots.
     """
     lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q, k, v = prep(q), prep(k), prep(v)
@@ -153,7 +152,7 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
         lay.n_q, lay.n_k, lay.groups, scale * LOG2E, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
-        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype, allow_tf32),
+        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse

@@ -19,7 +19,7 @@ needs no correction).
 Per (query, key) pair: 2d flops for S, 2d per present Q̇ / K̇ for Ṡ, 2d each for P V,
 (P∘Ṡ) V and P V̇: 12d with every tangent (the forward alone: 4d).
 
-Tiles: ``configs.OVERRIDES["jvp"]`` if set, otherwise the table below (no autotuning).
+Tiles: ``configs.tile_overrides({"jvp": ...})`` if active, otherwise the table below (no autotuning).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def _attn_jvp_kernel(
 # nothing at d <= 64 (128 x 64 tiles, 255 registers) and d = 256 (32 x 16), 12 bytes at
 # d = 128 (64 x 32; 64 x 64 spills 332); float32 with IEEE dots spills at every tile tried
 # (these spill least). A sweep on the GPU may replace them: set
-# ``configs.OVERRIDES["jvp"] = configs.TileConfig(...)`` to try others.
+# ``with configs.tile_overrides({"jvp": configs.TileConfig(...)})`` to try others.
 
 _T = configs.TileConfig
 _HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
@@ -194,8 +194,8 @@ _INTERPRETER = _T(32, 16, 4, 1)
 
 
 def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
-    if "jvp" in configs.OVERRIDES:
-        return configs.OVERRIDES["jvp"]
+    if "jvp" in configs._OVERRIDES:  # configs.tile_overrides({"jvp": ...})
+        return configs._OVERRIDES["jvp"]
     if configs.interpreting() or device.type != "cuda":
         return _INTERPRETER
     import torch
@@ -214,7 +214,7 @@ def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
 
 @on_input_device
 def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
-             max_seqlen_q=None, max_seqlen_k=None, allow_tf32=False):
+             max_seqlen_q=None, max_seqlen_k=None):
     """Tangent-forward composer: returns ``(o, lse, od, lsed)``.
 
     ``qd``, ``kd``, ``vd``: tangents of q, k, v (their shapes and dtype), any of them None
@@ -250,7 +250,7 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
         lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
-        LONG=long_rows(lay, q, k, v, o, qd, kd, vd, od), PREC=dot_precision(q.dtype, allow_tf32),
+        LONG=long_rows(lay, q, k, v, o, qd, kd, vd, od), PREC=dot_precision(q.dtype),
         HAS_QD=qd is not None, HAS_KD=kd is not None, HAS_VD=vd is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -382,10 +382,10 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def dot_precision(dtype: torch.dtype, allow_tf32: bool):
-    """``tl.dot`` input precision: IEEE for float32 unless TF32 is asked for."""
+def dot_precision(dtype: torch.dtype):
+    """``tl.dot`` input precision: IEEE for float32 (no TF32), the default for 16-bit inputs."""
     if dtype == torch.float32:
-        return "tf32" if allow_tf32 else "ieee"
+        return "ieee"
     return None
 
 

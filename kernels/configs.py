@@ -1,37 +1,42 @@
-"""Static tile table: (kernel, BLOCK_D, dtype class, GPU capability major) -> tiles.
+"""Static tile table: (kernel, BLOCK_D, dtype class, GPU capability major) -> tiles, and the
+choice between the atomic-free and the atomic passes.
 
 No autotuning at call time: a lookup, with a safe default for unknown GPUs and a small
-config for the Triton interpreter (CPU).
-
-How the GPU entries were chosen: every candidate was compiled offline for sm_90 / sm_80
-(Triton 3.9, ``triton.compile`` with a GPU target, no GPU needed) and ptxas' register and
-local-memory (spill) use read with ``cuobjdump -res-usage``; among the candidates with no
-spill, a large tile that still leaves >= ~1 program per SM at the GPT-2 shape (N=1024,
-H=12) was kept. Speed was NOT measured: a sweep on the device (``triton.testing.do_bench``)
-may replace entries. Known spills: the BoB row pass at d = 256 (6 accumulators of
-BLOCK_M x 256 floats) at every tile size tried, and the float32 (IEEE, FMA) BoB passes.
+config for the Triton interpreter (CPU). How each entry was chosen (offline ptxas spill
+checks, then ``python -m ttt_flash.kernels.tune`` sweeps and ``scripts/tile_check.py`` chain
+timings on an H200) is recorded in docs/benchmarks.md. Known spills: the affine BoB row pass
+at d = 256 (6 accumulators of BLOCK_M x 256 floats) and the float32 (IEEE, FMA) BoB passes.
 
 Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 
-- ``fwd``       forward, one program per query tile (BLOCK_M) looping over key tiles.
-- ``bwd_dq``    first backward dQ and delta = rowsum(dO∘O), per query tile.
-- ``bwd_dkdv``  first backward dK/dV, per key tile (BLOCK_N) looping over query tiles.
-- ``bob_row``   BoB row pass (six tile x d accumulators: registers are tight).
-- ``bob_col``   BoB column pass (two accumulators, four key-side tiles held).
-- ``bob_stats`` ``precise=True`` only: row statistics α, E (no tile accumulators).
-- ``bob_direct`` ``precise=True`` only: row pass with α, E known (two accumulators). When
-  its tiles equal ``bob_stats``' the two are one launch: each program sweeps its keys twice.
+- ``fwd``        forward, one program per query tile (BLOCK_M) looping over key tiles.
+- ``bwd_dq``     first backward dQ, delta = rowsum(dO∘O) and the row-sum correction, per
+  query tile.
+- ``bwd_dkdv``   first backward dK/dV, per key tile (BLOCK_N) looping over query tiles.
+- ``bwd_fused``  ``deterministic=False`` only: dK/dV per key tile with dQ added to a float32
+  buffer by atomics (no dQ recomputation pass).
+- ``bob_row``    ``precise=False`` only: the affine BoB row pass (six tile x d accumulators).
+- ``bob_col``    BoB column pass (two accumulators, four key-side tiles held).
+- ``bob_stats``  BoB row statistics α, E, ρ (no tile accumulators).
+- ``bob_direct`` BoB row pass with α, E known (two accumulators). For keys up to
+  :data:`FUSED_ROW_MAX_KEYS` and equal tiles, statistics and direct sweeps are one launch.
+- ``bob_fused``  ``deterministic=False`` only: BoB key-tile pass with K̄, V̄ in registers and
+  Q̄, dŌ added to float32 buffers by atomics (replaces ``bob_direct`` + ``bob_col``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import os
 from dataclasses import dataclass
+from typing import Iterator, Mapping
 
 import torch
 
-KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col", "bob_stats", "bob_direct")
+KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused", "bob_row", "bob_col", "bob_stats",
+         "bob_direct", "bob_fused")
 
 
 @dataclass(frozen=True)
@@ -40,30 +45,44 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-    #: ``bwd_dkdv`` and ``bob_col`` only: compute in (queries x keys) tiles, the key-side
-    #: tiles as B operands and the per-query vectors as row vectors, the P / dS / R / H tiles
-    #: entering the key-side products transposed; False: (keys x queries) tiles.
+    #: key-tile kernels (``bwd_dkdv``, ``bwd_fused``, ``bob_col``, ``bob_fused``) only:
+    #: compute in (queries x keys) tiles, the key-side tiles as B operands and the per-query
+    #: vectors as row vectors, the P / dS / R / H tiles entering the key-side products
+    #: transposed; False: (keys x queries) tiles. The fused kernels require True.
     qmajor: bool = False
 
 
-#: Test/tuning hook: ``OVERRIDES[kind] = TileConfig(...)`` wins over the table.
-OVERRIDES: dict = {}
+_OVERRIDES: dict = {}
 
 
-def load_overrides(path: str) -> None:
-    """Fill OVERRIDES from a JSON file
-    ``{kind: [block_m, block_n, num_warps, num_stages(, qmajor)]}`` (what ``tune.py`` writes as
-    ``*.best.json``), to try sweep results without editing the table. Read at import from the
-    ``TTT_FLASH_TILE_OVERRIDES`` environment variable."""
-    import json
+@contextlib.contextmanager
+def tile_overrides(overrides: Mapping[str, TileConfig]) -> Iterator[None]:
+    """Use ``overrides[kind]`` instead of the table for those kernel kinds inside the
+    ``with`` block (offline sweeps, tests)::
 
+        with tile_overrides({"bob_col": TileConfig(64, 64, 4, 2, True)}):
+            attn_bob(...)
+
+    Nests; the previous overrides come back on exit."""
+    bad = set(overrides) - set(KINDS)
+    if bad:
+        raise ValueError(f"unknown kernel kinds {sorted(bad)}; kinds are {KINDS}")
+    saved = dict(_OVERRIDES)
+    _OVERRIDES.update(overrides)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(saved)
+
+
+def read_tile_overrides(path: str) -> dict:
+    """``{kind: TileConfig}`` from a JSON file ``{kind: [block_m, block_n, num_warps,
+    num_stages(, qmajor)]}`` (what ``tune.py`` writes as ``*.best.json``), for
+    :func:`tile_overrides`."""
     with open(path) as f:
-        for kind, cfg in json.load(f).items():
-            OVERRIDES[kind] = TileConfig(*cfg)
+        return {kind: TileConfig(*cfg) for kind, cfg in json.load(f).items()}
 
-
-if os.environ.get("TTT_FLASH_TILE_OVERRIDES"):
-    load_overrides(os.environ["TTT_FLASH_TILE_OVERRIDES"])
 
 # Interpreter (CPU): small tiles so that short test sequences still span several tiles,
 # with BLOCK_M != BLOCK_N in both directions to exercise the tile-range logic.
@@ -71,10 +90,12 @@ _INTERPRETER = {
     "fwd": TileConfig(32, 16, 4, 1),
     "bwd_dq": TileConfig(32, 16, 4, 1),
     "bwd_dkdv": TileConfig(16, 32, 4, 1, True),
+    "bwd_fused": TileConfig(16, 32, 4, 1, True),
     "bob_row": TileConfig(32, 16, 4, 1),
     "bob_col": TileConfig(16, 32, 4, 1, True),
     "bob_stats": TileConfig(16, 16, 4, 1),  # = bob_direct: one launch (statistics sweep first)
     "bob_direct": TileConfig(16, 16, 4, 1),
+    "bob_fused": TileConfig(16, 32, 4, 1, True),
 }
 
 _T = TileConfig
@@ -82,44 +103,38 @@ _T = TileConfig
 # Hopper / Blackwell datacenter (capability 9, 10), 16-bit inputs, keyed by BLOCK_D.
 # ptxas on sm_90 (causal + window, the most masking): no spills except bob_row at d = 256.
 _SM90_HALF = {
-    # d <= 64: bwd_dkdv, bob_direct and bob_col from `python -m ttt_flash.kernels.tune
-    # --head-dim 64 --dtype bfloat16 --seq-len 16384 --heads 12` on an H200 (2026-11-30):
-    # bob_col 64x32/8 warps -> 64x64/4 warps took the BoB composer from 45.2 to 27.7 ms.
-    # bwd_dkdv and bob_col in (queries x keys) tiles (qmajor, same sweep, 2026-11-30 second
-    # session): dK/dV composer 6.54 -> 6.02 ms, BoB composer (without hi + lo split)
-    # 20.2 -> 17.8 ms. bwd_dq and bob_direct 128x64/8 warps: chain at N=65,536 432 -> 426 and
-    # 427 ms each (scripts/tile_check.py), no change at 16,384.
     64: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(128, 64, 4, 2, True),
+        "bwd_fused": _T(32, 128, 8, 2, True),
         "bob_row": _T(32, 64, 8, 2),
         "bob_col": _T(64, 64, 4, 2, True),
         "bob_stats": _T(128, 64, 8, 3),
         "bob_direct": _T(128, 64, 8, 3),
+        "bob_fused": _T(32, 128, 8, 2, True),
     },
-    # 64 < d <= 128: fwd, bwd_dq, bwd_dkdv and the precise BoB passes from `python -m
-    # ttt_flash.kernels.tune --head-dim 128 --dtype bfloat16 --seq-len 8192 --heads 8` on an
-    # H200 (2026-11-30): the BoB composer went from 36.2 to ~26 ms; chain at N=16384, H=8:
-    # 164.8 -> 39.6 ms. bwd_dkdv in (queries x keys) tiles (second sweep, 2026-11-30): the
-    # first-backward composer 2.03 -> 1.75 ms at N=8192.
     128: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(64, 64, 4, 2, True),
+        "bwd_fused": _T(32, 64, 4, 2, True),
         "bob_row": _T(16, 32, 8, 2),
         "bob_col": _T(32, 128, 8, 3),
         "bob_stats": _T(128, 64, 8, 2),
         "bob_direct": _T(128, 32, 8, 3),
+        "bob_fused": _T(16, 64, 4, 2, True),
     },
     256: {
         "fwd": _T(64, 32, 8, 2),
         "bwd_dq": _T(32, 32, 4, 2),
         "bwd_dkdv": _T(32, 32, 8, 2),
+        "bwd_fused": _T(32, 32, 8, 2, True),
         "bob_row": _T(16, 16, 8, 1),
         "bob_col": _T(16, 16, 8, 1),
         "bob_stats": _T(16, 16, 8, 1),
         "bob_direct": _T(16, 16, 8, 1),
+        "bob_fused": _T(16, 16, 8, 1, True),
     },
 }
 # d <= 32: the d = 64 tiles, except the BoB passes (the d = 64 BoB tiles spill there)
@@ -153,6 +168,10 @@ _FP32 = {
 }
 for _t in _FP32.values():
     _t["bob_stats"] = _t["bob_direct"] = _t["bob_row"]
+    _t["bwd_fused"] = _T(_t["bwd_dkdv"].block_m, _t["bwd_dkdv"].block_n, _t["bwd_dkdv"].num_warps,
+                         _t["bwd_dkdv"].num_stages, True)
+    _t["bob_fused"] = _T(_t["bob_col"].block_m, _t["bob_col"].block_n, _t["bob_col"].num_warps,
+                         _t["bob_col"].num_stages, True)
 _FP32[32] = _FP32[16] = _FP32[64]
 
 # Ampere / Ada (capability 8): same tiles, at most 2 stages (99 KiB shared memory on
@@ -167,11 +186,34 @@ for _b in (16, 32, 64):
 
 # Any other GPU: small tiles, one stage.
 _DEFAULT = {
-    16: {k: _T(32, 32, 4, 1) for k in KINDS},
-    32: {k: _T(32, 32, 4, 1) for k in KINDS},
-    64: {k: _T(32, 32, 4, 1) for k in KINDS},
-    128: {k: _T(16, 32, 4, 1) for k in KINDS},
-    256: {k: _T(16, 16, 4, 1) for k in KINDS},
+    bd: {k: _T(bm, bn, 4, 1, k in ("bwd_fused", "bob_fused")) for k in KINDS}
+    for bd, (bm, bn) in {16: (32, 32), 32: (32, 32), 64: (32, 32), 128: (16, 32),
+                         256: (16, 16)}.items()
+}
+
+#: Whether the backward passes scale the recomputed P by ρ = 1 / rowsum(P), measured by the
+#: pass that sweeps each query row (first backward: dQ; BoB: statistics), per input dtype.
+#: float32 needs it at large logits (|L|·2⁻²⁴ errors of L, amplified by the BoB). For 16-bit
+#: inputs those errors stay below the inputs' own rounding (PyTorch's bf16 math chain errs far
+#: more at such logits), and on an H200 it cost 5 % of the bf16 chain at N = 65,536 (the dQ
+#: pass's row sums): off (docs/benchmarks.md).
+ROWSUM_CORRECTION = {torch.float32: True, torch.float16: False, torch.bfloat16: False}
+
+#: Longest key sequence for which the BoB statistics and direct row sweeps run in one launch
+#: (when their tiles agree): short sequences are host-bound, so a launch less counts; long
+#: ones measured ~1 % faster with two launches (docs/benchmarks.md).
+FUSED_ROW_MAX_KEYS = 8192
+
+#: Shortest key sequence for which ``deterministic=False`` takes the atomic passes on a GPU,
+#: per (kind, capability major, 16-bit): below it the extra launches (zeroing and casting the
+#: float32 buffers) cost more host time than the saved recomputation gains. None: the atomic
+#: pass is never the default there. float32 always takes the atomic-free first backward, whose
+#: dQ pass measures the row sums of P (the fp32 large-logit correction).
+ATOMIC_MIN_KEYS = {
+    ("bwd", 9, True): None,
+    ("bob", 9, True): None,
+    ("bwd", 10, True): None,
+    ("bob", 10, True): None,
 }
 
 
@@ -181,11 +223,36 @@ def interpreting() -> bool:
 
 def get_config(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) -> TileConfig:
     """Tiles for ``kind`` at this head-dim bucket, dtype and device (no tuning)."""
-    if kind in OVERRIDES:
-        return OVERRIDES[kind]
+    if kind in _OVERRIDES:
+        return _OVERRIDES[kind]
     if interpreting() or device.type != "cuda":
         return _INTERPRETER[kind]
     return _table_config(kind, block_d, dtype, device.index)
+
+
+def fuse_row_sweeps(n_k: int, block_d: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the BoB statistics and direct sweeps run in one launch (see
+    :data:`FUSED_ROW_MAX_KEYS`)."""
+    return (n_k <= FUSED_ROW_MAX_KEYS
+            and get_config("bob_stats", block_d, dtype, device)
+            == get_config("bob_direct", block_d, dtype, device))
+
+
+def use_atomics(op: str, n_k: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``deterministic=False`` takes the atomic pass of ``op`` ("bwd": dQ from the
+    key-tile programs; "bob": the fused BoB key-tile pass) at this key length. The
+    interpreter (CPU) always does, so that the tests run it."""
+    if op == "bwd" and dtype == torch.float32:
+        return False
+    if interpreting() or device.type != "cuda":
+        return True
+    return _atomic_from(op, dtype, device.index) is not None and n_k >= _atomic_from(op, dtype, device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _atomic_from(op: str, dtype: torch.dtype, index):
+    major = torch.cuda.get_device_capability(index)[0]
+    return ATOMIC_MIN_KEYS.get((op, major, dtype != torch.float32))
 
 
 @functools.lru_cache(maxsize=None)

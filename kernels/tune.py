@@ -1,7 +1,7 @@
 """Offline tile sweep: the source of the numbers in ``configs.py``. Never runs at call time.
 
 For each kernel kind it times the composer that launches it (``attn_fwd``, ``attn_bwd`` or
-``attn_bob``) with ``configs.OVERRIDES[kind]`` set to each candidate, all other kernels on
+``attn_bob``) with ``configs.tile_overrides({kind: candidate})`` for each candidate, all other kernels on
 their table entries, and prints the fastest candidate per kind next to the current entry::
 
     python -m ttt_flash.kernels.tune --head-dim 64 --dtype bfloat16 --seq-len 16384 --heads 12
@@ -36,14 +36,16 @@ KIND_COMPOSER = {
     "fwd": ("fwd", {}),
     "bwd_dq": ("bwd", {}),
     "bwd_dkdv": ("bwd", {}),
+    "bwd_fused": ("bwd", {"deterministic": False}),
     "bob_row": ("bob", {"precise": False}),
     "bob_stats": ("bob", {"precise": True}),
     "bob_direct": ("bob", {"precise": True}),
     "bob_col": ("bob", {"precise": True}),
+    "bob_fused": ("bob", {"precise": True, "deterministic": False}),
 }
 
 #: kinds whose kernels come in both tile orientations (``TileConfig.qmajor``)
-QMAJOR_KINDS = ("bwd_dkdv", "bob_col")
+QMAJOR_KINDS = ("bwd_dkdv", "bwd_fused", "bob_col", "bob_fused")
 
 
 def candidates(kind: str, grid: str = "default"):
@@ -69,10 +71,12 @@ def make_inputs(n: int, heads: int, head_dim: int, dtype: torch.dtype, causal: b
 
 def run_composer(kind: str, x: dict):
     which, extra = KIND_COMPOSER[kind]
+    if which == "bob":
+        extra = dict(extra, **x.get("bob_kw", {}))
     if which == "fwd":
         return attn_fwd(x["q"], x["k"], x["v"], **x["kw"])
     if which == "bwd":
-        return attn_bwd(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"], **x["kw"])
+        return attn_bwd(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"], **x["kw"], **extra)
     return attn_bob(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"], x["delta"], x["uq"], x["uk"], x["uv"],
                     **x["kw"], **extra)
 
@@ -83,10 +87,9 @@ def _worker(spec: dict) -> None:
     x = make_inputs(256, 2, spec["head_dim"], dtype, spec["causal"])
     bad = []
     for kind, cfg in spec["jobs"]:
-        configs.OVERRIDES.clear()
-        configs.OVERRIDES[kind] = configs.TileConfig(*cfg)
         try:
-            run_composer(kind, x)
+            with configs.tile_overrides({kind: configs.TileConfig(*cfg)}):
+                run_composer(kind, x)
             torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - a failing candidate is a result
             bad.append([kind, cfg, f"{type(e).__name__}: {str(e)[:120]}"])
@@ -106,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--kinds", default="fwd,bwd_dq,bwd_dkdv,bob_stats,bob_direct,bob_col")
     p.add_argument("--grid", choices=["default", "wide"], default="default")
+    p.add_argument("--bob-split", default="0,0", help="split_row,split_col of attn_bob (0/1 each)")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="parallel compile workers")
     p.add_argument("--out", default="tune.json")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -135,9 +139,10 @@ def main(argv=None) -> int:
 
     dtype = getattr(torch, a.dtype)
     x = make_inputs(a.seq_len, a.heads, a.head_dim, dtype, a.causal, seed=1)
+    split_row, split_col = (bool(int(f)) for f in a.bob_split.split(","))
+    x["bob_kw"] = dict(split_row=split_row, split_col=split_col)
     results = {"args": vars(a), "device": torch.cuda.get_device_name(), "kinds": {}}
     for kind in kinds:
-        configs.OVERRIDES.clear()
         base_cfg = configs.get_config(kind, block_d(a.head_dim), dtype, x["q"].device)
         ref = run_composer(kind, x)
         base_ms = triton.testing.do_bench(lambda: run_composer(kind, x), warmup=10, rep=50, return_mode="median")
@@ -145,19 +150,18 @@ def main(argv=None) -> int:
         for k2, c in jobs:
             if k2 != kind or (kind, tuple(c)) in bad:
                 continue
-            configs.OVERRIDES.clear()
-            configs.OVERRIDES[kind] = configs.TileConfig(*c)
             try:
-                out = run_composer(kind, x)
-                err = max(_rel(o, r) for o, r in zip(out, ref) if o is not None and r is not None and o.numel())
-                if not err < 2e-2:
-                    rows.append({"cfg": c, "error": f"results differ (rel {err:.1e})"})
-                    continue
-                ms = triton.testing.do_bench(lambda: run_composer(kind, x), warmup=10, rep=50, return_mode="median")
+                with configs.tile_overrides({kind: configs.TileConfig(*c)}):
+                    out = run_composer(kind, x)
+                    err = max(_rel(o, r) for o, r in zip(out, ref) if o is not None and r is not None and o.numel())
+                    if not err < 2e-2:
+                        rows.append({"cfg": c, "error": f"results differ (rel {err:.1e})"})
+                        continue
+                    ms = triton.testing.do_bench(lambda: run_composer(kind, x), warmup=10, rep=50,
+                                                 return_mode="median")
                 rows.append({"cfg": c, "ms": ms})
             except Exception as e:  # noqa: BLE001
                 rows.append({"cfg": c, "error": f"{type(e).__name__}: {str(e)[:100]}"})
-        configs.OVERRIDES.clear()
         timed = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
         results["kinds"][kind] = {"table": [base_cfg.block_m, base_cfg.block_n, base_cfg.num_warps, base_cfg.num_stages,
                                             base_cfg.qmajor],
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
     best_path = os.path.splitext(a.out)[0] + ".best.json"
     with open(best_path, "w") as f:
         json.dump(best, f)
-    print(f"wrote {a.out} and {best_path} (try it: TTT_FLASH_TILE_OVERRIDES={best_path})")
+    print(f"wrote {a.out} and {best_path} (try it: python scripts/tile_check.py --variant best=@{best_path})")
     return 0
 
 

@@ -243,7 +243,7 @@ def stage_length(out: str, n: int) -> None:
     for causal in (True, False):
         # warm-up (compilation) on a shorter sequence with the same specialisation: above
         # FUSED_ROW_MAX_KEYS the BoB row sweeps are separate launches
-        from ttt_flash.kernels.bob import FUSED_ROW_MAX_KEYS
+        from ttt_flash.kernels.configs import FUSED_ROW_MAX_KEYS
 
         nw = 4096 if n <= FUSED_ROW_MAX_KEYS else 2 * FUSED_ROW_MAX_KEYS
         w = [torch.randn(1, 12, nw, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]

@@ -1,8 +1,9 @@
-"""Chain time per tile variant, measured in one process (issue 4 notes): every variant is a set
-of ``configs.OVERRIDES`` on top of the table; the table itself is timed first and last.
+"""Chain time per tile variant, measured in one process: every variant is a set of
+``configs.tile_overrides`` on top of the table; the table itself is timed first and last.
 
     python scripts/tile_check.py --n 16384,65536 \
         --variant 'direct128={"bob_direct": [128, 64, 8, 2]}' --variant '...'
+    python scripts/tile_check.py --variant best=@tune.best.json   # a tune.py result file
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=0, help="0: 10 below 32K, 3 above")
-    p.add_argument("--variant", action="append", default=[], help="name=JSON of {kind: tiles}")
+    p.add_argument("--variant", action="append", default=[],
+                   help="name=JSON of {kind: tiles}, or name=@file.json")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                   help="flash_attention(deterministic=...) for every variant")
     a = p.parse_args()
     from ttt_flash import flash_attention
     from ttt_flash.kernels import configs
@@ -29,7 +33,10 @@ def main() -> int:
     variants = [("table", {})]
     for v in a.variant:
         name, spec = v.split("=", 1)
-        variants.append((name, {k: configs.TileConfig(*c) for k, c in json.loads(spec).items()}))
+        if spec.startswith("@"):
+            variants.append((name, configs.read_tile_overrides(spec[1:])))
+        else:
+            variants.append((name, {k: configs.TileConfig(*c) for k, c in json.loads(spec).items()}))
     variants.append(("table(again)", {}))
     rows = []
     for n in (int(x) for x in a.n.split(",")):
@@ -38,32 +45,35 @@ def main() -> int:
         u = x[4:]
 
         def chain():
-            o = flash_attention(q, k, v, causal=a.causal)
+            o = flash_attention(q, k, v, causal=a.causal, deterministic=a.deterministic)
             g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
             inner = sum((s * w).sum() for s, w in zip(g, u))
             return torch.autograd.grad(inner, (q, k, v, do))
 
         reps = a.reps or (10 if n < 32768 else 3)
         for name, ov in variants:
-            configs.OVERRIDES.clear()
-            configs.OVERRIDES.update(ov)
             try:
-                chain()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(reps):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    chain()
-                    e.record()
-                    torch.cuda.synchronize()
-                    ts.append(s.elapsed_time(e))
-                rows.append((n, name, statistics.median(ts), min(ts)))
+                with configs.tile_overrides(ov):
+                    rows.append((n, name) + _time(chain, reps))
             except Exception as ex:  # noqa: BLE001 - a failing variant is a result
                 rows.append((n, name, float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}"))
             print(f"{n:>7} {name:<24} {rows[-1][2]:9.2f} ms  (min {rows[-1][3]})", flush=True)
-        configs.OVERRIDES.clear()
     return 0
+
+
+def _time(chain, reps):
+    """(median, min) ms of ``reps`` chains after one warm-up."""
+    chain()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        chain()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts), min(ts)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,11 @@ class _Spec:
     max_seqlen_q: Optional[int] = None
     max_seqlen_k: Optional[int] = None
     precise_bob: bool = True
+    deterministic: bool = False
+
+    def kernel_kwargs(self) -> dict:
+        """Keywords only the Triton composers take."""
+        return {} if self.backend == "reference" else {"deterministic": self.deterministic}
 
     def kwargs(self, cu_q, cu_k) -> dict:
         return dict(
@@ -318,7 +323,8 @@ class _AttentionBackward(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
-        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k))
+        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
+                                                          **spec.kernel_kwargs())
         return dq, dk, dv, delta
 
     @staticmethod
@@ -379,7 +385,7 @@ class _AttentionBoB(_Function):
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
         out = _impl(spec.backend).attn_bob(
             q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
-            **spec.kwargs(cu_q, cu_k),
+            **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
         )
         return tuple(out)
 
@@ -594,6 +600,7 @@ def flash_attention(
     window: Optional[int] = None,
     backend: str = "auto",
     precise_bob: bool = True,
+    deterministic: bool = False,
     layout: Optional[str] = None,
 ) -> Tensor:
     r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable twice exactly.
@@ -617,10 +624,16 @@ def flash_attention(
         precise_bob: Triton backend only. True (default): the backward-over-backward runs a
             row-statistics pass, then forms the cotangents of S and dP per tile, keeping
             16-bit errors below PyTorch's own math path even where attention is peaked
-            (bf16 ~2.4e-3 relative L2; ~1.9e-3 with ``TTT_FLASH_BOB_COL_SPLIT=1
-            TTT_FLASH_BOB_ROW_SPLIT=1`` set before import, ~20 % slower BoB). False: the
-            two-pass affine form of docs/bob-math.md (fewer products), whose 16-bit error
-            grows where attention is peaked (terms cancel).
+            (bf16 ~2.4e-3 relative L2). False: the two-pass affine form of
+            docs/bob-math.md (fewer products), whose 16-bit error grows where attention is
+            peaked (terms cancel).
+        deterministic: Triton backend only. False (default): the backward passes may add
+            row results with float32 atomics where the static tile table
+            (``ttt_flash.kernels.configs``) finds that faster for the dtype, GPU and length
+            (fewer recomputed products); results then differ between runs in the last bits.
+            The table picks them on no GPU today (they measured slower on an H200,
+            docs/benchmarks.md), so both settings run the same kernels there. True:
+            atomic-free passes only, bitwise reproducible run to run.
         layout: axis order of q, k, v and the output. ``"bhnd"``: (B, H, N, D), as
             ``torch.nn.functional.scaled_dot_product_attention`` (the shapes above).
             ``"bnhd"``: (B, N, H, D), as FlashAttention's ``flash_attn_func``; the inputs
@@ -676,7 +689,7 @@ def flash_attention(
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
-                 precise_bob=bool(precise_bob))
+                 precise_bob=bool(precise_bob), deterministic=bool(deterministic))
     o = _apply(q, k, v, spec, None, None)
     return o.transpose(1, 2) if layout == "bnhd" else o
 
@@ -695,13 +708,14 @@ def flash_attention_varlen(
     window: Optional[int] = None,
     backend: str = "auto",
     precise_bob: bool = True,
+    deterministic: bool = False,
 ) -> Tensor:
     r"""Attention over variable-length sequences packed along the token axis.
 
     Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
-    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend`` and
-    ``precise_bob`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
+    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend``,
+    ``precise_bob`` and ``deterministic`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
 
     The packed (T, H, D) layout is FlashAttention's ``flash_attn_varlen_func`` layout (no
     ``layout`` argument here).
@@ -765,5 +779,6 @@ def flash_attention_varlen(
         max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
         max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
         precise_bob=bool(precise_bob),
+        deterministic=bool(deterministic),
     )
     return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

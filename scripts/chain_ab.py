@@ -1,0 +1,114 @@
+"""Chain time (forward, create_graph backward, BoB) and per-kernel CUDA time of the installed
+ttt_flash, per variant, in one process: the input to the atomic / atomic-free choice of the
+tile table (``configs.ATOMIC_MIN_KEYS``) and to the cost of the row-sum correction.
+
+    python scripts/chain_ab.py --n 4096,16384,65536 [--causal] --variants det,atomic,norho --tag new
+
+Variants (each skipped where the installed code lacks it): ``det`` deterministic=True;
+``atomic`` deterministic=False with the atomic passes forced at every length; ``bwdatomic`` /
+``bobatomic`` only one of them; ``norho`` det without the row-sum correction for 16-bit inputs;
+``default`` the call as users make it. Prints one line per (N, variant) and, with --profile,
+the per-kernel table of one chain at the first N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import statistics
+
+import torch
+
+
+@contextlib.contextmanager
+def variant(name):
+    from ttt_flash.kernels import configs
+
+    saved_a = dict(getattr(configs, "ATOMIC_MIN_KEYS", {}))
+    saved_r = dict(getattr(configs, "ROWSUM_CORRECTION", {}))
+    try:
+        if name in ("atomic", "bwdatomic", "bobatomic"):
+            for key in configs.ATOMIC_MIN_KEYS:
+                if name == "atomic" or key[0] == name[:3]:
+                    configs.ATOMIC_MIN_KEYS[key] = 0
+            configs._atomic_from.cache_clear()
+        if name == "norho":
+            configs.ROWSUM_CORRECTION[torch.bfloat16] = False
+            configs.ROWSUM_CORRECTION[torch.float16] = False
+        yield
+    finally:
+        if saved_a:
+            configs.ATOMIC_MIN_KEYS.update(saved_a)
+            configs._atomic_from.cache_clear()
+        if saved_r:
+            configs.ROWSUM_CORRECTION.update(saved_r)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--n", default="16384,65536")
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--variants", default="det,atomic")
+    p.add_argument("--tag", default="")
+    p.add_argument("--profile", action="store_true")
+    a = p.parse_args()
+    from ttt_flash import flash_attention
+
+    has_det = "deterministic" in inspect.signature(flash_attention).parameters
+    names = [v for v in a.variants.split(",") if v]
+    if not has_det:
+        names = ["default"]
+    for n in (int(x) for x in a.n.split(",")):
+        hk = a.kv_heads or a.heads
+        shapes = [(1, a.heads, n, a.head_dim), (1, hk, n, a.head_dim), (1, hk, n, a.head_dim)]
+        x = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes * 2]
+        x.insert(3, torch.randn(shapes[0], device="cuda", dtype=torch.bfloat16))
+        q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+        u = x[4:]
+        for name in names:
+            kw = {} if name == "default" else {"deterministic": name in ("det", "norho")}
+
+            def chain():
+                o = flash_attention(q, k, v, causal=a.causal, **kw)
+                g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+                inner = sum((s * w).sum() for s, w in zip(g, u))
+                return torch.autograd.grad(inner, (q, k, v, do))
+
+            try:
+                with variant(name):
+                    chain()
+                    torch.cuda.synchronize()
+                    reps = 10 if n < 32768 else 3
+                    ts = []
+                    for _ in range(reps):
+                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        s.record()
+                        chain()
+                        e.record()
+                        torch.cuda.synchronize()
+                        ts.append(s.elapsed_time(e))
+                    print(f"AB {a.tag:<5} N={n:<6} causal={int(a.causal)} {name:<9} median {statistics.median(ts):9.3f} ms"
+                          f"  min {min(ts):9.3f} ms", flush=True)
+                    if a.profile and n == int(a.n.split(",")[0]):
+                        from torch.profiler import ProfilerActivity, profile
+
+                        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                            chain()
+                            torch.cuda.synchronize()
+                        for ev in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+                            if ev.device_time_total > 0:
+                                print(f"K  {a.tag:<5} N={n} {name:<9} {ev.key[:40]:<40} {ev.device_time_total / 1e3:8.3f} ms"
+                                      f" x{ev.count}", flush=True)
+            except Exception as ex:  # noqa: BLE001 - a failing variant is a result
+                print(f"AB {a.tag} N={n} {name} FAILED {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+        del q, k, v, do, x, u
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

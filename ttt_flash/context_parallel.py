@@ -47,6 +47,8 @@ __all__ = [
     "shard_sequence",
     "sequence_offset",
     "head_plan",
+    "context_parallel_groups",
+    "reduce_gradients",
 ]
 
 
@@ -401,3 +403,73 @@ def context_parallel_attention_varlen(
     vh = _seq_to_heads(v, 0, 1, lens, kv_splits, rank, group)
     oh = flash_attention_varlen(qh, kh, vh, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
     return _heads_to_seq(oh, 0, 1, lens, q_splits, rank, group)
+
+
+# --------------------------------------------------------------------------- groups of groups
+
+
+def context_parallel_groups(size: int):
+    """Split the default group's W ranks into W / ``size`` context-parallel groups of
+    ``size`` consecutive ranks (one sequence each) and ``size`` data-parallel groups (the
+    ranks with the same position in every context-parallel group). Every rank must call it,
+    in the same order as its other collectives. Returns this rank's ``(cp_group, dp_group)``.
+    """
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ValueError(f"size must be an int >= 1 (ranks per context-parallel group), got {size!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context_parallel_groups needs torch.distributed to be initialised")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(
+            f"the {world} processes cannot be split into context-parallel groups of {size}: "
+            f"choose a size that divides {world}"
+        )
+    cp_group = dp_group = None
+    for g in range(world // size):  # every rank creates every group (torch.distributed requires it)
+        ranks = list(range(g * size, (g + 1) * size))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            cp_group = pg
+    for j in range(size):
+        ranks = list(range(j, world, size))
+        pg = dist.new_group(ranks)
+        if rank in ranks:
+            dp_group = pg
+    return cp_group, dp_group
+
+
+def reduce_gradients(params, *, cp_group=None, dp_group=None, weight: Optional[float] = None) -> None:
+    """Gradients of replicated parameters under context parallelism (and data parallelism
+    across context-parallel groups): ``p.grad`` ← the sum over ``cp_group`` of the ranks'
+    shares, then the mean over ``dp_group`` weighted by ``weight`` (this group's share of
+    the global batch; None: 1). A missing gradient counts as zero; gradients carrying a graph
+    are detached. Each step: one all-reduce per dtype and device and group."""
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        elif p.grad.requires_grad:
+            p.grad = p.grad.detach()
+    w = 1.0 if weight is None else float(weight)
+    if not w >= 0:
+        raise ValueError(f"weight must be >= 0, got {weight}")
+    cp_size = _group_size_rank(cp_group)[0] if cp_group is not None else 1
+    dp_size = _group_size_rank(dp_group)[0] if dp_group is not None else 1
+    buckets = {}
+    for p in params:
+        buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+    for (dtype, device), grads in buckets.items():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if cp_size > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=cp_group)
+        if dp_size > 1:
+            flat = torch.cat([flat * w, torch.full((1,), w, dtype=dtype, device=device)])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
+            if not flat[-1] > 0:
+                raise ValueError("reduce_gradients: the weights of the data-parallel groups sum to 0")
+            flat = flat[:-1] / flat[-1]
+        offset = 0
+        with torch.no_grad():
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()

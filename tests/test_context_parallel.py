@@ -295,3 +295,31 @@ def test_one_process_is_flash_attention():
 def test_gpt_context_parallel_needs_ttt_flash_attention():
     with pytest.raises(ValueError, match="attention='ttt_flash'"):
         GPT(GPTConfig.tiny(attention="math"), context_parallel=True)
+
+
+def test_bench_context_parallel_on_cpu(tmp_path, capsys):
+    """``ttt-flash bench --context-parallel 2`` on the CPU (gloo): checked, timed, speed-up."""
+    import json
+
+    from ttt_flash.bench import main as bench_main
+
+    _warm_up()
+    rc = bench_main(["--context-parallel", "2", "--device", "cpu", "--seq-lens", "33", "--heads", "2",
+                     "--kv-heads", "1", "--head-dim", "8", "--dtype", "float64", "--causal", "--rep-ms", "1",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.load(open(tmp_path / "bench_cp.json"))
+    assert result["check"]["ok"] and result["config"]["processes"] == 2
+    worst = max(v["context_parallel"] for k, v in result["check"].items() if k != "ok")
+    assert worst <= 1e-12
+    (row,) = result["rows"]
+    assert row["N"] == 33 and row["ms_cp"] > 0 and row["ms_one"] > 0
+    assert row["speedup"] == pytest.approx(row["ms_one"] / row["ms_cp"])
+    assert "speed-up" in capsys.readouterr().out
+
+
+def test_bench_context_parallel_refuses_too_few_heads():
+    from ttt_flash.bench_cp import CPBenchConfig
+
+    with pytest.raises(ValueError, match="at least as many heads"):
+        CPBenchConfig(processes=4, heads=2, device="cpu")

@@ -405,7 +405,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     step.add_argument("--vocab-size", type=int, default=4096, help="GPT vocabulary (--gpt-step)")
     step.add_argument("--compile-backend", default="inductor",
                       help="torch.compile backend (--gpt-step; aot_eager needs no compiler)")
+    cp = p.add_argument_group("one sequence across P processes (--context-parallel, ttt_flash.bench_cp)")
+    cp.add_argument("--context-parallel", type=int, default=None, metavar="P",
+                    help="time the chain on P processes (one GPU each; gloo on the CPU) against one process")
+    cp.add_argument("--cp-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-cp-baseline: skip the one-process timing (--context-parallel)")
     a = p.parse_args(argv)
+    if a.context_parallel:
+        from .bench_cp import main_from_args
+
+        return main_from_args(a)
     if a.gpt_step:
         return _gpt_step_main(a)
     cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,

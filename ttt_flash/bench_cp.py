@@ -59,7 +59,9 @@ class CPBenchConfig:
     window: Optional[int] = None
     device: str = "cuda"
     rep_ms: float = 100.0  #: repetitions: as many as fit in rep_ms after the first (at least 1)
-    warmup_len: int = 4096  #: one chain at min(N, warmup_len) first compiles the kernels
+    #: one chain at min(N, warmup_len) first compiles the kernels (tiles depend on the length:
+    #: a warm-up at 4,096 left a first chain at 16,384 paying for compilation)
+    warmup_len: int = 65536
     baseline: bool = True  #: also time one process over the whole sequence
     check: bool = True
     check_len: int = 257  #: length of the correctness check (not divisible by P)
@@ -196,7 +198,8 @@ def _worker(rank: int, cfg: CPBenchConfig, port: int, path: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.processes))
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=cfg.processes, timeout=datetime.timedelta(hours=2))
+                            world_size=cfg.processes, timeout=datetime.timedelta(hours=2),
+                            **({"device_id": device} if cuda else {}))
     try:
         _bench(rank, cfg, cuda, device, path)
     finally:

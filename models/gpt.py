@@ -225,24 +225,27 @@ class GPT(nn.Module):
         # Context parallelism (docs/distributed.md): None/False off; True the default process
         # group; or a torch.distributed ProcessGroup. Each rank then runs the model on its
         # block of the sequence (tokens N·r//P … N·(r+1)//P − 1) with global RoPE positions.
-        self.context_parallel = not (context_parallel is None or context_parallel is False)
-        self.context_parallel_group = None if isinstance(context_parallel, bool) else context_parallel
-        if self.context_parallel:
-            self._enable_context_parallel()
+        self.set_context_parallel(context_parallel)
         self.norm = RMSNorm(config.d_model)
         # Tied: the head is tok_emb.weight itself, so there is one parameter, one entry in
         # state_dict and one key to replace under functional_call.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
 
-    def _enable_context_parallel(self) -> None:
-        if self.config.attention != "ttt_flash":
+    def set_context_parallel(self, context_parallel) -> None:
+        """Switch context parallelism on (True: the default process group; a ProcessGroup)
+        or off (None/False); see the class docstring."""
+        on = not (context_parallel is None or context_parallel is False)
+        if on and self.config.attention != "ttt_flash":
             raise ValueError(
                 f"GPT(context_parallel=...) needs GPTConfig.attention='ttt_flash', got "
                 f"{self.config.attention!r}"
             )
+        self.context_parallel = on
+        self.context_parallel_group = None if isinstance(context_parallel, bool) else context_parallel
+        attend = partial(context_parallel_attention, group=self.context_parallel_group, causal=True) if on else None
         for block in self.blocks:
-            block.attn.attend = partial(context_parallel_attention, group=self.context_parallel_group, causal=True)
+            block.attn.attend = attend
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

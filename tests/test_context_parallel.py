@@ -15,6 +15,7 @@ import os
 import socket
 
 import pytest
+from lightning.pytorch import Callback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -170,6 +171,39 @@ def _gpt_case(size):
     return out
 
 
+def _groups_case(size):
+    """Context-parallel groups of 2 ranks, data parallel across them (the Lightning path's
+    arithmetic, ContextParallelPlan + average_gradients): the gradient equals one process's on
+    the groups' batches together (of different sizes: the weights matter)."""
+    from ttt_flash.distributed import average_gradients
+    from ttt_flash.lightning.context_parallel import ContextParallelPlan
+
+    rank = dist.get_rank()
+    cfg = GPTConfig.tiny(n_layer=1, d_model=16, n_head=2, vocab_size=32)
+    torch.manual_seed(0)
+    one = GPT(cfg).double()
+    cp = GPT(cfg).double()
+    cp.load_state_dict(one.state_dict())
+    g = torch.Generator().manual_seed(11)
+    # rank r's own batch; group g (ranks 2g, 2g+1) trains on rank 2g's, of 1 + g % 2 sequences
+    batches = [torch.randint(0, 32, (1 + (r // 2) % 2, 10), generator=g) for r in range(size)]
+    plan = ContextParallelPlan(2)
+    plan.setup(cp)
+    t = batches[rank]
+    x, y, n = plan.shard(t[:, :-1], t[:, 1:])
+    part, mean = plan.loss(cp(x), y, n)
+    part.backward()
+    average_gradients(cp.parameters(), weight=n)
+    leaders = torch.cat(batches[::2])
+    loss = one.loss(leaders[:, :-1], leaders[:, 1:])
+    loss.backward()
+    own = batches[rank // 2 * 2]
+    own_loss = one.loss(own[:, :-1], own[:, 1:]).item()
+    out = {f"grad{i}": _max_err(a.grad, b.grad) for i, (a, b) in enumerate(zip(one.parameters(), cp.parameters()))}
+    out["group_loss"] = abs(mean.item() - own_loss)
+    return out
+
+
 def _jvp_case(size):
     """Forward-mode tangents through the all-to-all: the tangent of the head shard is the
     head shard of the tangent (the exchange is linear)."""
@@ -212,6 +246,7 @@ def _worker(rank: int, size: int, port: int, path: str):
         results["jvp"] = _jvp_case(size)
         results["errors"] = _errors_case(size)
         results["gpt"] = _gpt_case(size)
+        results["groups"] = _groups_case(size)
         torch.save(results, os.path.join(path, f"cp{size}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -265,6 +300,10 @@ def test_bad_blocks_and_too_few_heads_raise(results):
 
 def test_gpt_context_parallel_equals_one_process(results):
     _check(results, "gpt")
+
+
+def test_data_parallel_across_context_parallel_groups(results):
+    _check(results, "groups")
 
 
 # --------------------------------------------------------------------------- one process
@@ -323,3 +362,75 @@ def test_bench_context_parallel_refuses_too_few_heads():
 
     with pytest.raises(ValueError, match="at least as many heads"):
         CPBenchConfig(processes=4, heads=2, device="cpu")
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+class _RecordStep(Callback):
+    """After the single step: this rank's gradients, Sophia-H Hessian estimates and loss."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.manual_seed(1234)  # the Hutchinson probes (rank 0's, broadcast)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        params = dict(pl_module.named_parameters())
+        opt = trainer.optimizers[0]
+        out = {"grads": {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None},
+               "hessian": {n: opt.state[p]["hessian"].clone() for n, p in params.items() if "hessian" in opt.state.get(p, {})},
+               "loss": trainer.callback_metrics["train/loss"].item()}
+        torch.save(out, os.path.join(self.path, f"rank{trainer.global_rank}-world{trainer.world_size}.pt"))
+
+
+def _fit_lm(model, batches, path, devices):
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    kw = dict(strategy="ddp_fork") if devices > 1 else {}
+    if devices > 1:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=1, precision="64-true", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_RecordStep(path)],
+                      default_root_dir=path, **kw)
+    # batch_size=None: item r goes to rank r (DistributedSampler without shuffling)
+    trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
+    return [torch.load(os.path.join(path, f"rank{r}-world{devices}.pt")) for r in range(devices)]
+
+
+def test_lightning_context_parallel_sophia_step_equals_one_process(tmp_path):
+    """LanguageModel(context_parallel=2) under DDP (2 processes = one context-parallel group):
+    the step's gradients, Sophia-H Hessian estimate and loss equal one process on the group's
+    batch (the first rank's; the second rank's batch is not used)."""
+    from ttt_flash.lightning import LanguageModel
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 2, 18), generator=torch.Generator().manual_seed(4))
+    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]  # 17 tokens: blocks of 8 and 9
+    kw = dict(gpt=GPTConfig.tiny(n_layer=1, d_model=16, n_head=2, window=6), optimizer="sophiah",
+              schedule="constant", weight_decay=0.0)
+    model = LanguageModel(**kw, context_parallel=2)
+    twin = LanguageModel(**kw)
+    twin.load_state_dict(model.state_dict())
+    dist_out = _fit_lm(model, batches, str(tmp_path), devices=2)
+    (single,) = _fit_lm(twin, batches[:1], str(tmp_path), devices=1)
+    assert single["grads"] and single["hessian"]
+    for rank_out in dist_out:
+        assert abs(rank_out["loss"] - single["loss"]) <= TOL
+        for key in ("grads", "hessian"):
+            assert rank_out[key].keys() == single[key].keys()
+            for n, ref in single[key].items():
+                err = _max_err(ref, rank_out[key][n])
+                assert err <= TOL, f"{key} {n}: {err:.3e}"
+
+
+def test_context_parallel_plan_needs_a_multiple_of_processes():
+    from ttt_flash.lightning.context_parallel import ContextParallelPlan
+
+    with pytest.raises(ValueError, match="context_parallel must be an int >= 1"):
+        ContextParallelPlan(0)
+    with pytest.raises(ValueError, match="needs a multiple of 2 processes"):
+        ContextParallelPlan(2).setup(GPT(GPTConfig.tiny()))

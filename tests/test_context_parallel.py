@@ -135,10 +135,11 @@ def _maml_case(size):
 
 
 def _gpt_case(size):
-    """GPT(context_parallel=True) vs GPT on the whole sequence: logits, parameter gradients
+    """GPT(context_parallel=True) (activation checkpointing on: the recomputation in the
+    backward runs the exchanges again) vs GPT on the whole sequence: logits, parameter gradients
     (shares summed with reduce_gradients) and a Hessian-vector product."""
     torch.manual_seed(0)
-    cfg = GPTConfig.tiny(n_layer=2, d_model=32, n_head=4, n_kv_head=2, window=5, vocab_size=64)
+    cfg = GPTConfig.tiny(n_layer=2, d_model=32, n_head=4, n_kv_head=2, window=5, vocab_size=64, checkpoint=True)
     one = GPT(cfg).double()
     cp = GPT(cfg, context_parallel=True).double()
     cp.load_state_dict(one.state_dict())

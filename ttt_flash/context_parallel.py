@@ -90,7 +90,7 @@ def _gather_lengths(n_local: int, group, device) -> List[int]:
     t = torch.tensor([n_local], dtype=torch.int64, device=device)
     out = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(out, t, group=group)
-    return [int(x.item()) for x in out]
+    return torch.cat(out).tolist()  # one device synchronisation
 
 
 def _lengths(n_local: int, seq_len: Optional[int], group, device, what: str) -> List[int]:

@@ -52,9 +52,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..distributed import average_gradients, disable_gradient_sync
-from .context_parallel import ContextParallelPlan
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
+from .context_parallel import ContextParallelPlan
 
 __all__ = [
     "LanguageModel",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Optional, Union
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from ..context_parallel import context_parallel_attention, sequence_offset
 from .layers import ATTENTION_IMPLS, CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
 
 __all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]
@@ -193,6 +195,15 @@ class GPT(nn.Module):
     :class:`Block` s, a final RMSNorm and a linear LM head (the embedding matrix when
     ``config.tie_embeddings``).
 
+    ``context_parallel`` (None: off; True: the default process group; or a
+    ``torch.distributed`` ProcessGroup): one sequence across the group's ranks. Each rank
+    passes its block of the tokens (rank r: tokens N·r//P … N·(r+1)//P − 1,
+    :func:`ttt_flash.distributed.shard_sequence`) and gets that block's logits; attention runs
+    through :func:`ttt_flash.distributed.context_parallel_attention` (needs
+    ``attention="ttt_flash"`` and ``n_head`` ≥ P), RoPE uses global token indices. The sum
+    over ranks of the per-rank losses is differentiated exactly (twice); parameters get each
+    rank's share of their gradient: add them with ``all_reduce_sum`` (docs/distributed.md).
+
     Example: a Hessian-vector product of the LM loss w.r.t. all parameters::
 
         >>> import torch
@@ -206,16 +217,35 @@ class GPT(nn.Module):
         True
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, *, context_parallel=None):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        # Context parallelism (docs/distributed.md): None/False off; True the default process
+        # group; or a torch.distributed ProcessGroup. Each rank then runs the model on its
+        # block of the sequence (tokens N·r//P … N·(r+1)//P − 1) with global RoPE positions.
+        self.set_context_parallel(context_parallel)
         self.norm = RMSNorm(config.d_model)
         # Tied: the head is tok_emb.weight itself, so there is one parameter, one entry in
         # state_dict and one key to replace under functional_call.
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
+
+    def set_context_parallel(self, context_parallel) -> None:
+        """Switch context parallelism on (True: the default process group; a ProcessGroup)
+        or off (None/False); see the class docstring."""
+        on = not (context_parallel is None or context_parallel is False)
+        if on and self.config.attention != "ttt_flash":
+            raise ValueError(
+                f"GPT(context_parallel=...) needs GPTConfig.attention='ttt_flash', got "
+                f"{self.config.attention!r}"
+            )
+        self.context_parallel = on
+        self.context_parallel_group = None if isinstance(context_parallel, bool) else context_parallel
+        attend = partial(context_parallel_attention, group=self.context_parallel_group, causal=True) if on else None
+        for block in self.blocks:
+            block.attn.attend = attend
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -293,7 +323,9 @@ class GPT(nn.Module):
             positions: RoPE positions of the N inputs: ``None`` for 0..N−1, an int ``p`` for
                 p..p+N−1, or a (N,) or (B, N) tensor (any values, e.g. to place memory
                 tokens or a chunk of a longer sequence). Attention is always causal in
-                the order of the inputs, whatever the positions.
+                the order of the inputs, whatever the positions. With context parallelism
+                N is this rank's block and ``None``/``p`` count from the block's global
+                offset (a tensor is used as given).
             return_hidden: return the final normalised hidden states instead of logits.
 
         Returns:
@@ -318,6 +350,8 @@ class GPT(nn.Module):
             x = inputs_embeds
         batch, n, _ = x.shape
         pos = self._positions(positions, batch, n, x.device)
+        if self.context_parallel and (positions is None or not isinstance(positions, Tensor)):
+            pos = pos + sequence_offset(n, group=self.context_parallel_group, device=x.device)[0]
         cos, sin = rope_angles(pos, self.config.head_dim, self.config.rope_base, x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
         for block in self.blocks:

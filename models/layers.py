@@ -138,6 +138,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head = n_head, n_kv_head
         self.head_dim = d_model // n_head
         self.impl, self.window = impl, window
+        #: None, or an attention function ``(q, k, v, window=...)`` that replaces
+        #: :func:`causal_attention` (set by ``GPT(..., context_parallel=...)``)
+        self.attend = None
         self.qkv = nn.Linear(d_model, (n_head + 2 * n_kv_head) * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
 
@@ -149,7 +152,10 @@ class CausalSelfAttention(nn.Module):
         k = rearrange(k, "b n (h d) -> b h n d", h=hkv)
         v = rearrange(v, "b n (h d) -> b h n d", h=hkv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = causal_attention(q, k, v, impl=self.impl, window=self.window)
+        if self.attend is not None:
+            o = self.attend(q, k, v, window=self.window)
+        else:
+            o = causal_attention(q, k, v, impl=self.impl, window=self.window)
         return self.proj(rearrange(o, "b h n d -> b n (h d)"))
 
 

@@ -454,6 +454,11 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     step.add_argument("--vocab-size", type=int, default=4096, help="GPT vocabulary (--gpt-step)")
     step.add_argument("--compile-backend", default="inductor",
                       help="torch.compile backend (--gpt-step; aot_eager needs no compiler)")
+    cp = p.add_argument_group("one sequence across P processes (--context-parallel, ttt_flash.bench_cp)")
+    cp.add_argument("--context-parallel", type=int, default=None, metavar="P",
+                    help="time the chain on P processes (one GPU each; gloo on the CPU) against one process")
+    cp.add_argument("--cp-baseline", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-cp-baseline: skip the one-process timing (--context-parallel)")
     return p
 
 
@@ -465,6 +470,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return jvp_main([x for x in args if x != "--jvp"])
     p = build_parser()
     a = p.parse_args(argv)
+    if a.context_parallel:
+        from .bench_cp import main_from_args
+
+        return main_from_args(a)
     if a.gpt_step:
         return _gpt_step_main(a)
     cfg = BenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,

@@ -56,6 +56,7 @@ from ..distributed import average_gradients, disable_gradient_sync
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
 from .resume import EpochSampler, ResumableLoader
+from .context_parallel import ContextParallelPlan
 
 __all__ = [
     "LanguageModel",
@@ -264,6 +265,11 @@ class LanguageModel(LightningModule):
         hessian_mode: how the added :class:`HessianRefresh` takes its Hessian-vector
             products: ``"rev_rev"`` (through the step's ``create_graph`` graph) or
             ``"fwd_rev"`` (forward over reverse, less memory; :mod:`ttt_flash.hessian`).
+        context_parallel: ranks per sequence under DDP (1: off). The W processes form W / P
+            context-parallel groups of P consecutive ranks, data parallel across groups;
+            each group trains on its first rank's batch, each rank on a block of its tokens
+            (:class:`~ttt_flash.lightning.context_parallel.ContextParallelPlan`,
+            docs/distributed.md).
     """
 
     def __init__(
@@ -281,6 +287,7 @@ class LanguageModel(LightningModule):
         min_lr_ratio: float = 0.1,
         schedule: Literal["cosine", "constant"] = "cosine",
         hessian_mode: Literal["rev_rev", "fwd_rev"] = "rev_rev",
+        context_parallel: int = 1,
     ):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -307,6 +314,7 @@ class LanguageModel(LightningModule):
         self.hparams["gpt"] = asdict(gpt)
         self.gpt_config = gpt
         self.model = GPT(gpt)
+        self.context_parallel_plan = ContextParallelPlan(context_parallel)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False
         self._step_start: Optional[float] = None
@@ -400,13 +408,18 @@ class LanguageModel(LightningModule):
 
     # ------------------------------------------------------------------ distributed (docs/distributed.md)
 
+    def setup(self, stage: str) -> None:
+        self.context_parallel_plan.setup(self.model)  # groups and the GPT switch (context_parallel > 1)
+
     def on_train_start(self) -> None:
         # Under DDP with a second-order optimizer: DDP's hooks cannot reduce a
         # backward(create_graph=True), so they are switched off; gradients stay local, the
         # Hessian refresh averages its estimate itself (update_hessian(weight=...)), and
         # on_before_optimizer_step (after HessianRefresh's, before clipping) averages the
-        # gradients, weighted by each process's number of tokens. AdamW keeps DDP's own sync.
-        self._local_grads = self.second_order and disable_gradient_sync(self.trainer.strategy.model)
+        # gradients, weighted by each process's number of tokens. AdamW keeps DDP's own sync
+        # (not with context parallelism: its shares are averaged the same explicit way).
+        local = self.second_order or self.context_parallel_plan.active
+        self._local_grads = local and disable_gradient_sync(self.trainer.strategy.model)
         self._grad_weight = 0
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -414,12 +427,21 @@ class LanguageModel(LightningModule):
             average_gradients(self.model.parameters(), weight=self._grad_weight)
         self._grad_weight = 0
 
-    def training_step(self, batch, batch_idx: int) -> Tensor:
+    def _loss(self, batch) -> Tuple[Tensor, Tensor, int, int]:
+        """(loss to backpropagate, loss to log, gradient weight, batch size)."""
         x, y = self._check_batch(batch)
-        self._grad_weight = getattr(self, "_grad_weight", 0) + x.numel()
-        loss = self.model.loss(x, y)
-        self.log("train/loss", loss, prog_bar=True, batch_size=x.shape[0])
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=x.shape[0])
+        if not self.context_parallel_plan.active:
+            loss = self.model.loss(x, y)
+            return loss, loss, x.numel(), x.shape[0]
+        x, y, n = self.context_parallel_plan.shard(x, y)
+        part, mean = self.context_parallel_plan.loss(self.model(x), y, n)
+        return part, mean, n, x.shape[0]
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        loss, shown, weight, b = self._loss(batch)
+        self._grad_weight = getattr(self, "_grad_weight", 0) + weight
+        self.log("train/loss", shown, prog_bar=True, batch_size=b)
+        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=b)
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -434,16 +456,14 @@ class LanguageModel(LightningModule):
             self.log("train/clip_fraction", opt.clip_fraction, batch_size=batch[0].shape[0])
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        x, y = self._check_batch(batch)
-        loss = self.model.loss(x, y)
-        self.log("val/loss", loss, prog_bar=True, batch_size=x.shape[0], on_epoch=True)
-        self.log("val/bits_per_token", loss / math.log(2), batch_size=x.shape[0], on_epoch=True)
+        _, loss, _, b = self._loss(batch)
+        self.log("val/loss", loss, prog_bar=True, batch_size=b, on_epoch=True)
+        self.log("val/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
-        x, y = self._check_batch(batch)
-        loss = self.model.loss(x, y)
-        self.log("test/loss", loss, batch_size=x.shape[0], on_epoch=True)
-        self.log("test/bits_per_token", loss / math.log(2), batch_size=x.shape[0], on_epoch=True)
+        _, loss, _, b = self._loss(batch)
+        self.log("test/loss", loss, batch_size=b, on_epoch=True)
+        self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
 
 
 # --------------------------------------------------------------------------- data

@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from torch.autograd import forward_ad
 
-from .ops import second_order_grad
+from .second_order import second_order_grad
 
 __all__ = [
     "HessianOperator",

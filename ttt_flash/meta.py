@@ -48,7 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .ops import second_order_grad
+from .second_order import second_order_grad
 
 __all__ = [
     "inner_loop",

@@ -38,6 +38,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._checks import check_int
+
 __all__ = [
     "MetaBatch",
     "SinusoidTasks",
@@ -76,13 +78,6 @@ class MetaBatch(NamedTuple):
         )
 
 
-def _check_int(name: str, x, low: int) -> None:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < low:
-        raise ValueError(f"{name} must be >= {low}, got {x}")
-
-
 def _check_range(name: str, r) -> None:
     if len(r) != 2 or not all(isinstance(a, numbers.Real) and math.isfinite(a) for a in r) or r[0] > r[1]:
         raise ValueError(f"{name} must be a finite (low, high) pair with low <= high, got {r!r}")
@@ -111,8 +106,8 @@ class SinusoidTasks:
     x_range: Tuple[float, float] = (-5.0, 5.0)
 
     def __post_init__(self):
-        _check_int("k_shot", self.k_shot, 1)
-        _check_int("k_query", self.k_query, 1)
+        check_int("k_shot", self.k_shot, 1)
+        check_int("k_query", self.k_query, 1)
         _check_range("amplitude", self.amplitude)
         _check_range("phase", self.phase)
         _check_range("x_range", self.x_range)
@@ -121,7 +116,7 @@ class SinusoidTasks:
                dtype: torch.dtype = torch.float32) -> MetaBatch:
         """A meta-batch: inputs and targets of shape (T, K, 1) / (T, K_q, 1);
         ``task_params`` (T, 2) = (A, φ). Sampled on the CPU from ``generator``."""
-        _check_int("num_tasks", num_tasks, 1)
+        check_int("num_tasks", num_tasks, 1)
         amp = _uniform((num_tasks, 1, 1), *self.amplitude, generator, torch.float64)
         phase = _uniform((num_tasks, 1, 1), *self.phase, generator, torch.float64)
         x = _uniform((num_tasks, self.k_shot + self.k_query, 1), *self.x_range, generator, torch.float64)
@@ -151,12 +146,12 @@ class InContextRegressionTasks:
     noise_std: float = 0.0
 
     def __post_init__(self):
-        _check_int("dim", self.dim, 1)
-        _check_int("seq_len", self.seq_len, 2)
+        check_int("dim", self.dim, 1)
+        check_int("seq_len", self.seq_len, 2)
         if self.seq_len % 2:
             raise ValueError(f"seq_len must be even (an x-token and a y-token per point), got {self.seq_len}")
-        _check_int("support_size", self.support_size, 1)
-        _check_int("query_size", self.query_size, 1)
+        check_int("support_size", self.support_size, 1)
+        check_int("query_size", self.query_size, 1)
         if not (isinstance(self.noise_std, numbers.Real) and self.noise_std >= 0):
             raise ValueError(f"noise_std must be a float >= 0, got {self.noise_std!r}")
 
@@ -174,7 +169,7 @@ class InContextRegressionTasks:
                dtype: torch.dtype = torch.float32) -> MetaBatch:
         """A meta-batch: inputs (T, S, seq_len, dim + 2), targets (T, S, seq_len / 2) (support;
         S_q for the query); ``task_params`` (T, dim) = ``w``. Sampled on the CPU."""
-        _check_int("num_tasks", num_tasks, 1)
+        check_int("num_tasks", num_tasks, 1)
         d, p = self.dim, self.num_points
         s = self.support_size + self.query_size
         w = torch.randn(num_tasks, d, generator=generator, dtype=torch.float64) / math.sqrt(d)
@@ -272,14 +267,14 @@ class AssociativeRecallTasks:
     context_len: Optional[int] = None
 
     def __post_init__(self):
-        _check_int("num_keys", self.num_keys, 1)
-        _check_int("num_values", self.num_values, 2)
-        _check_int("num_pairs", self.num_pairs, 1)
-        _check_int("num_queries", self.num_queries, 1)
+        check_int("num_keys", self.num_keys, 1)
+        check_int("num_values", self.num_values, 2)
+        check_int("num_pairs", self.num_pairs, 1)
+        check_int("num_queries", self.num_queries, 1)
         if self.num_pairs > self.num_keys:
             raise ValueError(f"num_pairs ({self.num_pairs}) must be <= num_keys ({self.num_keys}): keys are distinct")
         if self.context_len is not None:
-            _check_int("context_len", self.context_len, 2)
+            check_int("context_len", self.context_len, 2)
             if self.context_len % 2 or self.context_len < 2 * self.num_pairs:
                 raise ValueError(
                     f"context_len must be even and >= 2 · num_pairs = {2 * self.num_pairs}, got {self.context_len}"
@@ -306,7 +301,7 @@ class AssociativeRecallTasks:
 
     def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> RecallBatch:
         """A :class:`RecallBatch` of ``batch_size`` independent sequences, sampled on the CPU."""
-        _check_int("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
         b, p, q = batch_size, self.num_pairs, self.num_queries
         slots = self.length // 2
         keys = torch.rand(b, self.num_keys, generator=generator).argsort(-1)[:, :p]

@@ -26,17 +26,30 @@ format of :mod:`ttt_flash.meta`.
   in tokens (32,768 in the long-context recipe).
 
 Every shape below is for one meta-batch of ``T`` tasks.
+
+The byte corpus (``ByteTextDataModule``'s data, no Lightning here):
+:func:`stdlib_source_files` (the running Python's standard-library sources: nothing to
+download), :func:`expand_paths`, :func:`read_corpus` and :class:`ByteWindows` (next-byte
+windows as a ``torch.utils.data.Dataset``).
+
+Floor 1 (docs/architecture.md): imports torch and numpy only.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import numbers
+import os
+import sysconfig
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from pathlib import Path
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import Dataset
 
 from ._checks import check_int
 
@@ -45,6 +58,10 @@ __all__ = [
     "SinusoidTasks",
     "InContextRegressionTasks",
     "incontext_mse",
+    "stdlib_source_files",
+    "expand_paths",
+    "read_corpus",
+    "ByteWindows",
 ]
 
 
@@ -342,3 +359,86 @@ class MQARTasks(AssociativeRecallTasks):
 
 
 __all__ += ["RecallBatch", "AssociativeRecallTasks", "KeyValueRetrievalTasks", "MQARTasks"]
+
+
+# --------------------------------------------------------------------------- byte corpus
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_source_files() -> List[Path]:
+    """The running Python's standard-library ``*.py`` files, sorted by relative path.
+
+    From ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``
+    (third-party code) and ``__pycache__``. The order is deterministic for one Python
+    installation.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library directory {root} does not exist; pass paths=[...] instead")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def expand_paths(paths: Sequence[str]) -> List[Path]:
+    """Files named by ``paths``: files as given, directories' files recursively (sorted,
+    hidden ones skipped), glob patterns' matches (sorted). Raises ``FileNotFoundError`` for an
+    entry that names nothing, or when nothing is found."""
+    out: List[Path] = []
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            found = []
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+            out.extend(sorted(found, key=lambda q: q.relative_to(p).as_posix()))
+        elif any(ch in entry for ch in "*?["):
+            out.extend(Path(m) for m in sorted(glob.glob(str(p), recursive=True)) if Path(m).is_file())
+        else:
+            raise FileNotFoundError(f"{entry!r} is not a file, a directory or a glob pattern that matches a file")
+    if not out:
+        raise FileNotFoundError(f"paths={list(paths)!r} match no file")
+    return out
+
+
+def read_corpus(files: Sequence[Path], max_bytes: Optional[int] = None) -> bytes:
+    """The files' bytes concatenated in order, each followed by a newline, cut at ``max_bytes``."""
+    chunks, total = [], 0
+    for f in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = Path(f).read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+    corpus = b"".join(chunks)
+    return corpus if max_bytes is None else corpus[:max_bytes]
+
+
+class ByteWindows(Dataset):
+    """Windows of a 1-D byte-token tensor as next-token pairs. Item i → (x, y), each (seq_len,) int64: bytes [s, s + N) and [s + 1, s + N + 1).
+
+    ``random``: s drawn from a generator seeded with (seed, i), so any index is a fresh,
+    reproducible window whatever the number of workers. Otherwise s is the i-th of
+    ``count`` evenly spaced starts."""
+
+    def __init__(self, tokens: Tensor, seq_len: int, seed: int, random: bool, count: int):
+        self.tokens, self.seq_len, self.seed, self.random, self.count = tokens, seq_len, seed, random, count
+        self.last_start = tokens.numel() - seq_len - 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
+        if self.random:
+            state = np.random.SeedSequence([self.seed, int(i)]).generate_state(1, dtype=np.uint64)[0]
+            start = int(state % np.uint64(self.last_start + 1))
+        else:
+            start = 0 if self.count == 1 else (int(i) * self.last_start) // (self.count - 1)
+        w = self.tokens[start : start + self.seq_len + 1].long()
+        return w[:-1], w[1:]

@@ -36,25 +36,22 @@ Example (a CPU smoke run)::
 from __future__ import annotations
 
 import contextlib
-import glob
 import math
-import os
-import sysconfig
 import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from ..distributed import average_gradients, disable_gradient_sync
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
+from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
 from .resume import EpochSampler, ResumableLoader
 from .context_parallel import ContextParallelPlan
 
@@ -468,83 +465,6 @@ class LanguageModel(LightningModule):
 
 # --------------------------------------------------------------------------- data
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-def stdlib_source_files() -> List[Path]:
-    """The running Python's standard-library ``*.py`` files, sorted by relative path.
-
-    From ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``
-    (third-party code) and ``__pycache__``. The order is deterministic for one Python
-    installation.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise FileNotFoundError(f"the standard library directory {root} does not exist; pass paths=[...] instead")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _expand(paths: Sequence[str]) -> List[Path]:
-    out: List[Path] = []
-    for entry in paths:
-        p = Path(entry).expanduser()
-        if p.is_file():
-            out.append(p)
-        elif p.is_dir():
-            found = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-            out.extend(sorted(found, key=lambda q: q.relative_to(p).as_posix()))
-        elif any(ch in entry for ch in "*?["):
-            out.extend(Path(m) for m in sorted(glob.glob(str(p), recursive=True)) if Path(m).is_file())
-        else:
-            raise FileNotFoundError(f"{entry!r} is not a file, a directory or a glob pattern that matches a file")
-    if not out:
-        raise FileNotFoundError(f"paths={list(paths)!r} match no file")
-    return out
-
-
-def read_corpus(files: Sequence[Path], max_bytes: Optional[int] = None) -> bytes:
-    """The files' bytes concatenated in order, each followed by a newline, cut at ``max_bytes``."""
-    chunks, total = [], 0
-    for f in files:
-        if max_bytes is not None and total >= max_bytes:
-            break
-        data = Path(f).read_bytes() + b"\n"
-        chunks.append(data)
-        total += len(data)
-    corpus = b"".join(chunks)
-    return corpus if max_bytes is None else corpus[:max_bytes]
-
-
-class _Windows(Dataset):
-    """Item i → (x, y), each (seq_len,) int64: bytes [s, s + N) and [s + 1, s + N + 1).
-
-    ``random``: s drawn from a generator seeded with (seed, i), so any index is a fresh,
-    reproducible window whatever the number of workers. Otherwise s is the i-th of
-    ``count`` evenly spaced starts."""
-
-    def __init__(self, tokens: Tensor, seq_len: int, seed: int, random: bool, count: int):
-        self.tokens, self.seq_len, self.seed, self.random, self.count = tokens, seq_len, seed, random, count
-        self.last_start = tokens.numel() - seq_len - 1
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
-        if self.random:
-            state = np.random.SeedSequence([self.seed, int(i)]).generate_state(1, dtype=np.uint64)[0]
-            start = int(state % np.uint64(self.last_start + 1))
-        else:
-            start = 0 if self.count == 1 else (int(i) * self.last_start) // (self.count - 1)
-        w = self.tokens[start : start + self.seq_len + 1].long()
-        return w[:-1], w[1:]
-
 
 class ByteTextDataModule(LightningDataModule):
     """Byte-level language-modelling data: tokens are the bytes of text files (vocabulary 256).
@@ -612,7 +532,7 @@ class ByteTextDataModule(LightningDataModule):
         if self.train_tokens is not None:
             return
         hp = self.hparams
-        self.files = stdlib_source_files() if self.paths is None else _expand(self.paths)
+        self.files = stdlib_source_files() if self.paths is None else expand_paths(self.paths)
         corpus = read_corpus(self.files, hp.max_bytes)
         tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
         n_val = int(round(tokens.numel() * hp.val_fraction))
@@ -629,14 +549,14 @@ class ByteTextDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         n = hp.train_batches * hp.batch_size
-        ds = _Windows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
+        ds = ByteWindows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
         return ResumableLoader(ds, batch_size=hp.batch_size, sampler=self._train_order, num_workers=hp.num_workers,
                                drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
 
     def val_dataloader(self) -> DataLoader:
         hp = self.hparams
         n = hp.val_batches * hp.batch_size
-        ds = _Windows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
+        ds = ByteWindows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
         return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers,
                           generator=torch.Generator().manual_seed(hp.seed))
 

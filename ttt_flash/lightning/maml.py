@@ -36,7 +36,7 @@ from torch.func import functional_call
 from ..distributed import average_gradients, disable_gradient_sync
 from ..meta import INNER_OPTIMIZERS, inner_loop, select_adapted
 from ..tasks import MetaBatch, incontext_mse
-from .nets import NetConfig
+from ..models import NetConfig
 
 __all__ = ["MAML", "LOSSES"]
 
@@ -57,7 +57,7 @@ class MAML(LightningModule):
     """MAML / FOMAML / Meta-SGD / ANIL meta-training of a small network.
 
     Args:
-        net: the network (:class:`ttt_flash.lightning.nets.NetConfig`: an MLP or a transformer
+        net: the network (:class:`ttt_flash.models.NetConfig`: an MLP or a transformer
             whose attention is ``ttt_flash.flash_attention``).
         inner_steps: inner (adaptation) steps per task during training.
         inner_lr: inner step size (initial value of the Meta-SGD step sizes with ``meta_sgd``).

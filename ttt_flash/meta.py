@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ._select import Selector, preview as _preview, select_names
 from .second_order import second_order_grad
 
 __all__ = [
@@ -63,7 +64,7 @@ __all__ = [
 INNER_OPTIMIZERS = ("sgd", "adam")
 
 #: What :func:`select_adapted` accepts: None (all), a name, names/prefixes, or a predicate.
-Adapt = Union[None, str, Iterable[str], Callable[[str], bool]]
+Adapt = Selector
 LossFn = Callable[[object, object], Tensor]
 
 
@@ -112,11 +113,6 @@ def _check_params(model: nn.Module, params) -> Dict[str, Tensor]:
     return dict(params)
 
 
-def _preview(names, k: int = 8) -> str:
-    names = list(names)
-    return str(names[:k])[:-1] + (", ...]" if len(names) > k else "]")
-
-
 def select_adapted(names: Sequence[str], adapt: Adapt = None) -> List[str]:
     """The parameter names an inner loop adapts, in the order of ``names``.
 
@@ -130,26 +126,7 @@ def select_adapted(names: Sequence[str], adapt: Adapt = None) -> List[str]:
     Raises:
         ValueError: an entry of ``adapt`` matches no parameter, or nothing is selected.
     """
-    names = list(names)
-    if adapt is None:
-        chosen = names
-    elif callable(adapt):
-        chosen = [n for n in names if adapt(n)]
-    else:
-        wanted = [adapt] if isinstance(adapt, str) else list(adapt)
-        for w in wanted:
-            if not isinstance(w, str):
-                raise TypeError(f"adapt entries must be parameter names (str), got {type(w).__name__}")
-        unknown = [w for w in wanted if not any(n == w or n.startswith(w + ".") for n in names)]
-        if unknown:
-            raise ValueError(
-                f"adapt names {unknown} match no parameter (exact name or module prefix); "
-                f"parameters are {_preview(names)}"
-            )
-        chosen = [n for n in names if any(n == w or n.startswith(w + ".") for w in wanted)]
-    if not chosen:
-        raise ValueError(f"adapt={adapt!r} selects no parameter; parameters are {_preview(names)}")
-    return chosen
+    return select_names(names, adapt, arg="adapt")
 
 
 def meta_sgd_lrs(params: Mapping[str, Tensor], lr: float, *, adapt: Adapt = None,

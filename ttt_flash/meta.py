@@ -58,6 +58,7 @@ __all__ = [
     "select_adapted",
     "meta_sgd_lrs",
     "INNER_OPTIMIZERS",
+    "check_inner_optimizer",
 ]
 
 #: Accepted values of the ``optimizer`` argument of :func:`inner_loop`.
@@ -147,12 +148,13 @@ def meta_sgd_lrs(params: Mapping[str, Tensor], lr: float, *, adapt: Adapt = None
 
 
 def functional_loss(model: nn.Module, params: Optional[Mapping[str, Tensor]], loss_fn: LossFn,
-                    batch) -> Tensor:
+                    batch, *, return_output: bool = False):
     """``loss_fn(model(*inputs), target)`` with the model's parameters replaced by ``params``.
 
     ``batch`` is an ``(inputs, target)`` pair. Parameters absent from ``params`` (and all
     buffers) are the model's own. The model is not mutated. Returns the scalar loss,
-    differentiable w.r.t. ``params`` and whatever they depend on.
+    differentiable w.r.t. ``params`` and whatever they depend on; with ``return_output``,
+    ``(loss, output)`` (the model's output, e.g. for an accuracy).
     """
     _check_model(model)
     args, target = _split_batch(batch, "batch")
@@ -163,7 +165,14 @@ def functional_loss(model: nn.Module, params: Optional[Mapping[str, Tensor]], lo
             "loss_fn must return a scalar tensor, got "
             + (f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__)
         )
-    return loss.reshape(())
+    return (loss.reshape(()), out) if return_output else loss.reshape(())
+
+
+def check_inner_optimizer(optimizer, what: str = "optimizer") -> str:
+    """``optimizer`` if it is one of :data:`INNER_OPTIMIZERS`; else ``ValueError`` naming ``what``."""
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ValueError(f"{what} must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    return optimizer
 
 
 def _check_steps(steps) -> int:
@@ -297,8 +306,7 @@ def inner_loop(
     params = _check_params(model, params)
     steps = _check_steps(steps)
     lr = _check_lr(lr)
-    if optimizer not in INNER_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    check_inner_optimizer(optimizer)
     if not isinstance(first_order, bool):
         raise TypeError(f"first_order must be a bool, got {type(first_order).__name__}")
     _split_batch(support_batch, "support_batch")

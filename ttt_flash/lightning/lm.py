@@ -48,7 +48,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from ..distributed import average_gradients, disable_gradient_sync
+from ._step import LocalGradients, StepTimer
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
 from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
@@ -74,6 +74,12 @@ _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
 
 
 # --------------------------------------------------------------------------- callback
+
+
+def _grad_weight(pl_module) -> Optional[int]:
+    """This process's share of the global batch under DDP (None: no share recorded)."""
+    local = getattr(pl_module, "_local", None)
+    return getattr(local, "weight", None) or None
 
 
 class HessianRefresh(Callback):
@@ -183,7 +189,7 @@ class HessianRefresh(Callback):
         try:
             # weight: this process's share of the global batch under DDP (docs/distributed.md).
             optimizer.update_hessian(n_samples=self.n_samples, generator=self._probe_generator(optimizer),
-                                     weight=getattr(pl_module, "_grad_weight", None) or None)
+                                     weight=_grad_weight(pl_module))
         except ValueError as e:
             raise RuntimeError(
                 f"HessianRefresh: {e}. The LightningModule's backward must call "
@@ -215,7 +221,7 @@ class HessianRefresh(Callback):
         with precision.forward_context() if precision is not None else contextlib.nullcontext():
             optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
                                      generator=self._probe_generator(optimizer),
-                                     weight=getattr(pl_module, "_grad_weight", None) or None,
+                                     weight=_grad_weight(pl_module),
                                      mode="fwd_rev", module=pl_module)
         if cuda:
             torch.cuda.synchronize()
@@ -314,7 +320,7 @@ class LanguageModel(LightningModule):
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False
-        self._step_start: Optional[float] = None
+        self._timer, self._local = StepTimer(), LocalGradients()
 
     @property
     def second_order(self) -> bool:
@@ -398,10 +404,7 @@ class LanguageModel(LightningModule):
         return x, y
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if batch[0].is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self._step_start = time.perf_counter()
+        self._timer.start(batch[0].is_cuda)
 
     # ------------------------------------------------------------------ distributed (docs/distributed.md)
 
@@ -416,13 +419,10 @@ class LanguageModel(LightningModule):
         # gradients, weighted by each process's number of tokens. AdamW keeps DDP's own sync
         # (not with context parallelism: its shares are averaged the same explicit way).
         local = self.second_order or self.context_parallel_plan.active
-        self._local_grads = local and disable_gradient_sync(self.trainer.strategy.model)
-        self._grad_weight = 0
+        self._local.begin(self.trainer, local)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if getattr(self, "_local_grads", False):
-            average_gradients(self.model.parameters(), weight=self._grad_weight)
-        self._grad_weight = 0
+        self._local.average(self.model.parameters())
 
     def _loss(self, batch) -> Tuple[Tensor, Tensor, int, int]:
         """(loss to backpropagate, loss to log, gradient weight, batch size)."""
@@ -436,18 +436,13 @@ class LanguageModel(LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, shown, weight, b = self._loss(batch)
-        self._grad_weight = getattr(self, "_grad_weight", 0) + weight
+        self._local.add(weight)
         self.log("train/loss", shown, prog_bar=True, batch_size=b)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=b)
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        cuda = batch[0].is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch[0].shape[0])
-        if self._step_start is not None:
-            self.log("train/step_time_s", time.perf_counter() - self._step_start, batch_size=batch[0].shape[0])
+        self._timer.log(self, batch[0].is_cuda, batch[0].shape[0])
         opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
         if isinstance(opt, SophiaH) and opt.clip_fraction is not None:
             self.log("train/clip_fraction", opt.clip_fraction, batch_size=batch[0].shape[0])

@@ -37,7 +37,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import average_gradients, disable_gradient_sync
+from ._step import LocalGradients, StepTimer
 from .resume import EpochSampler, ResumableLoader
 from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..models import GPT, GPTConfig
@@ -159,6 +159,10 @@ class _RecallModule(LightningModule):
 
     net: nn.Module
 
+    def __init__(self):
+        super().__init__()
+        self._timer, self._local = StepTimer(), LocalGradients()
+
     def _query_logits(self, batch: RecallBatch, write: bool) -> Tuple[Tensor, Optional[Tensor]]:
         raise NotImplementedError
 
@@ -197,16 +201,13 @@ class _RecallModule(LightningModule):
         # Under DDP: its hooks cannot reduce a backward through the inner loops' autograd.grad
         # graphs correctly, so they are switched off; gradients stay local and are averaged
         # in on_before_optimizer_step, weighted by each process's number of query targets.
-        self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
-        self._grad_weight = 0
+        self._local.begin(self.trainer)
 
     def on_before_optimizer_step(self, optimizer) -> None:  # before gradient clipping
-        if getattr(self, "_local_grads", False):
-            average_gradients(self.parameters(), weight=self._grad_weight)
-        self._grad_weight = 0
+        self._local.average(self.parameters())
 
     def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
-        self._grad_weight = getattr(self, "_grad_weight", 0) + batch.query_targets.numel()
+        self._local.add(batch.query_targets.numel())
         metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
@@ -251,21 +252,13 @@ class _RecallModule(LightningModule):
     # ---------------------------------------------------------------- throughput
 
     def on_train_batch_start(self, batch: RecallBatch, batch_idx: int) -> None:
-        if batch.context.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self._step_start = time.perf_counter()
+        self._timer.start(batch.context.is_cuda)
 
     def on_train_batch_end(self, outputs, batch: RecallBatch, batch_idx: int) -> None:
-        cuda = batch.context.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._step_start
         b = batch.context.shape[0]
-        self.log("train/step_time_s", elapsed, batch_size=b)
-        self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
-        if cuda:
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=b)
+        elapsed = self._timer.log(self, batch.context.is_cuda, b)
+        if elapsed is not None:
+            self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
 
 
 def _check_common(lr: float, weight_decay: float, warmup_steps: int) -> None:

@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..context_parallel import context_parallel_attention, sequence_offset
+from ..context_parallel import sequence_offset
 from .._checks import check_int
-from ..impls import check_attention
+from ..impls import check_attention, context_parallel_attention_for
 from .layers import CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
 
 __all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]
@@ -228,14 +228,13 @@ class GPT(nn.Module):
         """Switch context parallelism on (True: the default process group; a ProcessGroup)
         or off (None/False); see the class docstring."""
         on = not (context_parallel is None or context_parallel is False)
-        if on and self.config.attention != "ttt_flash":
-            raise ValueError(
-                f"GPT(context_parallel=...) needs GPTConfig.attention='ttt_flash', got "
-                f"{self.config.attention!r}"
-            )
+        group = None if isinstance(context_parallel, bool) else context_parallel
+        attend = None
+        if on:
+            attend = context_parallel_attention_for(self.config.attention, group, what="GPTConfig.attention")
+            attend = partial(attend, causal=True)
         self.context_parallel = on
-        self.context_parallel_group = None if isinstance(context_parallel, bool) else context_parallel
-        attend = partial(context_parallel_attention, group=self.context_parallel_group, causal=True) if on else None
+        self.context_parallel_group = group
         for block in self.blocks:
             block.attn.attend = attend
 

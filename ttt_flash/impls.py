@@ -21,29 +21,33 @@ Below the registry, :func:`ttt_flash.flash_attention`'s ``backend`` argument
 (``"auto"``/``"triton"``/``"reference"``) chooses between the Triton kernels and the PyTorch
 reference; ``attention.py`` is the only place that makes that choice. Above it, the Hugging
 Face integration registers ``"ttt_flash"`` under transformers' name ``"ttt_bob"``
-(:data:`HF_NAME`), and ``GPT(..., context_parallel=...)`` replaces the registry's function by
-:func:`ttt_flash.context_parallel.context_parallel_attention` (``"ttt_flash"`` across ranks).
+(:data:`HF_NAME`), and ``GPT(..., context_parallel=...)`` asks :func:`context_parallel_attention_for`
+for the implementation across ranks (:data:`CONTEXT_PARALLEL_IMPLS`: ``"ttt_flash"``, through
+:func:`ttt_flash.context_parallel.context_parallel_attention`).
 
 Every implementation has the signature ``attend(q, k, v, *, causal, window=None)`` with q
 (B, H_q, N_q, D), k and v (B, H_kv, N_k, D), H_q a multiple of H_kv (GQA), scale D^-1/2, and
 returns (B, H_q, N_q, D). ``window`` (causal only) lets each query see its ``window`` most
 recent keys, itself included.
 
-Floor 2½ (docs/architecture.md): imports :mod:`ttt_flash.attention` and
-:mod:`ttt_flash.reference` only.
+Floor 3 (docs/architecture.md): imports :mod:`ttt_flash.attention`,
+:mod:`ttt_flash.context_parallel` and :mod:`ttt_flash.reference` only.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor
 
 from .attention import flash_attention
+from .context_parallel import context_parallel_attention
 from .reference import attention_mask, naive_attention
 
-__all__ = ["ATTENTION_IMPLS", "HF_NAME", "attend", "get_attention", "check_attention"]
+__all__ = ["ATTENTION_IMPLS", "CONTEXT_PARALLEL_IMPLS", "HF_NAME", "attend", "get_attention",
+           "check_attention", "context_parallel_attention_for"]
 
 #: The name transformers knows the ``"ttt_flash"`` implementation by
 #: (``attn_implementation="ttt_bob"``; see :mod:`ttt_flash.integrations.transformers`).
@@ -70,6 +74,9 @@ _REGISTRY: Dict[str, Callable[..., Tensor]] = {"ttt_flash": _ttt_flash, "math": 
 
 #: Every accepted implementation name, in the order the docs list them.
 ATTENTION_IMPLS: Tuple[str, ...] = tuple(_REGISTRY)
+
+#: The implementations that run across context-parallel ranks (exact to second order).
+CONTEXT_PARALLEL_IMPLS: Tuple[str, ...] = ("ttt_flash",)
 
 def check_attention(name: str, allowed: Optional[Sequence[str]] = None, *, what: str = "attention") -> str:
     """Check that ``name`` is an implementation the caller supports; return it.
@@ -107,3 +114,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, impl: str, causal: bool = True,
         torch.Size([1, 2, 5, 8])
     """
     return get_attention(impl)(q, k, v, causal=causal, window=window)
+
+
+def context_parallel_attention_for(name: str, group=None, *, what: str = "attention") -> Callable[..., Tensor]:
+    """Implementation ``name`` with the sequence sharded across the ranks of ``group`` (None:
+    the default process group): ``attend(q, k, v, *, causal, window=None)`` over each rank's
+    block of tokens (:func:`ttt_flash.context_parallel.context_parallel_attention`).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`CONTEXT_PARALLEL_IMPLS`.
+    """
+    if name not in CONTEXT_PARALLEL_IMPLS:
+        raise ValueError(f"context parallelism needs {what}='ttt_flash', got {name!r}")
+    return partial(context_parallel_attention, group=group)

@@ -18,7 +18,7 @@ __all__ = ["flash_attention", "flash_attention_varlen", "GradientMemoryAttention
 
 
 def __getattr__(name: str):
-    # The memory layer sits three floors up (it imports the models); load it only when asked.
+    # The memory layer sits on floor 4 (it imports the models); load it only when asked.
     if name == "GradientMemoryAttention":
         from .memory import GradientMemoryAttention
 

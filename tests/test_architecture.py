@@ -204,3 +204,15 @@ def test_the_checker_sees_a_circle(tmp_path, monkeypatch):
         monkeypatch.setitem(MODULES, f"ttt_flash.{name}", fake)
     with pytest.raises(pytest.fail.Exception, match="import circle: .*bench"):
         test_no_import_circle()
+
+
+def test_every_subpackage_is_installed():
+    # pyproject.toml lists packages by hand (kernels/ and models/ install under ttt_flash): a
+    # new subpackage missing there would import from a checkout but not from an install.
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {m for m in MODULES if _is_package(m)}
+    assert packages == set(tool["packages"])
+    for pkg in packages:
+        folder = MODULES[pkg].parent
+        assert (ROOT / tool["package-dir"][pkg]).resolve() == folder, pkg

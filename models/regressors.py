@@ -26,7 +26,7 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..impls import ATTENTION_IMPLS, attend, check_attention
+from ..impls import ATTENTION_IMPLS, AttentionName, attend, check_attention
 from .gpt import GPT, GPTConfig
 
 __all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "ATTENTIONS"]
@@ -154,7 +154,7 @@ class NetConfig:
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
-    attention: Literal["ttt_flash", "math", "sdpa"] = "ttt_flash"
+    attention: AttentionName = "ttt_flash"
     causal: bool = True
 
     def __post_init__(self):

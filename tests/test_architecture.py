@@ -216,3 +216,16 @@ def test_every_subpackage_is_installed():
     for pkg in packages:
         folder = MODULES[pkg].parent
         assert (ROOT / tool["package-dir"][pkg]).resolve() == folder, pkg
+
+
+def test_one_attention_vocabulary():
+    # The names recipes are checked against (typed signatures) are the registry's names.
+    from typing import get_args
+
+    from ttt_flash.impls import ATTENTION_IMPLS, AttentionName
+    from ttt_flash.memory import MEMORY_ATTENTION_IMPLS, MemoryAttentionName
+    from ttt_flash.models import ATTENTION_IMPLS as MODEL_IMPLS
+
+    assert get_args(AttentionName) == ATTENTION_IMPLS == MODEL_IMPLS
+    assert get_args(MemoryAttentionName) == MEMORY_ATTENTION_IMPLS
+    assert set(MEMORY_ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)

@@ -37,7 +37,7 @@ Floor 3 (docs/architecture.md): imports :mod:`ttt_flash.attention`,
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Literal, Optional, Sequence, Tuple
 
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,7 +46,7 @@ from .attention import flash_attention
 from .context_parallel import context_parallel_attention
 from .reference import attention_mask, naive_attention
 
-__all__ = ["ATTENTION_IMPLS", "CONTEXT_PARALLEL_IMPLS", "HF_NAME", "attend", "get_attention",
+__all__ = ["AttentionName", "ATTENTION_IMPLS", "CONTEXT_PARALLEL_IMPLS", "HF_NAME", "attend", "get_attention",
            "check_attention", "context_parallel_attention_for"]
 
 #: The name transformers knows the ``"ttt_flash"`` implementation by
@@ -71,6 +71,9 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, window: Optional[int
 
 
 _REGISTRY: Dict[str, Callable[..., Tensor]] = {"ttt_flash": _ttt_flash, "math": _math, "sdpa": _sdpa}
+
+#: The type of an ``attention`` argument: recipes' YAML is checked against it (jsonargparse).
+AttentionName = Literal["ttt_flash", "math", "sdpa"]
 
 #: Every accepted implementation name, in the order the docs list them.
 ATTENTION_IMPLS: Tuple[str, ...] = tuple(_REGISTRY)

@@ -28,7 +28,7 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from ._step import LocalGradients, StepTimer
 from .resume import EpochSampler, ResumableLoader
-from ..memory import FastWeightTTT, GradMem, MemoryLM
+from ..impls import AttentionName
+from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
@@ -300,7 +301,7 @@ class GradMemKV(_RecallModule):
         n_head: int = 4,
         d_model: int = 64,
         window: Optional[int] = None,
-        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        attention: AttentionName = "ttt_flash",
         checkpoint: bool = False,
         memory_tokens: int = 8,
         inner_steps: int = 1,
@@ -346,7 +347,7 @@ class TTTE2EMQAR(_RecallModule):
         n_head: int = 4,
         d_model: int = 64,
         window: int = 8,
-        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        attention: AttentionName = "ttt_flash",
         checkpoint: bool = False,
         fast_layers: List[int] = [-1],
         chunk_size: int = 16,
@@ -397,7 +398,7 @@ class MemoryLayerMQAR(_RecallModule):
         inner_steps: int = 1,
         inner_lr: float = 1.0,
         chunk_size: int = 16,
-        attention: Literal["ttt_flash", "math"] = "ttt_flash",
+        attention: MemoryAttentionName = "ttt_flash",
         conv: int = 2,
         checkpoint: bool = False,
         first_order: bool = False,

@@ -35,13 +35,14 @@ and :mod:`ttt_flash.second_order`; never Lightning.
 """
 
 from ._common import masked_lm_loss
-from .attention_layer import MEMORY_ATTENTION_IMPLS, GradientMemoryAttention
+from .attention_layer import MEMORY_ATTENTION_IMPLS, GradientMemoryAttention, MemoryAttentionName
 from .fast_weight import FastWeightTTT
 from .gradmem import GradMem
 from .memory_lm import MemoryLM
 
 __all__ = [
     "MEMORY_ATTENTION_IMPLS",
+    "MemoryAttentionName",
     "masked_lm_loss",
     "GradMem",
     "FastWeightTTT",

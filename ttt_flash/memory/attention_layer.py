@@ -7,7 +7,7 @@ Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Literal, Optional, Tuple
 
 import torch
 from einops import rearrange
@@ -17,12 +17,15 @@ from .._checks import check_int
 from ..impls import attend, check_attention
 from ._common import _inner_grad_mode, _log_lr, inner_step
 
-__all__ = ["MEMORY_ATTENTION_IMPLS", "GradientMemoryAttention"]
+__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "GradientMemoryAttention"]
 
 #: Accepted values of the ``attention`` argument of :class:`GradientMemoryAttention`: the
 #: implementations of :mod:`ttt_flash.impls` with a double backward on every device (SDPA's
 #: fused CUDA kernels have none, and the write differentiates through attention).
 MEMORY_ATTENTION_IMPLS = ("ttt_flash", "math")
+
+#: The type of the ``attention`` argument of :class:`GradientMemoryAttention` (and its recipes).
+MemoryAttentionName = Literal["ttt_flash", "math"]
 
 
 class GradientMemoryAttention(nn.Module):

@@ -8,7 +8,10 @@ Public names:
   sliding window), differentiable twice exactly with ``attention="ttt_flash"``.
 * :class:`Block` — one pre-norm transformer block.
 * :func:`lm_loss` — mean next-token cross-entropy of logits against targets.
-* :data:`ATTENTION_IMPLS` — accepted values of ``GPTConfig.attention``.
+* :data:`ATTENTION_IMPLS` — accepted values of ``GPTConfig.attention`` (the names of
+  :mod:`ttt_flash.impls`).
+* MAML networks (:mod:`~ttt_flash.models.regressors`): :class:`NetConfig`,
+  :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`.
 * layers: :class:`RMSNorm`, :class:`CausalSelfAttention`, :class:`SwiGLU`,
   :func:`causal_attention`, :func:`rope_angles`, :func:`apply_rope`.
 """
@@ -23,6 +26,7 @@ from .layers import (
     causal_attention,
     rope_angles,
 )
+from .regressors import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
 
 __all__ = [
     "GPT",
@@ -36,4 +40,8 @@ __all__ = [
     "causal_attention",
     "rope_angles",
     "apply_rope",
+    "NetConfig",
+    "SinusoidMLP",
+    "TinyTransformer",
+    "GPTRegressor",
 ]

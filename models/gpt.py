@@ -20,8 +20,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..context_parallel import context_parallel_attention, sequence_offset
-from .layers import ATTENTION_IMPLS, CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
+from ..context_parallel import sequence_offset
+from .._checks import check_int
+from ..impls import check_attention, context_parallel_attention_for
+from .layers import CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
 
 __all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]
 
@@ -29,13 +31,6 @@ __all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]
 def _default_mlp_hidden(d_model: int) -> int:
     """8/3 · d_model rounded up to a multiple of 64 (768 → 2048, 64 → 192)."""
     return 64 * math.ceil(8 * d_model / 3 / 64)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"GPTConfig.{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"GPTConfig.{name} must be >= {minimum}, got {value}")
 
 
 @dataclass
@@ -91,13 +86,13 @@ class GPTConfig:
     """Biases in the attention and MLP linear layers (the LM head never has one)."""
 
     def __post_init__(self):
-        _check_int("vocab_size", self.vocab_size, 1)
-        _check_int("n_layer", self.n_layer, 1)
-        _check_int("n_head", self.n_head, 1)
-        _check_int("d_model", self.d_model, 1)
+        check_int("GPTConfig.vocab_size", self.vocab_size, 1)
+        check_int("GPTConfig.n_layer", self.n_layer, 1)
+        check_int("GPTConfig.n_head", self.n_head, 1)
+        check_int("GPTConfig.d_model", self.d_model, 1)
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        _check_int("n_kv_head", self.n_kv_head, 1)
+        check_int("GPTConfig.n_kv_head", self.n_kv_head, 1)
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(
                 f"GPTConfig.n_head ({self.n_head}) must be a multiple of GPTConfig.n_kv_head "
@@ -115,18 +110,15 @@ class GPTConfig:
             )
         if self.mlp_hidden is None:
             self.mlp_hidden = _default_mlp_hidden(self.d_model)
-        _check_int("mlp_hidden", self.mlp_hidden, 1)
+        check_int("GPTConfig.mlp_hidden", self.mlp_hidden, 1)
         if isinstance(self.rope_base, bool) or not isinstance(self.rope_base, numbers.Real):
             raise TypeError(f"GPTConfig.rope_base must be a float, got {type(self.rope_base).__name__}")
         if not (math.isfinite(self.rope_base) and self.rope_base > 1):
             raise ValueError(f"GPTConfig.rope_base must be a finite number > 1, got {self.rope_base}")
         self.rope_base = float(self.rope_base)
         if self.window is not None:
-            _check_int("window", self.window, 1)
-        if self.attention not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"GPTConfig.attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}"
-            )
+            check_int("GPTConfig.window", self.window, 1)
+        check_attention(self.attention, what="GPTConfig.attention")
         for name in ("tie_embeddings", "checkpoint", "bias"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -236,14 +228,13 @@ class GPT(nn.Module):
         """Switch context parallelism on (True: the default process group; a ProcessGroup)
         or off (None/False); see the class docstring."""
         on = not (context_parallel is None or context_parallel is False)
-        if on and self.config.attention != "ttt_flash":
-            raise ValueError(
-                f"GPT(context_parallel=...) needs GPTConfig.attention='ttt_flash', got "
-                f"{self.config.attention!r}"
-            )
+        group = None if isinstance(context_parallel, bool) else context_parallel
+        attend = None
+        if on:
+            attend = context_parallel_attention_for(self.config.attention, group, what="GPTConfig.attention")
+            attend = partial(attend, causal=True)
         self.context_parallel = on
-        self.context_parallel_group = None if isinstance(context_parallel, bool) else context_parallel
-        attend = partial(context_parallel_attention, group=self.context_parallel_group, causal=True) if on else None
+        self.context_parallel_group = group
         for block in self.blocks:
             block.attn.attend = attend
 

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..attention import flash_attention
-from ..reference import attention_mask, naive_attention
+from ..impls import ATTENTION_IMPLS, attend
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -27,9 +26,6 @@ __all__ = [
     "CausalSelfAttention",
     "SwiGLU",
 ]
-
-#: Accepted values of ``GPTConfig.attention``.
-ATTENTION_IMPLS = ("ttt_flash", "sdpa", "math")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -90,31 +86,18 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, *, impl: str, window: Optional[int] = None
 ) -> Tensor:
-    """Causal softmax attention, scale D^-1/2, through one of :data:`ATTENTION_IMPLS`.
+    """Causal softmax attention, scale D^-1/2, through the implementation ``impl`` of
+    :mod:`ttt_flash.impls` (``"ttt_flash"``, ``"math"`` or ``"sdpa"``).
 
     Args:
         q: (B, H_q, N, D); k, v: (B, H_kv, N, D) with H_q a multiple of H_kv (GQA).
-        impl: ``"ttt_flash"`` (:func:`ttt_flash.flash_attention`: exact double backward,
-            O(N) memory on the Triton backend), ``"sdpa"``
-            (``torch.nn.functional.scaled_dot_product_attention`` with its own backend
-            choice; its fused kernels refuse double backward) or ``"math"`` (materialised
-            softmax(QKᵀ)V in plain torch ops: any order of derivative, O(N²) memory).
+        impl: one of :data:`ATTENTION_IMPLS`.
         window: if set, each query sees its ``window`` most recent keys, itself included.
 
     Returns:
         (B, H_q, N, D).
     """
-    if impl == "ttt_flash":
-        return flash_attention(q, k, v, causal=True, window=window, layout="bhnd")
-    if impl == "math":
-        return naive_attention(q, k, v, causal=True, window=window)
-    if impl == "sdpa":
-        gqa = q.shape[1] != k.shape[1]
-        if window is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        mask = attention_mask(q.shape[2], k.shape[2], causal=True, window=window, device=q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    raise ValueError(f"attention implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    return attend(q, k, v, impl=impl, causal=True, window=window)
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,5 +1,5 @@
 """Host (CPU) cost of one chain at small N on the GPU machine, split into its parts
-(issue 4 notes): the whole chain; the chain with every Triton launch replaced by a no-op
+(docs/benchmarks.md, host overhead): the whole chain; the chain with every Triton launch replaced by a no-op
 (Python, autograd and PyTorch ops only); each composer alone; a cProfile of the chain.
 
     python3 scripts/host_probe.py --n 1024

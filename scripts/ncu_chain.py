@@ -1,5 +1,5 @@
 """One chain at N=16,384 (B=1, H=12, d=64, bf16, non-causal) after a warm-up: the program
-``ncu`` profiles for the issue 4 notes (stall reasons, occupancy of each kernel):
+``ncu`` profiles (stall reasons, occupancy of each kernel):
 
     ncu --clock-control none --launch-skip 7 --launch-count 7 --kernel-name regex:_kernel \
         --section WarpStateStats --section Occupancy --section SpeedOfLight python3 scripts/ncu_chain.py

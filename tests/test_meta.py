@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ttt_flash.lightning import MAML, InContextRegressionDataModule, NetConfig, SinusoidDataModule
-from ttt_flash.lightning.nets import SinusoidMLP
+from ttt_flash.models import SinusoidMLP
 from ttt_flash.meta import functional_loss, higher_inner_loop, inner_loop, meta_sgd_lrs, select_adapted
 from ttt_flash.tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks, incontext_mse
 
@@ -70,7 +70,7 @@ def test_transformer_second_order_meta_grad_flash_equals_materialised(kind):
     assert _max_rel_diff(g_first, g_flash) > 1e-3
 
 
-@pytest.mark.parametrize("kind, module", [("transformer", "ttt_flash.lightning.nets"), ("gpt", "ttt_flash.models.layers")],
+@pytest.mark.parametrize("kind, module", [("transformer", "ttt_flash.impls"), ("gpt", "ttt_flash.impls")],
                          ids=["TinyTransformer", "models.GPT"])
 def test_flash_attention_actually_used_in_transformer(kind, module, monkeypatch):
     import importlib

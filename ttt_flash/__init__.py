@@ -5,6 +5,8 @@ Public names:
 
 * :func:`flash_attention` — attention in (B, H, N, D) layout, differentiable twice exactly.
 * :func:`flash_attention_varlen` — the same over packed variable-length sequences.
+* :class:`GradientMemoryAttention` — an attention layer whose memory slots are written by
+  gradient steps through :func:`flash_attention` (:mod:`ttt_flash.memory`; imported on first use).
 * ``__version__``.
 """
 
@@ -12,4 +14,13 @@ from .attention import flash_attention, flash_attention_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "flash_attention_varlen", "__version__"]
+__all__ = ["flash_attention", "flash_attention_varlen", "GradientMemoryAttention", "__version__"]
+
+
+def __getattr__(name: str):
+    # The memory layer sits on floor 4 (it imports the models); load it only when asked.
+    if name == "GradientMemoryAttention":
+        from .memory import GradientMemoryAttention
+
+        return GradientMemoryAttention
+    raise AttributeError(f"module 'ttt_flash' has no attribute {name!r}")

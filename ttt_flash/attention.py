@@ -27,7 +27,6 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Optional
@@ -59,7 +58,11 @@ def _triton_module():
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    # The one reader of TRITON_INTERPRET is kernels/configs.py (the Triton interpreter is a
+    # kernels matter); backend="triton" imports the kernels anyway.
+    from .kernels import configs
+
+    return configs.interpreting()
 
 
 def _resolve_backend(backend: str, q: Tensor) -> str:

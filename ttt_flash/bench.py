@@ -29,19 +29,17 @@ speed reported.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .attention import flash_attention
+from .bench_common import attended_pairs, attention_chain, measure, new_result, progress_bar, write_json
 from .reference import naive_attention
 
 __all__ = ["BenchConfig", "run_bench", "chain_flops", "main"]
@@ -88,17 +86,10 @@ class BenchConfig:
             raise ValueError(f"unknown providers {bad}; choose from {sorted(known)}")
 
 
-def _pairs(n: int, causal: bool, window: Optional[int]) -> float:
-    """(query, key) pairs that attend; causal is counted as N²/2 (the usual convention)."""
-    if window is not None and window < n:
-        return window * (window + 1) / 2 + (n - window) * window
-    return n * n / 2 if causal else float(n * n)
-
-
 def chain_flops(cfg: BenchConfig, n: int, first_order: bool = False) -> float:
     """Flops of one chain (or one first-order fwd+bwd) at sequence length n."""
     per = FIRST_ORDER_FLOPS_PER_PAIR_PER_D if first_order else CHAIN_FLOPS_PER_PAIR_PER_D
-    return per * cfg.head_dim * cfg.batch * cfg.heads * _pairs(n, cfg.causal, cfg.window)
+    return per * cfg.head_dim * cfg.batch * cfg.heads * attended_pairs(n, cfg.causal, cfg.window)
 
 
 # --------------------------------------------------------------------------- providers
@@ -118,13 +109,7 @@ def _inputs(cfg: BenchConfig, n: int, dtype, requires_grad=True, seed=0):
 
 
 def _chain_fn(attn: Callable, q, k, v, do, u) -> Callable[[], tuple]:
-    def run():
-        o = attn(q, k, v)
-        grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-        inner = sum((g * w).sum() for g, w in zip(grads, u))
-        return (o, *grads, *torch.autograd.grad(inner, (q, k, v, do)))
-
-    return run
+    return lambda: attention_chain(attn, q, k, v, do, u)
 
 
 def _sdpa_first_order_fn(cfg: BenchConfig, backend: Optional[str], q, k, v, do) -> Callable[[], tuple]:
@@ -174,57 +159,14 @@ def _single_threaded(fn: Callable) -> Callable:
     return run
 
 
-def median_ms(cfg, fn: Callable) -> float:
-    """Median milliseconds of fn(): ``triton.testing.do_bench`` on CUDA, a wall-clock loop on
-    the CPU. ``cfg`` has ``device``, ``warmup_ms`` and ``rep_ms``."""
-    if cfg.device.startswith("cuda"):
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
-    fn()
-    times = []
-    deadline = time.perf_counter() + max(cfg.rep_ms, 1.0) / 1e3
-    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def _is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
-
-
 def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
-    cuda = cfg.device.startswith("cuda")
-    row = {"provider": provider, "N": n}
-    try:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+    def build():
         fn, first_order = _make(cfg, provider, n)
         if not cfg.autograd_threads:
             fn = _single_threaded(fn)
-        if cuda:
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()  # its outputs are freed on return; the peak stays recorded
-            torch.cuda.synchronize()
-            row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = median_ms(cfg, fn)
-        row["ms"] = ms
-        row["first_order"] = first_order
-        row["tflops"] = chain_flops(cfg, n, first_order) / (ms * 1e-3) / 1e12
-    except Exception as e:  # noqa: BLE001 - OOM and refusals are results, not crashes
-        if _is_oom(e):
-            row["error"] = "OOM"
-        else:
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    finally:
-        if cuda:
-            torch.cuda.empty_cache()
-    return row
+        return fn, chain_flops(cfg, n, first_order), {"first_order": first_order}
+
+    return measure(cfg, provider, n, build)
 
 
 def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
@@ -247,26 +189,6 @@ def check_correctness(cfg: BenchConfig, n: int = 256) -> dict:
         ok &= math.isfinite(err) and err <= 2 * err_math + floor
     res["ok"] = ok
     return res
-
-
-def new_result(cfg, cuda: bool) -> dict:
-    """The result dict every benchmark fills: its config, where and when it ran, no rows yet."""
-    return {
-        "config": asdict(cfg),
-        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": [],
-    }
-
-
-def progress_bar(items, desc: str, progress: bool):
-    """tqdm over ``items`` when tqdm is installed (it comes with Lightning), else the items."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover
-        return items
-    return tqdm(items, desc=desc, disable=not progress, leave=False)
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> dict:
@@ -362,10 +284,7 @@ def plot_panels(result: dict) -> List[str]:
 
 def save(result: dict, out: str) -> List[str]:
     """Write bench.json and (if matplotlib is installed) bench.png into ``out``."""
-    os.makedirs(out, exist_ok=True)
-    paths = [os.path.join(out, "bench.json")]
-    with open(paths[0], "w") as f:
-        json.dump(result, f, indent=1)
+    paths = [write_json(result, out, "bench.json")]
     try:
         import matplotlib
 
@@ -506,10 +425,7 @@ def _gpt_step_main(a) -> int:
                           compile_backend=a.compile_backend, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms)
     result = run_step_bench(cfg)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, "bench_step.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write_json(result, a.out, "bench_step.json")
     print(format_step_table(result))
     if a.out:
         print(f"wrote {path}")

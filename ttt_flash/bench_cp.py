@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .attention import flash_attention
+from .bench_common import write_json
 from .context_parallel import context_parallel_attention, shard_sequence
 from .reference import naive_attention
 
@@ -316,9 +317,5 @@ def main_from_args(a) -> int:
     result = run_cp_bench(cfg)
     print(format_cp_table(result))
     if cfg.out:
-        os.makedirs(cfg.out, exist_ok=True)
-        path = os.path.join(cfg.out, "bench_cp.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_json(result, cfg.out, 'bench_cp.json')}")
     return 0 if result.get("check", {"ok": True})["ok"] else 1

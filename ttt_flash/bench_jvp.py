@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -55,7 +53,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .attention import _impl, _resolve_backend, flash_attention
-from .bench import _pairs, _is_oom, median_ms, new_result
+from .bench_common import attended_pairs, error_text, measure, median_ms, new_result, write_json
 from .reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
@@ -191,28 +189,11 @@ def _sdpa_context(cfg: JvpBenchConfig):
 
 
 def _measure(cfg: JvpBenchConfig, provider: str, n: int) -> dict:
-    cuda = cfg.device.startswith("cuda")
-    row = {"provider": provider, "N": n}
-    try:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        fn = _make(cfg, provider, n)
-        if cuda:
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fn()
-            torch.cuda.synchronize()
-            row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-        ms = median_ms(cfg, fn)
-        flops = FLOPS_PER_PAIR_PER_D[provider] * cfg.head_dim * cfg.batch * cfg.heads * _pairs(n, cfg.causal, None)
-        row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-    except Exception as e:  # noqa: BLE001 - OOM and refusals are results, not crashes
-        row["error"] = "OOM" if _is_oom(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
-    finally:
-        if cuda:
-            torch.cuda.empty_cache()
-    return row
+    def build():
+        flops = FLOPS_PER_PAIR_PER_D[provider] * cfg.head_dim * cfg.batch * cfg.heads
+        return _make(cfg, provider, n), flops * attended_pairs(n, cfg.causal, None), {}
+
+    return measure(cfg, provider, n, build)
 
 
 # --------------------------------------------------------------------------- correctness
@@ -304,7 +285,7 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
                 row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
             row["ms"] = median_ms(cfg, fn)
         except Exception as e:  # noqa: BLE001
-            row["error"] = "OOM" if _is_oom(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+            row["error"] = error_text(e)
         rows.append(row)
     if len(products) == 2:
         a = torch.cat([h.double().flatten() for h in products["fwd_rev"]])
@@ -413,11 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     result = run_jvp_bench(cfg)
     print(format_jvp_table(result))
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        path = os.path.join(a.out, "bench_jvp.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote {write_json(result, a.out, 'bench_jvp.json')}")
     return 0 if result.get("check", {"ok": True})["ok"] else 1
 
 

@@ -29,7 +29,7 @@ from typing import List, Optional
 
 import torch
 
-from .bench import median_ms, new_result, progress_bar
+from .bench_common import median_ms, new_result, progress_bar
 from .models import GPT, GPTConfig
 
 __all__ = ["StepBenchConfig", "run_step_bench", "format_step_table"]

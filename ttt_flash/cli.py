@@ -73,6 +73,7 @@ def _check(argv: Sequence[str]) -> int:
     import torch
 
     from .attention import flash_attention
+    from .bench_common import attention_chain
     from .reference import naive_attention
 
     p = argparse.ArgumentParser(prog="ttt-flash check", description=_COMMANDS["check"])
@@ -106,11 +107,7 @@ def _check(argv: Sequence[str]) -> int:
     def chain(attn, cast):
         q, k, v = (x.to(cast).requires_grad_(True) for x in exact_inputs)
         dov = do.to(cast).requires_grad_(True)
-        o = attn(q, k, v)
-        grads = torch.autograd.grad(o, (q, k, v), dov, create_graph=True)
-        inner = sum((g * w.to(cast)).sum() for g, w in zip(grads, vecs))
-        second = torch.autograd.grad(inner, (q, k, v, dov))
-        return [o, *grads, *second]
+        return attention_chain(attn, q, k, v, dov, [w.to(cast) for w in vecs])
 
     kw = dict(causal=a.causal, window=a.window)
     t0 = time.perf_counter()

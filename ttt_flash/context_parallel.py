@@ -442,18 +442,26 @@ def context_parallel_groups(size: int):
     return cp_group, dp_group
 
 
-def reduce_gradients(params, *, cp_group=None, dp_group=None, weight: Optional[float] = None) -> None:
-    """Gradients of replicated parameters under context parallelism (and data parallelism
-    across context-parallel groups): ``p.grad`` ← the sum over ``cp_group`` of the ranks'
-    shares, then the mean over ``dp_group`` weighted by ``weight`` (this group's share of
-    the global batch; None: 1). A missing gradient counts as zero; gradients carrying a graph
-    are detached. Each step: one all-reduce per dtype and device and group."""
+def local_gradients(params) -> List[Tensor]:
+    """The parameters that require grad, each with a ``p.grad`` ready to reduce: a missing
+    gradient becomes zeros (so that every process reduces the same tensors), a gradient that
+    carries a graph is detached (take Hessian-vector products before reducing)."""
     params = [p for p in params if p.requires_grad]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         elif p.grad.requires_grad:
             p.grad = p.grad.detach()
+    return params
+
+
+def reduce_gradients(params, *, cp_group=None, dp_group=None, weight: Optional[float] = None) -> None:
+    """Gradients of replicated parameters under context parallelism (and data parallelism
+    across context-parallel groups): ``p.grad`` ← the sum over ``cp_group`` of the ranks'
+    shares, then the mean over ``dp_group`` weighted by ``weight`` (this group's share of
+    the global batch; None: 1). A missing gradient counts as zero; gradients carrying a graph
+    are detached. Each step: one all-reduce per dtype and device and group."""
+    params = local_gradients(params)
     w = 1.0 if weight is None else float(weight)
     if not w >= 0:
         raise ValueError(f"weight must be >= 0, got {weight}")

@@ -42,6 +42,7 @@ from .context_parallel import (
     context_parallel_attention,
     context_parallel_attention_varlen,
     context_parallel_groups,
+    local_gradients,
     reduce_gradients,
     sequence_offset,
     shard_sequence,
@@ -138,12 +139,7 @@ def average_gradients(params: Iterable[Tensor], weight: Optional[float] = None) 
     """
     if not is_distributed():
         return
-    params = [p for p in params if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        elif p.grad.requires_grad:
-            p.grad = p.grad.detach()
+    params = local_gradients(params)
     all_reduce_mean_([p.grad for p in params], weight)
 
 

@@ -66,14 +66,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from torch.autograd import forward_ad
 
-from .ops import second_order_grad
+from ._select import Selector, preview as _preview, select_names
+from .second_order import second_order_grad
 
 __all__ = [
     "HessianOperator",
@@ -99,16 +100,10 @@ MODES = ("rev_rev", "fwd_rev")
 
 ParamsLike = Union[nn.Module, Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 LossLike = Union[Tensor, Callable[[], Tensor], "HessianOperator"]
-Select = Union[None, str, Iterable[str], Callable[[str], bool]]
+Select = Selector
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _preview(names: Sequence[str], limit: int = 8) -> str:
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return f"[{shown}{', ...' if len(names) > limit else ''}] ({len(names)} in all)"
 
 
 def select_params(module: nn.Module, names: Select = None) -> Dict[str, Tensor]:
@@ -125,31 +120,8 @@ def select_params(module: nn.Module, names: Select = None) -> Dict[str, Tensor]:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    all_names = [n for n, _ in named]
-    if names is None:
-        chosen = named
-    elif callable(names):
-        chosen = [(n, p) for n, p in named if names(n)]
-    else:
-        wanted = [names] if isinstance(names, str) else list(names)
-        for w in wanted:
-            if not isinstance(w, str):
-                raise TypeError(f"names entries must be parameter names (str), got {type(w).__name__}")
-
-        def hit(n: str, w: str) -> bool:
-            return n == w or n.startswith(w + ".")
-
-        unknown = [w for w in wanted if not any(hit(n, w) for n in all_names)]
-        if unknown:
-            raise ValueError(
-                f"names {unknown} match no parameter requiring grad (exact name or module prefix); "
-                f"parameters are {_preview(all_names)}"
-            )
-        chosen = [(n, p) for n, p in named if any(hit(n, w) for w in wanted)]
-    if not chosen:
-        raise ValueError(f"names={names!r} selects no parameter; parameters are {_preview(all_names)}")
-    return dict(chosen)
+    named = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    return {n: named[n] for n in select_names(list(named), names, pool="parameter requiring grad")}
 
 
 def _as_params(params: ParamsLike) -> tuple:

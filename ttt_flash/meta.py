@@ -48,7 +48,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from .ops import second_order_grad
+from ._select import Selector, preview as _preview, select_names
+from .second_order import second_order_grad
 
 __all__ = [
     "inner_loop",
@@ -57,13 +58,14 @@ __all__ = [
     "select_adapted",
     "meta_sgd_lrs",
     "INNER_OPTIMIZERS",
+    "check_inner_optimizer",
 ]
 
 #: Accepted values of the ``optimizer`` argument of :func:`inner_loop`.
 INNER_OPTIMIZERS = ("sgd", "adam")
 
 #: What :func:`select_adapted` accepts: None (all), a name, names/prefixes, or a predicate.
-Adapt = Union[None, str, Iterable[str], Callable[[str], bool]]
+Adapt = Selector
 LossFn = Callable[[object, object], Tensor]
 
 
@@ -112,11 +114,6 @@ def _check_params(model: nn.Module, params) -> Dict[str, Tensor]:
     return dict(params)
 
 
-def _preview(names, k: int = 8) -> str:
-    names = list(names)
-    return str(names[:k])[:-1] + (", ...]" if len(names) > k else "]")
-
-
 def select_adapted(names: Sequence[str], adapt: Adapt = None) -> List[str]:
     """The parameter names an inner loop adapts, in the order of ``names``.
 
@@ -130,26 +127,7 @@ def select_adapted(names: Sequence[str], adapt: Adapt = None) -> List[str]:
     Raises:
         ValueError: an entry of ``adapt`` matches no parameter, or nothing is selected.
     """
-    names = list(names)
-    if adapt is None:
-        chosen = names
-    elif callable(adapt):
-        chosen = [n for n in names if adapt(n)]
-    else:
-        wanted = [adapt] if isinstance(adapt, str) else list(adapt)
-        for w in wanted:
-            if not isinstance(w, str):
-                raise TypeError(f"adapt entries must be parameter names (str), got {type(w).__name__}")
-        unknown = [w for w in wanted if not any(n == w or n.startswith(w + ".") for n in names)]
-        if unknown:
-            raise ValueError(
-                f"adapt names {unknown} match no parameter (exact name or module prefix); "
-                f"parameters are {_preview(names)}"
-            )
-        chosen = [n for n in names if any(n == w or n.startswith(w + ".") for w in wanted)]
-    if not chosen:
-        raise ValueError(f"adapt={adapt!r} selects no parameter; parameters are {_preview(names)}")
-    return chosen
+    return select_names(names, adapt, arg="adapt")
 
 
 def meta_sgd_lrs(params: Mapping[str, Tensor], lr: float, *, adapt: Adapt = None,
@@ -170,12 +148,13 @@ def meta_sgd_lrs(params: Mapping[str, Tensor], lr: float, *, adapt: Adapt = None
 
 
 def functional_loss(model: nn.Module, params: Optional[Mapping[str, Tensor]], loss_fn: LossFn,
-                    batch) -> Tensor:
+                    batch, *, return_output: bool = False):
     """``loss_fn(model(*inputs), target)`` with the model's parameters replaced by ``params``.
 
     ``batch`` is an ``(inputs, target)`` pair. Parameters absent from ``params`` (and all
     buffers) are the model's own. The model is not mutated. Returns the scalar loss,
-    differentiable w.r.t. ``params`` and whatever they depend on.
+    differentiable w.r.t. ``params`` and whatever they depend on; with ``return_output``,
+    ``(loss, output)`` (the model's output, e.g. for an accuracy).
     """
     _check_model(model)
     args, target = _split_batch(batch, "batch")
@@ -186,7 +165,14 @@ def functional_loss(model: nn.Module, params: Optional[Mapping[str, Tensor]], lo
             "loss_fn must return a scalar tensor, got "
             + (f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__)
         )
-    return loss.reshape(())
+    return (loss.reshape(()), out) if return_output else loss.reshape(())
+
+
+def check_inner_optimizer(optimizer, what: str = "optimizer") -> str:
+    """``optimizer`` if it is one of :data:`INNER_OPTIMIZERS`; else ``ValueError`` naming ``what``."""
+    if optimizer not in INNER_OPTIMIZERS:
+        raise ValueError(f"{what} must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    return optimizer
 
 
 def _check_steps(steps) -> int:
@@ -320,8 +306,7 @@ def inner_loop(
     params = _check_params(model, params)
     steps = _check_steps(steps)
     lr = _check_lr(lr)
-    if optimizer not in INNER_OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {INNER_OPTIMIZERS}, got {optimizer!r}")
+    check_inner_optimizer(optimizer)
     if not isinstance(first_order, bool):
         raise TypeError(f"first_order must be a bool, got {type(first_order).__name__}")
     _split_batch(support_batch, "support_batch")

@@ -10,41 +10,24 @@ with fake (meta) implementations giving output shapes, and ``register_autograd``
 first to the second. The compiled graph calls the same composers (Triton kernels or the
 reference) as eager mode, so a compiled first-order step computes what the eager step does.
 
-Double backward is a different matter: PyTorch's AOTAutograd compiles the backward graph as
-a once-differentiable function and refuses ``create_graph=True`` through it (with an error
-about donated buffers, or "does not currently support double backward"). ttt-flash's
-second-order entry points (:mod:`ttt_flash.meta`, :mod:`ttt_flash.hessian`,
-:mod:`ttt_flash.memory`) catch those errors and say what to do instead
-(:func:`second_order_grad`): run the second-order step eagerly, where the exact FlashBoB
-path works, and compile first-order steps only.
+Double backward through a compiled graph is refused by PyTorch; :mod:`ttt_flash.second_order`
+(:func:`~ttt_flash.second_order.second_order_grad`, re-exported here for old imports) turns that
+refusal into the library's explanation.
 
-Imports torch only (the composer module is passed in by ``attention.py``).
+Floor 0 (docs/architecture.md): imports torch and :mod:`ttt_flash.second_order` only (the
+composer modules are registered by ``attention.py``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .second_order import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
+
 __all__ = ["compiled_attention", "second_order_grad", "COMPILE_DOUBLE_BACKWARD_MESSAGE"]
-
-#: The library's explanation, raised instead of PyTorch's when a second-order gradient is
-#: taken through a graph that ``torch.compile`` built.
-COMPILE_DOUBLE_BACKWARD_MESSAGE = (
-    "second-order gradients (create_graph=True) through a torch.compile'd graph are not "
-    "supported by PyTorch: AOTAutograd compiles backward graphs as once-differentiable, so "
-    "an exact Hessian-vector product, MAML or gradient-written memory step cannot go through "
-    "them. Run second-order steps with the eager (uncompiled) module, where ttt_flash's "
-    "double backward is exact, and compile only first-order steps (or functions that do not "
-    "need gradients of gradients)."
-)
-
-_PYTORCH_MARKERS = (
-    "does not currently support double backward",
-    "donated buffers",
-)
 
 # The composer modules, registered by attention.py under the backend names.
 _COMPOSERS: dict = {}
@@ -104,19 +87,30 @@ def _attention_bwd_fake(q, k, v, o, lse, do, cu_q, cu_k, scale, causal, window, 
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+#: The arguments of ``ttt_flash::attention_fwd``, in schema order, and those that are not tensors.
+_FWD_ARGS = ("q", "k", "v", "cu_q", "cu_k", "scale", "causal", "window", "max_q", "max_k", "backend")
+_STATIC_ARGS = _FWD_ARGS[5:]
+
+
+def _fwd_grads(**grads) -> tuple:
+    """The gradient tuple of ``attention_fwd``'s inputs, from gradients given by argument name
+    (the others None)."""
+    return tuple(grads.get(name) for name in _FWD_ARGS)
+
+
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, *static = inputs
+    args = dict(zip(_FWD_ARGS, inputs))
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.static = static
+    ctx.save_for_backward(args["q"], args["k"], args["v"], o, lse, args["cu_q"], args["cu_k"])
+    ctx.static = {name: args[name] for name in _STATIC_ARGS}
 
 
 def _fwd_backward(ctx, do, _dlse):
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     if do is None:
-        return (None,) * 11
-    dq, dk, dv = _attention_bwd(q, k, v, o, lse, do, cu_q, cu_k, *ctx.static)
-    return (dq, dk, dv) + (None,) * 8
+        return _fwd_grads()
+    dq, dk, dv = _attention_bwd(q, k, v, o, lse, do, cu_q=cu_q, cu_k=cu_k, **ctx.static)
+    return _fwd_grads(q=dq, k=dk, v=dv)
 
 
 def _bwd_setup(ctx, inputs, output):
@@ -137,49 +131,10 @@ def compiled_attention(q, k, v, cu_q, cu_k, *, scale: float, causal: bool, windo
                        max_seqlen_q: Optional[int], max_seqlen_k: Optional[int], backend: str) -> Tensor:
     """The custom-operator path of ``flash_attention`` (used while ``torch.compile`` traces)."""
     o, _ = _attention_fwd(
-        q, k, v, cu_q, cu_k, float(scale), bool(causal),
-        -1 if window is None else int(window),
-        -1 if max_seqlen_q is None else int(max_seqlen_q),
-        -1 if max_seqlen_k is None else int(max_seqlen_k),
-        backend,
+        q, k, v, cu_q=cu_q, cu_k=cu_k, scale=float(scale), causal=bool(causal),
+        window=-1 if window is None else int(window),
+        max_q=-1 if max_seqlen_q is None else int(max_seqlen_q),
+        max_k=-1 if max_seqlen_k is None else int(max_seqlen_k),
+        backend=backend,
     )
     return o
-
-
-def _is_compile_double_backward(e: BaseException) -> bool:
-    return isinstance(e, RuntimeError) and any(m in str(e) for m in _PYTORCH_MARKERS)
-
-
-def _through_compiled_backward(grads, depth: int = 3) -> bool:
-    """Whether a result of ``grad(create_graph=True)`` hangs off a compiled backward graph
-    (AOTAutograd's ``CompiledFunctionBackward`` node, whose own backward raises)."""
-    frontier = [g.grad_fn for g in grads if isinstance(g, Tensor) and g.grad_fn is not None]
-    seen = set()
-    for _ in range(depth):
-        nxt = []
-        for fn in frontier:
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            if fn.name().startswith("CompiledFunctionBackward"):
-                return True
-            nxt.extend(f for f, _ in fn.next_functions)
-        frontier = nxt
-    return False
-
-
-def second_order_grad(outputs, inputs: Sequence[Tensor], **kwargs):
-    """``torch.autograd.grad`` that refuses, with :data:`COMPILE_DOUBLE_BACKWARD_MESSAGE`
-    (``RuntimeError``), what PyTorch cannot do: gradients of gradients through a graph built
-    by ``torch.compile``. With ``create_graph=True`` the check is made at once (PyTorch
-    itself would only fail at the next differentiation, or with an error about donated
-    buffers). Same arguments and result as ``torch.autograd.grad``."""
-    try:
-        grads = torch.autograd.grad(outputs, inputs, **kwargs)
-    except RuntimeError as e:
-        if _is_compile_double_backward(e):
-            raise RuntimeError(COMPILE_DOUBLE_BACKWARD_MESSAGE) from e
-        raise
-    if kwargs.get("create_graph") and _through_compiled_backward(grads):
-        raise RuntimeError(COMPILE_DOUBLE_BACKWARD_MESSAGE)
-    return grads

@@ -26,23 +26,42 @@ format of :mod:`ttt_flash.meta`.
   in tokens (32,768 in the long-context recipe).
 
 Every shape below is for one meta-batch of ``T`` tasks.
+
+The byte corpus (``ByteTextDataModule``'s data, no Lightning here):
+:func:`stdlib_source_files` (the running Python's standard-library sources: nothing to
+download), :func:`expand_paths`, :func:`read_corpus` and :class:`ByteWindows` (next-byte
+windows as a ``torch.utils.data.Dataset``).
+
+Floor 1 (docs/architecture.md): imports torch and numpy only.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import numbers
+import os
+import sysconfig
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from pathlib import Path
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.utils.data import Dataset
+
+from ._checks import check_int
 
 __all__ = [
     "MetaBatch",
     "SinusoidTasks",
     "InContextRegressionTasks",
     "incontext_mse",
+    "stdlib_source_files",
+    "expand_paths",
+    "read_corpus",
+    "ByteWindows",
 ]
 
 
@@ -76,13 +95,6 @@ class MetaBatch(NamedTuple):
         )
 
 
-def _check_int(name: str, x, low: int) -> None:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < low:
-        raise ValueError(f"{name} must be >= {low}, got {x}")
-
-
 def _check_range(name: str, r) -> None:
     if len(r) != 2 or not all(isinstance(a, numbers.Real) and math.isfinite(a) for a in r) or r[0] > r[1]:
         raise ValueError(f"{name} must be a finite (low, high) pair with low <= high, got {r!r}")
@@ -111,8 +123,8 @@ class SinusoidTasks:
     x_range: Tuple[float, float] = (-5.0, 5.0)
 
     def __post_init__(self):
-        _check_int("k_shot", self.k_shot, 1)
-        _check_int("k_query", self.k_query, 1)
+        check_int("k_shot", self.k_shot, 1)
+        check_int("k_query", self.k_query, 1)
         _check_range("amplitude", self.amplitude)
         _check_range("phase", self.phase)
         _check_range("x_range", self.x_range)
@@ -121,7 +133,7 @@ class SinusoidTasks:
                dtype: torch.dtype = torch.float32) -> MetaBatch:
         """A meta-batch: inputs and targets of shape (T, K, 1) / (T, K_q, 1);
         ``task_params`` (T, 2) = (A, φ). Sampled on the CPU from ``generator``."""
-        _check_int("num_tasks", num_tasks, 1)
+        check_int("num_tasks", num_tasks, 1)
         amp = _uniform((num_tasks, 1, 1), *self.amplitude, generator, torch.float64)
         phase = _uniform((num_tasks, 1, 1), *self.phase, generator, torch.float64)
         x = _uniform((num_tasks, self.k_shot + self.k_query, 1), *self.x_range, generator, torch.float64)
@@ -151,12 +163,12 @@ class InContextRegressionTasks:
     noise_std: float = 0.0
 
     def __post_init__(self):
-        _check_int("dim", self.dim, 1)
-        _check_int("seq_len", self.seq_len, 2)
+        check_int("dim", self.dim, 1)
+        check_int("seq_len", self.seq_len, 2)
         if self.seq_len % 2:
             raise ValueError(f"seq_len must be even (an x-token and a y-token per point), got {self.seq_len}")
-        _check_int("support_size", self.support_size, 1)
-        _check_int("query_size", self.query_size, 1)
+        check_int("support_size", self.support_size, 1)
+        check_int("query_size", self.query_size, 1)
         if not (isinstance(self.noise_std, numbers.Real) and self.noise_std >= 0):
             raise ValueError(f"noise_std must be a float >= 0, got {self.noise_std!r}")
 
@@ -174,7 +186,7 @@ class InContextRegressionTasks:
                dtype: torch.dtype = torch.float32) -> MetaBatch:
         """A meta-batch: inputs (T, S, seq_len, dim + 2), targets (T, S, seq_len / 2) (support;
         S_q for the query); ``task_params`` (T, dim) = ``w``. Sampled on the CPU."""
-        _check_int("num_tasks", num_tasks, 1)
+        check_int("num_tasks", num_tasks, 1)
         d, p = self.dim, self.num_points
         s = self.support_size + self.query_size
         w = torch.randn(num_tasks, d, generator=generator, dtype=torch.float64) / math.sqrt(d)
@@ -272,14 +284,14 @@ class AssociativeRecallTasks:
     context_len: Optional[int] = None
 
     def __post_init__(self):
-        _check_int("num_keys", self.num_keys, 1)
-        _check_int("num_values", self.num_values, 2)
-        _check_int("num_pairs", self.num_pairs, 1)
-        _check_int("num_queries", self.num_queries, 1)
+        check_int("num_keys", self.num_keys, 1)
+        check_int("num_values", self.num_values, 2)
+        check_int("num_pairs", self.num_pairs, 1)
+        check_int("num_queries", self.num_queries, 1)
         if self.num_pairs > self.num_keys:
             raise ValueError(f"num_pairs ({self.num_pairs}) must be <= num_keys ({self.num_keys}): keys are distinct")
         if self.context_len is not None:
-            _check_int("context_len", self.context_len, 2)
+            check_int("context_len", self.context_len, 2)
             if self.context_len % 2 or self.context_len < 2 * self.num_pairs:
                 raise ValueError(
                     f"context_len must be even and >= 2 · num_pairs = {2 * self.num_pairs}, got {self.context_len}"
@@ -306,7 +318,7 @@ class AssociativeRecallTasks:
 
     def sample(self, batch_size: int, generator: Optional[torch.Generator] = None) -> RecallBatch:
         """A :class:`RecallBatch` of ``batch_size`` independent sequences, sampled on the CPU."""
-        _check_int("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, 1)
         b, p, q = batch_size, self.num_pairs, self.num_queries
         slots = self.length // 2
         keys = torch.rand(b, self.num_keys, generator=generator).argsort(-1)[:, :p]
@@ -347,3 +359,86 @@ class MQARTasks(AssociativeRecallTasks):
 
 
 __all__ += ["RecallBatch", "AssociativeRecallTasks", "KeyValueRetrievalTasks", "MQARTasks"]
+
+
+# --------------------------------------------------------------------------- byte corpus
+
+_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+def stdlib_source_files() -> List[Path]:
+    """The running Python's standard-library ``*.py`` files, sorted by relative path.
+
+    From ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``
+    (third-party code) and ``__pycache__``. The order is deterministic for one Python
+    installation.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library directory {root} does not exist; pass paths=[...] instead")
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def expand_paths(paths: Sequence[str]) -> List[Path]:
+    """Files named by ``paths``: files as given, directories' files recursively (sorted,
+    hidden ones skipped), glob patterns' matches (sorted). Raises ``FileNotFoundError`` for an
+    entry that names nothing, or when nothing is found."""
+    out: List[Path] = []
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            found = []
+            for dirpath, dirnames, filenames in os.walk(p):
+                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
+            out.extend(sorted(found, key=lambda q: q.relative_to(p).as_posix()))
+        elif any(ch in entry for ch in "*?["):
+            out.extend(Path(m) for m in sorted(glob.glob(str(p), recursive=True)) if Path(m).is_file())
+        else:
+            raise FileNotFoundError(f"{entry!r} is not a file, a directory or a glob pattern that matches a file")
+    if not out:
+        raise FileNotFoundError(f"paths={list(paths)!r} match no file")
+    return out
+
+
+def read_corpus(files: Sequence[Path], max_bytes: Optional[int] = None) -> bytes:
+    """The files' bytes concatenated in order, each followed by a newline, cut at ``max_bytes``."""
+    chunks, total = [], 0
+    for f in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
+        data = Path(f).read_bytes() + b"\n"
+        chunks.append(data)
+        total += len(data)
+    corpus = b"".join(chunks)
+    return corpus if max_bytes is None else corpus[:max_bytes]
+
+
+class ByteWindows(Dataset):
+    """Windows of a 1-D byte-token tensor as next-token pairs. Item i → (x, y), each (seq_len,) int64: bytes [s, s + N) and [s + 1, s + N + 1).
+
+    ``random``: s drawn from a generator seeded with (seed, i), so any index is a fresh,
+    reproducible window whatever the number of workers. Otherwise s is the i-th of
+    ``count`` evenly spaced starts."""
+
+    def __init__(self, tokens: Tensor, seq_len: int, seed: int, random: bool, count: int):
+        self.tokens, self.seq_len, self.seed, self.random, self.count = tokens, seq_len, seed, random, count
+        self.last_start = tokens.numel() - seq_len - 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
+        if self.random:
+            state = np.random.SeedSequence([self.seed, int(i)]).generate_state(1, dtype=np.uint64)[0]
+            start = int(state % np.uint64(self.last_start + 1))
+        else:
+            start = 0 if self.count == 1 else (int(i) * self.last_start) // (self.count - 1)
+        w = self.tokens[start : start + self.seq_len + 1].long()
+        return w[:-1], w[1:]

@@ -68,6 +68,7 @@ import torch
 from torch import Tensor
 
 from ..attention import flash_attention, flash_attention_varlen
+from ..impls import HF_NAME
 
 __all__ = [
     "NAME",
@@ -79,7 +80,7 @@ __all__ = [
 ]
 
 #: The attention implementation name: ``model.set_attn_implementation(NAME)``.
-NAME = "ttt_bob"
+NAME = HF_NAME
 
 #: Oldest transformers release supported (the first with ``ALL_ATTENTION_FUNCTIONS``).
 MIN_TRANSFORMERS = "4.48"

@@ -6,7 +6,7 @@ Public names:
 * :class:`SinusoidDataModule`, :class:`InContextRegressionDataModule`: tasks generated on
   the fly (:mod:`ttt_flash.tasks`), seedable.
 * :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`:
-  the networks MAML meta-trains.
+  the networks MAML meta-trains, re-exported from :mod:`ttt_flash.models` (where they live).
 * :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`: GPT language
   modelling with Sophia-H / AdaHessian / AdamW on byte-level text (stdlib sources by default).
 * :class:`GradMemKV`, :class:`TTTE2EMQAR`, :class:`MemoryLayerMQAR`,
@@ -21,7 +21,7 @@ from .data import InContextRegressionDataModule, SinusoidDataModule
 from .lm import ByteTextDataModule, HessianRefresh, LanguageModel
 from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
-from .nets import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
+from ..models import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer  # moved; re-exported
 from .resume import ResumableCheckpoint, ResumableCSVLogger
 
 __all__ = [

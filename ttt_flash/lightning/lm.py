@@ -36,25 +36,22 @@ Example (a CPU smoke run)::
 from __future__ import annotations
 
 import contextlib
-import glob
 import math
-import os
-import sysconfig
 import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from ..distributed import average_gradients, disable_gradient_sync
+from ._step import LocalGradients, StepTimer
 from ..models import GPT, GPTConfig
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
+from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
 from .resume import EpochSampler, ResumableLoader
 from .context_parallel import ContextParallelPlan
 
@@ -77,6 +74,12 @@ _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
 
 
 # --------------------------------------------------------------------------- callback
+
+
+def _grad_weight(pl_module) -> Optional[int]:
+    """This process's share of the global batch under DDP (None: no share recorded)."""
+    local = getattr(pl_module, "_local", None)
+    return getattr(local, "weight", None) or None
 
 
 class HessianRefresh(Callback):
@@ -186,7 +189,7 @@ class HessianRefresh(Callback):
         try:
             # weight: this process's share of the global batch under DDP (docs/distributed.md).
             optimizer.update_hessian(n_samples=self.n_samples, generator=self._probe_generator(optimizer),
-                                     weight=getattr(pl_module, "_grad_weight", None) or None)
+                                     weight=_grad_weight(pl_module))
         except ValueError as e:
             raise RuntimeError(
                 f"HessianRefresh: {e}. The LightningModule's backward must call "
@@ -218,7 +221,7 @@ class HessianRefresh(Callback):
         with precision.forward_context() if precision is not None else contextlib.nullcontext():
             optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
                                      generator=self._probe_generator(optimizer),
-                                     weight=getattr(pl_module, "_grad_weight", None) or None,
+                                     weight=_grad_weight(pl_module),
                                      mode="fwd_rev", module=pl_module)
         if cuda:
             torch.cuda.synchronize()
@@ -317,7 +320,7 @@ class LanguageModel(LightningModule):
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False
-        self._step_start: Optional[float] = None
+        self._timer, self._local = StepTimer(), LocalGradients()
 
     @property
     def second_order(self) -> bool:
@@ -401,10 +404,7 @@ class LanguageModel(LightningModule):
         return x, y
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
-        if batch[0].is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self._step_start = time.perf_counter()
+        self._timer.start(batch[0].is_cuda)
 
     # ------------------------------------------------------------------ distributed (docs/distributed.md)
 
@@ -419,13 +419,10 @@ class LanguageModel(LightningModule):
         # gradients, weighted by each process's number of tokens. AdamW keeps DDP's own sync
         # (not with context parallelism: its shares are averaged the same explicit way).
         local = self.second_order or self.context_parallel_plan.active
-        self._local_grads = local and disable_gradient_sync(self.trainer.strategy.model)
-        self._grad_weight = 0
+        self._local.begin(self.trainer, local)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        if getattr(self, "_local_grads", False):
-            average_gradients(self.model.parameters(), weight=self._grad_weight)
-        self._grad_weight = 0
+        self._local.average(self.model.parameters())
 
     def _loss(self, batch) -> Tuple[Tensor, Tensor, int, int]:
         """(loss to backpropagate, loss to log, gradient weight, batch size)."""
@@ -439,18 +436,13 @@ class LanguageModel(LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         loss, shown, weight, b = self._loss(batch)
-        self._grad_weight = getattr(self, "_grad_weight", 0) + weight
+        self._local.add(weight)
         self.log("train/loss", shown, prog_bar=True, batch_size=b)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=b)
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        cuda = batch[0].is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch[0].shape[0])
-        if self._step_start is not None:
-            self.log("train/step_time_s", time.perf_counter() - self._step_start, batch_size=batch[0].shape[0])
+        self._timer.log(self, batch[0].is_cuda, batch[0].shape[0])
         opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
         if isinstance(opt, SophiaH) and opt.clip_fraction is not None:
             self.log("train/clip_fraction", opt.clip_fraction, batch_size=batch[0].shape[0])
@@ -467,83 +459,6 @@ class LanguageModel(LightningModule):
 
 
 # --------------------------------------------------------------------------- data
-
-_SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
-
-
-def stdlib_source_files() -> List[Path]:
-    """The running Python's standard-library ``*.py`` files, sorted by relative path.
-
-    From ``sysconfig.get_paths()["stdlib"]``, skipping ``site-packages``/``dist-packages``
-    (third-party code) and ``__pycache__``. The order is deterministic for one Python
-    installation.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise FileNotFoundError(f"the standard library directory {root} does not exist; pass paths=[...] instead")
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.startswith(".")]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _expand(paths: Sequence[str]) -> List[Path]:
-    out: List[Path] = []
-    for entry in paths:
-        p = Path(entry).expanduser()
-        if p.is_file():
-            out.append(p)
-        elif p.is_dir():
-            found = []
-            for dirpath, dirnames, filenames in os.walk(p):
-                dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                found.extend(Path(dirpath) / f for f in filenames if not f.startswith("."))
-            out.extend(sorted(found, key=lambda q: q.relative_to(p).as_posix()))
-        elif any(ch in entry for ch in "*?["):
-            out.extend(Path(m) for m in sorted(glob.glob(str(p), recursive=True)) if Path(m).is_file())
-        else:
-            raise FileNotFoundError(f"{entry!r} is not a file, a directory or a glob pattern that matches a file")
-    if not out:
-        raise FileNotFoundError(f"paths={list(paths)!r} match no file")
-    return out
-
-
-def read_corpus(files: Sequence[Path], max_bytes: Optional[int] = None) -> bytes:
-    """The files' bytes concatenated in order, each followed by a newline, cut at ``max_bytes``."""
-    chunks, total = [], 0
-    for f in files:
-        if max_bytes is not None and total >= max_bytes:
-            break
-        data = Path(f).read_bytes() + b"\n"
-        chunks.append(data)
-        total += len(data)
-    corpus = b"".join(chunks)
-    return corpus if max_bytes is None else corpus[:max_bytes]
-
-
-class _Windows(Dataset):
-    """Item i → (x, y), each (seq_len,) int64: bytes [s, s + N) and [s + 1, s + N + 1).
-
-    ``random``: s drawn from a generator seeded with (seed, i), so any index is a fresh,
-    reproducible window whatever the number of workers. Otherwise s is the i-th of
-    ``count`` evenly spaced starts."""
-
-    def __init__(self, tokens: Tensor, seq_len: int, seed: int, random: bool, count: int):
-        self.tokens, self.seq_len, self.seed, self.random, self.count = tokens, seq_len, seed, random, count
-        self.last_start = tokens.numel() - seq_len - 1
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> Tuple[Tensor, Tensor]:
-        if self.random:
-            state = np.random.SeedSequence([self.seed, int(i)]).generate_state(1, dtype=np.uint64)[0]
-            start = int(state % np.uint64(self.last_start + 1))
-        else:
-            start = 0 if self.count == 1 else (int(i) * self.last_start) // (self.count - 1)
-        w = self.tokens[start : start + self.seq_len + 1].long()
-        return w[:-1], w[1:]
 
 
 class ByteTextDataModule(LightningDataModule):
@@ -612,7 +527,7 @@ class ByteTextDataModule(LightningDataModule):
         if self.train_tokens is not None:
             return
         hp = self.hparams
-        self.files = stdlib_source_files() if self.paths is None else _expand(self.paths)
+        self.files = stdlib_source_files() if self.paths is None else expand_paths(self.paths)
         corpus = read_corpus(self.files, hp.max_bytes)
         tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
         n_val = int(round(tokens.numel() * hp.val_fraction))
@@ -629,14 +544,14 @@ class ByteTextDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         hp = self.hparams
         n = hp.train_batches * hp.batch_size
-        ds = _Windows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
+        ds = ByteWindows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
         return ResumableLoader(ds, batch_size=hp.batch_size, sampler=self._train_order, num_workers=hp.num_workers,
                                drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
 
     def val_dataloader(self) -> DataLoader:
         hp = self.hparams
         n = hp.val_batches * hp.batch_size
-        ds = _Windows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
+        ds = ByteWindows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
         return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers,
                           generator=torch.Generator().manual_seed(hp.seed))
 

@@ -24,19 +24,17 @@ logs ``train/step_time_s`` (wall clock of one outer step) and, on CUDA,
 
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Literal, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from ..distributed import average_gradients, disable_gradient_sync
-from ..meta import INNER_OPTIMIZERS, inner_loop, select_adapted
+from ._step import LocalGradients, StepTimer
+from ..meta import check_inner_optimizer, functional_loss, inner_loop, select_adapted
 from ..tasks import MetaBatch, incontext_mse
-from .nets import NetConfig
+from ..models import NetConfig
 
 __all__ = ["MAML", "LOSSES"]
 
@@ -57,7 +55,7 @@ class MAML(LightningModule):
     """MAML / FOMAML / Meta-SGD / ANIL meta-training of a small network.
 
     Args:
-        net: the network (:class:`ttt_flash.lightning.nets.NetConfig`: an MLP or a transformer
+        net: the network (:class:`ttt_flash.models.NetConfig`: an MLP or a transformer
             whose attention is ``ttt_flash.flash_attention``).
         inner_steps: inner (adaptation) steps per task during training.
         inner_lr: inner step size (initial value of the Meta-SGD step sizes with ``meta_sgd``).
@@ -99,14 +97,14 @@ class MAML(LightningModule):
             raise ValueError(f"inner_lr must be >= 0, got {inner_lr}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if inner_optimizer not in INNER_OPTIMIZERS:
-            raise ValueError(f"inner_optimizer must be one of {INNER_OPTIMIZERS}, got {inner_optimizer!r}")
+        check_inner_optimizer(inner_optimizer, "inner_optimizer")
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self._timer, self._local = StepTimer(), LocalGradients()
         self.net_config = net
         self.net = net.build()
         self.adapted_names = select_adapted([n for n, _ in self.net.named_parameters()], adapt)
@@ -145,11 +143,10 @@ class MAML(LightningModule):
         )
 
     def _score(self, params: Optional[Dict[str, Tensor]], query) -> Dict[str, Tensor]:
-        inputs, target = query
-        out = functional_call(self.net, params or {}, (inputs,))
-        metrics = {"loss": self.loss_fn(out, target)}
+        loss, out = functional_loss(self.net, params, self.loss_fn, query, return_output=True)
+        metrics = {"loss": loss}
         if self.hparams.loss == "cross_entropy":
-            metrics["acc"] = (out.argmax(-1) == target).float().mean()
+            metrics["acc"] = (out.argmax(-1) == query[1]).float().mean()
         return metrics
 
     def _log(self, stage: str, sums: Dict[str, Tensor], tasks: int, **kw) -> None:
@@ -171,23 +168,19 @@ class MAML(LightningModule):
         # Under DDP (docs/distributed.md): DDP's hooks cannot reduce a backward through the
         # inner loop's autograd.grad graph correctly, so they are switched off; each process
         # meta-trains on its own tasks and training_step averages the meta-gradients.
-        self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
+        self._local.begin(self.trainer)
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Lightning switches DDP's sync back on after every manual-optimization forward
         # (its _DDPForwardRedirection): switch it off again before each step, or DDP's
         # reducer joins the next backward (a collective the other path does not match).
-        if getattr(self, "_local_grads", False):
-            disable_gradient_sync(self.trainer.strategy.model)
+        self._local.keep_off(self.trainer)
 
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:
         self._check_batch(batch)
         opt = self.optimizers()
         cuda = batch.support_inputs.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
+        self._timer.start(cuda)
         opt.zero_grad()
         tasks = batch.num_tasks
         sums: Dict[str, Tensor] = {}
@@ -201,15 +194,12 @@ class MAML(LightningModule):
             for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
                                 *((f"{k}_post", v.detach()) for k, v in post.items())]:
                 sums[name] = sums.get(name, 0.0) + value
-        if getattr(self, "_local_grads", False):  # DDP: mean over all processes' tasks
-            average_gradients(self.parameters(), weight=tasks)
+        self._local.add(tasks)  # DDP: mean over all processes' tasks
+        self._local.average(self.parameters())
         if self.hparams.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.hparams.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=tasks)
-        self.log("train/step_time_s", time.perf_counter() - start, batch_size=tasks)
+        self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
         return sums["loss_post"] / tasks
 

@@ -28,7 +28,7 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,9 +37,10 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..distributed import average_gradients, disable_gradient_sync
+from ._step import LocalGradients, StepTimer
 from .resume import EpochSampler, ResumableLoader
-from ..memory import FastWeightTTT, GradMem, MemoryLM
+from ..impls import AttentionName
+from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
@@ -159,6 +160,10 @@ class _RecallModule(LightningModule):
 
     net: nn.Module
 
+    def __init__(self):
+        super().__init__()
+        self._timer, self._local = StepTimer(), LocalGradients()
+
     def _query_logits(self, batch: RecallBatch, write: bool) -> Tuple[Tensor, Optional[Tensor]]:
         raise NotImplementedError
 
@@ -197,16 +202,13 @@ class _RecallModule(LightningModule):
         # Under DDP: its hooks cannot reduce a backward through the inner loops' autograd.grad
         # graphs correctly, so they are switched off; gradients stay local and are averaged
         # in on_before_optimizer_step, weighted by each process's number of query targets.
-        self._local_grads = disable_gradient_sync(self.trainer.strategy.model)
-        self._grad_weight = 0
+        self._local.begin(self.trainer)
 
     def on_before_optimizer_step(self, optimizer) -> None:  # before gradient clipping
-        if getattr(self, "_local_grads", False):
-            average_gradients(self.parameters(), weight=self._grad_weight)
-        self._grad_weight = 0
+        self._local.average(self.parameters())
 
     def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
-        self._grad_weight = getattr(self, "_grad_weight", 0) + batch.query_targets.numel()
+        self._local.add(batch.query_targets.numel())
         metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
@@ -251,21 +253,13 @@ class _RecallModule(LightningModule):
     # ---------------------------------------------------------------- throughput
 
     def on_train_batch_start(self, batch: RecallBatch, batch_idx: int) -> None:
-        if batch.context.is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        self._step_start = time.perf_counter()
+        self._timer.start(batch.context.is_cuda)
 
     def on_train_batch_end(self, outputs, batch: RecallBatch, batch_idx: int) -> None:
-        cuda = batch.context.is_cuda
-        if cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - self._step_start
         b = batch.context.shape[0]
-        self.log("train/step_time_s", elapsed, batch_size=b)
-        self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
-        if cuda:
-            self.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=b)
+        elapsed = self._timer.log(self, batch.context.is_cuda, b)
+        if elapsed is not None:
+            self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
 
 
 def _check_common(lr: float, weight_decay: float, warmup_steps: int) -> None:
@@ -307,7 +301,7 @@ class GradMemKV(_RecallModule):
         n_head: int = 4,
         d_model: int = 64,
         window: Optional[int] = None,
-        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        attention: AttentionName = "ttt_flash",
         checkpoint: bool = False,
         memory_tokens: int = 8,
         inner_steps: int = 1,
@@ -353,7 +347,7 @@ class TTTE2EMQAR(_RecallModule):
         n_head: int = 4,
         d_model: int = 64,
         window: int = 8,
-        attention: Literal["ttt_flash", "sdpa", "math"] = "ttt_flash",
+        attention: AttentionName = "ttt_flash",
         checkpoint: bool = False,
         fast_layers: List[int] = [-1],
         chunk_size: int = 16,
@@ -404,7 +398,7 @@ class MemoryLayerMQAR(_RecallModule):
         inner_steps: int = 1,
         inner_lr: float = 1.0,
         chunk_size: int = 16,
-        attention: Literal["ttt_flash", "math"] = "ttt_flash",
+        attention: MemoryAttentionName = "ttt_flash",
         conv: int = 2,
         checkpoint: bool = False,
         first_order: bool = False,

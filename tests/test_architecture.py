@@ -1,0 +1,231 @@
+"""The house's floors (docs/architecture.md), read from the source: every import of a library
+module points down or across a floor, never up, and the imports form no circle.
+
+Reads the files with ``ast`` (nothing is imported), so a new upward import fails here with the
+file, the line and the two floors.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: Where the installed package's parts live (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"ttt_flash": ROOT / "ttt_flash", "ttt_flash.kernels": ROOT / "kernels",
+                "ttt_flash.models": ROOT / "models"}
+
+#: The floors, lowest first: a module may import modules of its own floor or lower ones.
+#: The first matching prefix (longest first) gives a module's floor.
+FLOORS: Dict[str, int] = {
+    # 0: helpers that import the standard library and torch only
+    "ttt_flash._checks": 0,
+    "ttt_flash._select": 0,
+    "ttt_flash.second_order": 0,
+    "ttt_flash.ops": 0,
+    # 1: kernels, the reference, model-agnostic loops, tasks and data
+    "ttt_flash.kernels": 1,
+    "ttt_flash.reference": 1,
+    "ttt_flash.meta": 1,
+    "ttt_flash.hessian": 1,
+    "ttt_flash.tasks": 1,
+    # 2: the attention core, attention across processes, data-parallel averaging, optimisers
+    "ttt_flash.attention": 2,
+    "ttt_flash.context_parallel": 2,
+    "ttt_flash.distributed": 2,
+    "ttt_flash.optim": 2,
+    "ttt_flash": 2,  # the package façade: flash_attention, flash_attention_varlen
+    # 3: the registry of attention implementations
+    "ttt_flash.impls": 3,
+    # 4: models, memory layers, benchmarks, integrations
+    "ttt_flash.models": 4,
+    "ttt_flash.memory": 4,
+    "ttt_flash.bench_common": 4,
+    "ttt_flash.bench": 4,
+    "ttt_flash.bench_step": 4,
+    "ttt_flash.bench_jvp": 4,
+    "ttt_flash.bench_cp": 4,
+    "ttt_flash.integrations": 4,
+    # 5: Lightning glue
+    "ttt_flash.lightning": 5,
+    # 6: the command line
+    "ttt_flash._recipe_cli": 6,
+    "ttt_flash.cli": 6,
+}
+
+#: Imports allowed to point up, each with its reason.
+EXCEPTIONS = {
+    ("ttt_flash", "ttt_flash.memory"): "the façade's __getattr__ lends GradientMemoryAttention on first use",
+}
+
+#: Third-party packages only the Lightning floors (5 and up) may import.
+LIGHTNING = ("lightning", "pytorch_lightning", "jsonargparse")
+
+
+def _modules() -> Dict[str, Path]:
+    mods = {}
+    for pkg, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            # subpackages of ttt_flash that live elsewhere are listed under their own key
+            if pkg == "ttt_flash" and parts and f"ttt_flash.{parts[0]}" in PACKAGE_DIRS:
+                continue
+            mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def floor(module: str) -> int:
+    for prefix in sorted(FLOORS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return FLOORS[prefix]
+    raise KeyError(f"{module} has no floor: add it to FLOORS here and to docs/architecture.md")
+
+
+def _where(module: str) -> str:
+    path = MODULES[module]
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _is_package(module: str) -> bool:
+    return MODULES[module].name == "__init__.py"
+
+
+def imports(module: str) -> List[Tuple[str, int]]:
+    """(imported library module, line) for every import in ``module``'s file, lazy ones too."""
+    tree = ast.parse(MODULES[module].read_text(), filename=str(MODULES[module]))
+    here = module if _is_package(module) else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                out.append((sub if sub in MODULES else target, node.lineno))
+    return [(name, line) for name, line in out]
+
+
+def _library(name: str) -> str:
+    """The library module an import names (the longest known prefix), or '' if third-party."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def test_every_module_has_a_floor():
+    assert "ttt_flash.memory.gradmem" in MODULES and "ttt_flash.models.regressors" in MODULES
+    for module in MODULES:
+        floor(module)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module):
+    bad = []
+    for name, line in imports(module):
+        target = _library(name)
+        if not target or target == module:
+            continue
+        if floor(target) > floor(module) and (module, target) not in EXCEPTIONS:
+            bad.append(f"{_where(module)}:{line} imports {target} "
+                       f"(floor {floor(target)}) from floor {floor(module)}")
+    for name, line in imports(module):
+        if name.split(".")[0] in LIGHTNING and floor(module) < 5:
+            bad.append(f"{_where(module)}:{line} imports {name} below the Lightning floor")
+    assert not bad, "imports that run up a floor:\n" + "\n".join(bad)
+
+
+def test_kernels_import_torch_and_triton_only():
+    for module in (m for m in MODULES if m.startswith("ttt_flash.kernels")):
+        for name, line in imports(module):
+            target = _library(name)
+            assert not target or target.startswith("ttt_flash.kernels"), \
+                f"{_where(module)}:{line} imports {target}"
+
+
+def test_reference_never_imports_kernels():
+    assert not [n for n, _ in imports("ttt_flash.reference") if _library(n).startswith("ttt_flash.kernels")]
+
+
+def test_no_import_circle():
+    graph = {m: sorted({_library(n) for n, _ in imports(m)} - {"", m}) for m in MODULES}
+    for a, b in EXCEPTIONS:
+        graph[a] = [t for t in graph[a] if t != b]
+    state: Dict[str, int] = {}  # 1: on the current path, 2: done
+    path: List[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in graph[m]:
+            # importing a.b.c runs the packages a and a.b first; those edges are package inits
+            if state.get(t) == 1:
+                cycle = path[path.index(t):] + [t]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    # A floor-1 module importing a floor-4 one is reported (the check is not vacuous).
+    fake = tmp_path / "meta.py"
+    fake.write_text("from .models import GPT\n")
+    monkeypatch.setitem(MODULES, "ttt_flash.meta", fake)
+    with pytest.raises(AssertionError, match="imports ttt_flash.models \\(floor 4\\) from floor 1"):
+        test_imports_point_down("ttt_flash.meta")
+
+
+def test_the_checker_sees_a_circle(tmp_path, monkeypatch):
+    # bench.py importing bench_step.py, which imports bench.py, is a circle (the old shape).
+    for name, text in (("bench", "from .bench_step import run_step_bench\n"),
+                       ("bench_step", "from .bench import median_ms\n")):
+        fake = tmp_path / f"{name}.py"
+        fake.write_text(text)
+        monkeypatch.setitem(MODULES, f"ttt_flash.{name}", fake)
+    with pytest.raises(pytest.fail.Exception, match="import circle: .*bench"):
+        test_no_import_circle()
+
+
+def test_every_subpackage_is_installed():
+    # pyproject.toml lists packages by hand (kernels/ and models/ install under ttt_flash): a
+    # new subpackage missing there would import from a checkout but not from an install.
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {m for m in MODULES if _is_package(m)}
+    assert packages == set(tool["packages"])
+    for pkg in packages:
+        folder = MODULES[pkg].parent
+        assert (ROOT / tool["package-dir"][pkg]).resolve() == folder, pkg
+
+
+def test_one_attention_vocabulary():
+    # The names recipes are checked against (typed signatures) are the registry's names.
+    from typing import get_args
+
+    from ttt_flash.impls import ATTENTION_IMPLS, AttentionName
+    from ttt_flash.memory import MEMORY_ATTENTION_IMPLS, MemoryAttentionName
+    from ttt_flash.models import ATTENTION_IMPLS as MODEL_IMPLS
+
+    assert get_args(AttentionName) == ATTENTION_IMPLS == MODEL_IMPLS
+    assert get_args(MemoryAttentionName) == MEMORY_ATTENTION_IMPLS
+    assert set(MEMORY_ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)

@@ -1,0 +1,141 @@
+"""What the benchmarks share (``bench.py``, ``bench_step.py``, ``bench_jvp.py``,
+``bench_cp.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
+row, the JSON file, and the attention chain forward → backward → backward-over-backward.
+
+Floor 3 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
+the benchmark modules import it, never each other (``bench.py`` dispatches to the others
+from its ``main`` only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "attention_chain",
+    "attended_pairs",
+    "median_ms",
+    "is_oom",
+    "error_text",
+    "new_result",
+    "progress_bar",
+    "measure",
+    "write_json",
+]
+
+
+def attention_chain(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor,
+                    do: Tensor, u: Sequence[Tensor]) -> Tuple[Tensor, ...]:
+    """The chain every second-order use of attention runs: ``o = attn(q, k, v)``, the first
+    backward ``(dq, dk, dv)`` for cotangent ``do`` (with its graph), then the gradients of
+    ``⟨u_q, dq⟩ + ⟨u_k, dk⟩ + ⟨u_v, dv⟩`` w.r.t. ``(q, k, v, do)``.
+
+    ``q``, ``k``, ``v``, ``do`` must require grad; ``u`` holds three tensors of the shapes of
+    ``(q, k, v)``. Returns ``(o, dq, dk, dv, q̄, k̄, v̄, dō)``.
+    """
+    o = attn(q, k, v)
+    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    inner = sum((g * w).sum() for g, w in zip(grads, u))
+    return (o, *grads, *torch.autograd.grad(inner, (q, k, v, do)))
+
+
+def attended_pairs(n: int, causal: bool, window: Optional[int]) -> float:
+    """(query, key) pairs that attend; causal is counted as N²/2 (the usual convention)."""
+    if window is not None and window < n:
+        return window * (window + 1) / 2 + (n - window) * window
+    return n * n / 2 if causal else float(n * n)
+
+
+def median_ms(cfg, fn: Callable) -> float:
+    """Median milliseconds of fn(): ``triton.testing.do_bench`` on CUDA, a wall-clock loop on
+    the CPU. ``cfg`` has ``device``, ``warmup_ms`` and ``rep_ms``."""
+    if cfg.device.startswith("cuda"):
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + max(cfg.rep_ms, 1.0) / 1e3
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def error_text(e: BaseException) -> str:
+    """A row's ``error``: ``"OOM"``, or the exception's type and first line (80 characters)."""
+    return "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def new_result(cfg, cuda: bool) -> dict:
+    """The result dict every benchmark fills: its config, where and when it ran, no rows yet."""
+    return {
+        "config": asdict(cfg),
+        "device_name": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": [],
+    }
+
+
+def progress_bar(items, desc: str, progress: bool):
+    """tqdm over ``items`` when tqdm is installed (it comes with Lightning), else the items."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover
+        return items
+    return tqdm(items, desc=desc, disable=not progress, leave=False)
+
+
+def measure(cfg, provider: str, n: int, build: Callable[[], Tuple[Callable, float, Dict]]) -> dict:
+    """One row: ``build()`` gives ``(fn, flops, extra)``; the row has ``provider``, ``N``, on
+    CUDA ``peak_gib`` (of one call of ``fn`` beyond what was allocated before), ``ms``
+    (:func:`median_ms`), ``extra``'s entries and ``tflops``, or ``error`` (:func:`error_text`:
+    an OOM or a refusal is a result, not a crash)."""
+    cuda = cfg.device.startswith("cuda")
+    row = {"provider": provider, "N": n}
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        fn, flops, extra = build()
+        if cuda:
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()  # its outputs are freed on return; the peak stays recorded
+            torch.cuda.synchronize()
+            row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        ms = median_ms(cfg, fn)
+        row["ms"] = ms
+        row.update(extra)
+        row["tflops"] = flops / (ms * 1e-3) / 1e12
+    except Exception as e:  # noqa: BLE001 - OOM and refusals are results, not crashes
+        row["error"] = error_text(e)
+    finally:
+        if cuda:
+            torch.cuda.empty_cache()
+    return row
+
+
+def write_json(result: dict, out: str, name: str) -> str:
+    """Write ``result`` to ``out/name`` (creating ``out``); return the path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path

@@ -1,0 +1,157 @@
+"""GradientMemoryAttention: an attention layer that reads memory slots plus the current chunk
+and writes each chunk into the slots by gradient steps through softmax attention.
+
+Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and
+:mod:`ttt_flash.memory._common`; never Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Tuple
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from .._checks import check_int
+from ..impls import attend, check_attention
+from ._common import _inner_grad_mode, _log_lr, inner_step
+
+__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "GradientMemoryAttention"]
+
+#: Accepted values of the ``attention`` argument of :class:`GradientMemoryAttention`: the
+#: implementations of :mod:`ttt_flash.impls` with a double backward on every device (SDPA's
+#: fused CUDA kernels have none, and the write differentiates through attention).
+MEMORY_ATTENTION_IMPLS = ("ttt_flash", "math")
+
+#: The type of the ``attention`` argument of :class:`GradientMemoryAttention` (and its recipes).
+MemoryAttentionName = Literal["ttt_flash", "math"]
+
+
+class GradientMemoryAttention(nn.Module):
+    r"""Attention over gradient-written memory slots plus causal attention within a chunk.
+
+    Per head (dimension D, scale τ = D^{-1/2}), with projections q_t, k_t, v_t of the input
+    and S slots with keys K ∈ R^{S×D} and values V ∈ R^{S×D} (initial K_0, V_0 learned), the
+    sequence is cut into chunks c = 1, 2, … of C tokens. Chunk c
+
+    1. reads: o_t = softmax(τ q_t [K_c; k_{c,≤t}]ᵀ) [V_c; v_{c,≤t}] for t in chunk c — one
+       causal attention call with the S slot keys in front of the chunk's keys and the
+       mask aligned bottom-right, so every query sees all slots and the chunk up to itself;
+    2. is written (not after the last chunk) by ``inner_steps`` gradient steps on the
+       reconstruction loss through softmax attention over the slots, addressed by the
+       chunk's keys:
+
+           ℓ_c(K, V) = (1 / 2C) Σ_{t ∈ c} ‖ softmax(τ k_t Kᵀ) V − v_t ‖²
+           (K, V) ← (K, V) − η ∇_{(K, V)} ℓ_c(K, V)
+
+       with η = e^{log η} learned. The write keeps its graph (``create_graph=True``), so
+       the outer loss differentiates through every write (second order: exact through
+       :func:`ttt_flash.flash_attention`).
+
+    Output: ``proj(o)``. Each sequence and head has its own slots; no positions are used
+    (order enters through the causal mask and the chunk order), so RoPE tables passed by a
+    host model (e.g. :class:`~ttt_flash.models.Block` calls ``attn(x, cos, sin)``) are
+    accepted and ignored: ``block.attn = GradientMemoryAttention(...)`` replaces a GPT's
+    attention.
+
+    Args:
+        d_model: input and output width.
+        heads: number of heads (d_model divisible by it).
+        memory_slots: S.
+        inner_steps: gradient steps per write.
+        inner_lr: initial η.
+        chunk_size: C.
+        attention: ``"ttt_flash"`` or ``"math"`` (materialised softmax, for tests).
+        first_order: treat the write gradients as constants.
+        learn_inner_lr: train log η.
+        bias: biases in the projections.
+
+    Example::
+
+        >>> import torch
+        >>> from ttt_flash.memory import GradientMemoryAttention
+        >>> layer = GradientMemoryAttention(32, 4, memory_slots=8, inner_steps=1, inner_lr=1.0, chunk_size=16)
+        >>> layer(torch.randn(2, 40, 32)).shape
+        torch.Size([2, 40, 32])
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        heads: int,
+        memory_slots: int = 16,
+        inner_steps: int = 1,
+        inner_lr: float = 1.0,
+        chunk_size: int = 64,
+        *,
+        attention: str = "ttt_flash",
+        first_order: bool = False,
+        learn_inner_lr: bool = True,
+        bias: bool = False,
+    ):
+        super().__init__()
+        check_int("d_model", d_model, 1)
+        check_int("heads", heads, 1)
+        check_int("memory_slots", memory_slots, 1)
+        check_int("inner_steps", inner_steps, 0)
+        check_int("chunk_size", chunk_size, 1)
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
+        check_attention(attention, MEMORY_ATTENTION_IMPLS)
+        self.heads, self.head_dim = heads, d_model // heads
+        self.inner_steps, self.chunk_size = inner_steps, chunk_size
+        self.attention, self.first_order = attention, bool(first_order)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.slot_k = nn.Parameter(torch.randn(heads, memory_slots, self.head_dim))
+        self.slot_v = nn.Parameter(torch.zeros(heads, memory_slots, self.head_dim))
+        self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+
+    @property
+    def inner_lr(self) -> Tensor:
+        return self.log_inner_lr.exp()
+
+    def write_loss(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """ℓ_c summed over batch and heads: slots (B, H, S, D), chunk keys/values (B, H, C, D)."""
+        recon = attend(k, slot_k, slot_v, impl=self.attention, causal=False)
+        return 0.5 * (recon - v).square().sum() / k.shape[2]
+
+    def write(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor,
+              first_order: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
+        """The slots after writing one chunk (``inner_steps`` gradient steps)."""
+        first_order = self.first_order if first_order is None else first_order
+        track, create_graph = _inner_grad_mode(first_order)
+        lr = self.inner_lr
+        for _ in range(self.inner_steps):
+            (slot_k, slot_v), _ = inner_step(lambda sk, sv: self.write_loss(sk, sv, k, v), (slot_k, slot_v), lr,
+                                             track=track, create_graph=create_graph)
+        if not track:
+            slot_k, slot_v = slot_k.detach(), slot_v.detach()
+        return slot_k, slot_v
+
+    def forward(self, x: Tensor, *unused, write: bool = True, **unused_kw) -> Tensor:
+        """x: (B, N, d_model) → (B, N, d_model). ``write=False`` never writes (every chunk
+        reads the initial slots: the pre-write baseline). Other arguments are ignored.
+        An empty sequence (N = 0) gives an empty (B, 0, d_model) output."""
+        width = self.qkv.in_features
+        if x.dim() != 3 or x.shape[-1] != width:
+            raise ValueError(
+                f"GradientMemoryAttention expects x of shape (batch, seq_len, d_model={width}), got "
+                f"{tuple(x.shape)}" + ("; add a batch dimension with x.unsqueeze(0)" if x.dim() == 2 else "")
+            )
+        batch, n, _ = x.shape
+        if n == 0:
+            return self.proj(x.new_zeros(batch, 0, self.proj.in_features))
+        q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        slot_k = self.slot_k.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
+        slot_v = self.slot_v.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
+        outs = []
+        for start in range(0, n, self.chunk_size):
+            end = min(n, start + self.chunk_size)
+            qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+            keys, values = torch.cat([slot_k, kc], dim=2), torch.cat([slot_v, vc], dim=2)
+            outs.append(attend(qc, keys, values, impl=self.attention, causal=True))
+            if write and end < n:
+                slot_k, slot_v = self.write(slot_k, slot_v, kc, vc)
+        return self.proj(rearrange(torch.cat(outs, dim=2), "b h n d -> b n (h d)"))

@@ -1,0 +1,142 @@
+"""GradMem: memory tokens written by gradient steps on the context's LM loss.
+
+Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and
+:mod:`ttt_flash.memory._common`; never Lightning.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import check_int
+from ..models import GPT
+from ._common import _inner_grad_mode, _log_lr, inner_step, masked_lm_loss
+
+__all__ = ["GradMem"]
+
+
+class GradMem(nn.Module):
+    r"""Gradient-written memory tokens for a :class:`~ttt_flash.models.GPT` (GradMem-style).
+
+    With memory tokens :math:`M_0 \in R^{m×d}` (learned), a context ``c`` with next-token
+    targets ``t`` and step size :math:`η = e^{\log η}` (learned):
+
+        M_{s+1} = M_s − η ∇_M L_c(M_s),   s = 0 … k−1,
+        L_c(M)  = Σ_b mean_{i: t_{b,i} ≠ −100} CE(GPT([M; E c_b])_{m+i}, t_{b,i})
+
+    (the loss is summed over the batch so that each sequence's memory takes its own
+    gradient, unscaled by the batch size). The answer to a query ``q`` is
+    ``GPT([M_k; E q])`` at the query positions: the query sees the written memory, never
+    the context. The GPT weights are fixed inside the loop; the outer loss trains them,
+    :math:`M_0` and :math:`\log η` through every inner step (second order unless
+    ``first_order``).
+
+    Positions: memory tokens take RoPE positions 0…m−1, the context and the query
+    m, m+1, …
+
+    Args:
+        model: the language model (uses ``model.tok_emb`` and
+            ``model(inputs_embeds=...)``).
+        memory_tokens: m.
+        inner_steps: k (0: the memory is never written; a baseline).
+        inner_lr: initial η.
+        first_order: drop second-order terms (treat ∇_M L_c as a constant).
+        learn_inner_lr: train log η.
+
+    Example::
+
+        >>> import torch
+        >>> from ttt_flash.models import GPT, GPTConfig
+        >>> from ttt_flash.memory import GradMem
+        >>> gm = GradMem(GPT(GPTConfig.tiny(vocab_size=32, n_layer=1)), memory_tokens=4)
+        >>> ctx = torch.randint(0, 32, (2, 10))
+        >>> logits = gm(ctx, ctx.roll(-1, 1), ctx[:, :3])
+        >>> logits.shape
+        torch.Size([2, 3, 32])
+        >>> logits.sum().backward()  # second order through the write
+    """
+
+    def __init__(
+        self,
+        model: GPT,
+        memory_tokens: int = 8,
+        inner_steps: int = 1,
+        inner_lr: float = 1.0,
+        *,
+        first_order: bool = False,
+        learn_inner_lr: bool = True,
+    ):
+        super().__init__()
+        check_int("memory_tokens", memory_tokens, 1)
+        check_int("inner_steps", inner_steps, 0)
+        self.model = model
+        self.inner_steps, self.first_order = inner_steps, bool(first_order)
+        self.memory = nn.Parameter(torch.randn(memory_tokens, model.config.d_model) * 0.02)
+        self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+
+    @property
+    def num_memory(self) -> int:
+        return self.memory.shape[0]
+
+    @property
+    def inner_lr(self) -> Tensor:
+        """η = exp(log η)."""
+        return self.log_inner_lr.exp()
+
+    def initial_memory(self, batch: int) -> Tensor:
+        """M_0 expanded to (batch, m, d_model)."""
+        return self.memory.unsqueeze(0).expand(batch, -1, -1)
+
+    def _with_memory(self, memory: Tensor, idx: Tensor) -> Tensor:
+        emb = self.model.tok_emb(idx)
+        x = torch.cat([memory.to(emb.dtype), emb], dim=1)
+        return self.model(inputs_embeds=x)[:, memory.shape[1]:]
+
+    def write_loss(self, memory: Tensor, context: Tensor, context_targets: Tensor) -> Tensor:
+        """L_c(M): the per-sequence masked LM loss of ``context`` after ``memory``, summed
+        over the batch (a scalar)."""
+        return masked_lm_loss(self._with_memory(memory, context), context_targets).sum()
+
+    def write(
+        self,
+        context: Tensor,
+        context_targets: Tensor,
+        *,
+        steps: Optional[int] = None,
+        first_order: Optional[bool] = None,
+    ) -> Tuple[Tensor, List[Tensor]]:
+        """Write a context into the memory.
+
+        Args:
+            context: (B, L) token ids.
+            context_targets: (B, L) next-token targets, ``-100`` where not scored.
+            steps: inner steps (default ``self.inner_steps``).
+            first_order: default ``self.first_order``.
+
+        Returns:
+            ``(memory, losses)``: the written (B, m, d_model) memory and the detached write
+            loss (mean over the batch) before each step.
+        """
+        steps = self.inner_steps if steps is None else steps
+        first_order = self.first_order if first_order is None else first_order
+        track, create_graph = _inner_grad_mode(first_order)
+        memory = self.initial_memory(context.shape[0])
+        lr = self.inner_lr
+        losses = []
+        for _ in range(steps):
+            (memory,), loss = inner_step(lambda m: self.write_loss(m, context, context_targets), (memory,), lr,
+                                         track=track, create_graph=create_graph)
+            losses.append(loss.detach() / context.shape[0])
+        return (memory if track else memory.detach()), losses
+
+    def read(self, memory: Tensor, query: Tensor) -> Tensor:
+        """(B, Q, vocab) logits of ``query`` (B, Q) after ``memory`` (B, m, d_model)."""
+        return self._with_memory(memory, query)
+
+    def forward(self, context: Tensor, context_targets: Tensor, query: Tensor) -> Tensor:
+        """Write ``context``, then return the query logits read from the written memory."""
+        memory, _ = self.write(context, context_targets)
+        return self.read(memory, query)

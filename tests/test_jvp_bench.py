@@ -19,4 +19,23 @@ def test_bench_jvp_runs_on_cpu(tmp_path, one_thread, capsys):
     assert all("ratio_sdpa_fwd" in r for r in result["rows"] if r["provider"] in ("tangent_fwd", "jvp_bwd"))
     hvp = {r["provider"]: r for r in result["hvp"]}
     assert hvp["gpt_hvp_fwd_rev"]["rel_diff_vs_rev_rev"] < 1e-4  # float32: same product
-    assert "tangent_fwd" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tangent_fwd" in out
+    header = next(line for line in out.splitlines() if line.startswith("provider"))
+    assert "GFLOP/s" in header  # on the CPU: no rate column that reads 0.0
+    rates = [float(line.split()[3]) for line in out.splitlines()
+             if line.split() and line.split()[0] in default_providers()]
+    assert rates and all(r > 0 for r in rates)
+
+
+def test_bench_jvp_help_describes_every_option(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        bench_main(["--jvp", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for opt in ("--seq-lens", "--batch", "--heads", "--head-dim", "--dtype", "--causal", "--providers",
+                "--device", "--warmup-ms", "--rep-ms", "--hvp-seq-len", "--hvp-batch", "--hvp-layers",
+                "--hvp-d-model", "--hvp-vocab", "--out"):
+        assert opt in text
+    assert text.count("(default:") >= 16  # every option ends with its default

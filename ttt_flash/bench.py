@@ -39,7 +39,9 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from .attention import flash_attention
-from .bench_common import attended_pairs, attention_chain, measure, new_result, progress_bar, write_json
+from .bench_common import (
+    HelpFormatter, attended_pairs, attention_chain, flop_unit, measure, new_result, progress_bar, write_json,
+)
 from .reference import naive_attention
 
 __all__ = ["BenchConfig", "run_bench", "chain_flops", "main"]
@@ -231,13 +233,6 @@ def _add_ratios(result: dict) -> None:
                     r[f"ratio_{unit}"] = r["ms"] / u["ms"]
 
 
-def flop_unit(rows: Sequence[dict]) -> tuple:
-    """(name, divisor of TFLOP/s) for a table's rate column: TFLOP/s when any rate reaches
-    1 TFLOP/s (GPUs), else GFLOP/s (the CPU), so that no column reads 0.0."""
-    rates = [r["tflops"] for r in rows if "tflops" in r]
-    return ("TFLOP/s", 1.0) if rates and max(rates) >= 1.0 else ("GFLOP/s", 1e-3)
-
-
 def format_table(result: dict) -> str:
     """The printed table: one row per (provider, N). Columns without a value in any row
     (peak memory on the CPU, the cuDNN ratio without cuDNN) are left out."""
@@ -322,10 +317,6 @@ def _ints(s: str) -> List[int]:
     return [int(x) for x in s.replace(" ", "").split(",") if x]
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The module docstring as written; every option's help ends with its default."""
-
-
 def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     """The ``ttt-flash bench`` parser. Defaults depend on whether CUDA is available (``cuda``;
     None: ask torch): GPU-sized shapes on CUDA, a seconds-long smoke test on the CPU."""
@@ -337,7 +328,7 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
                                 + ("the CPU: --seq-lens 64,128 --heads 2 --head-dim 16 --dtype float64."
                                    if cuda else "CUDA: --seq-lens 1024,4096 --heads 12 --head-dim 64 "
                                    "--dtype bfloat16."),
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--seq-lens", type=_ints, default="1024,4096" if cuda else "64,128", metavar="N[,N...]",
                    help="comma-separated sequence lengths N (queries = keys)")
     p.add_argument("--batch", type=int, default=1, help="batch size B")

@@ -9,6 +9,7 @@ from its ``main`` only).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -139,3 +140,14 @@ def write_json(result: dict, out: str, name: str) -> str:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written; every option's help ends with its default."""
+
+
+def flop_unit(rows: Sequence[dict]) -> tuple:
+    """(name, divisor of TFLOP/s) for a table's rate column: TFLOP/s when any rate reaches
+    1 TFLOP/s (GPUs), else GFLOP/s (the CPU), so that no column reads 0.0."""
+    rates = [r["tflops"] for r in rows if "tflops" in r]
+    return ("TFLOP/s", 1.0) if rates and max(rates) >= 1.0 else ("GFLOP/s", 1e-3)

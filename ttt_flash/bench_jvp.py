@@ -53,7 +53,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 from .attention import _impl, _resolve_backend, flash_attention
-from .bench_common import attended_pairs, error_text, measure, median_ms, new_result, write_json
+from .bench_common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
 from .reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
@@ -332,7 +332,8 @@ def format_jvp_table(result: dict) -> str:
         worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
         verdict = "ok" if chk["ok"] else "FAILED"
         lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {verdict}")
-    lines.append(f"{'provider':<20}{'N':>8}{'ms':>11}{'TFLOP/s':>9}{'peak GiB':>10}"
+    rate_name, rate_div = flop_unit(result["rows"])  # GFLOP/s on the CPU: no column of 0.0
+    lines.append(f"{'provider':<20}{'N':>8}{'ms':>11}{rate_name:>9}{'peak GiB':>10}"
                  f"{'/sdpa_fwd':>10}{'/sdpa_fb':>9}{'/chain':>8}")
     for r in result["rows"]:
         if "ms" not in r:
@@ -340,7 +341,8 @@ def format_jvp_table(result: dict) -> str:
             continue
         cols = [f"{r[c]:.2f}" if c in r else "-" for c in ("ratio_sdpa_fwd", "ratio_sdpa_fwd_bwd", "ratio_chain")]
         peak = f"{r['peak_gib']:.3f}" if "peak_gib" in r else "-"
-        lines.append(f"{r['provider']:<20}{r['N']:>8}{r['ms']:>11.3f}{r['tflops']:>9.1f}{peak:>10}"
+        rate = f"{r['tflops'] / rate_div:.{3 if rate_div < 1 else 1}f}"
+        lines.append(f"{r['provider']:<20}{r['N']:>8}{r['ms']:>11.3f}{rate:>9}{peak:>10}"
                      f"{cols[0]:>10}{cols[1]:>9}{cols[2]:>8}")
     for r in result.get("hvp", []):
         if "error" in r:
@@ -363,27 +365,34 @@ def _ints(s: str) -> List[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     cuda = torch.cuda.is_available()
+    where = "CUDA" if cuda else "no CUDA"
     p = argparse.ArgumentParser(prog="ttt-flash bench --jvp", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seq-lens", type=_ints, default=[16384, 65536] if cuda else [32],
-                   help="comma-separated sequence lengths")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=12 if cuda else 2)
-    p.add_argument("--head-dim", type=int, default=64 if cuda else 16)
-    p.add_argument("--dtype", default="bfloat16" if cuda else "float32")
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
+                                epilog=f"Defaults shown are for this machine ({where}); with CUDA they are the "
+                                       "GPU shapes (B=1, H=12, d=64, bf16; HVP: GPT-2 small, N=2048, batch 8), "
+                                       "without it a seconds-long CPU smoke test.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--seq-lens", type=_ints, default="16384,65536" if cuda else "32", metavar="N[,N...]",
+                   help="comma-separated sequence lengths N (queries = keys)")
+    p.add_argument("--batch", type=int, default=1, help="batch size B")
+    p.add_argument("--heads", type=int, default=12 if cuda else 2, help="heads H")
+    p.add_argument("--head-dim", type=int, default=64 if cuda else 16, help="head dimension d")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32", "float64"],
+                   default="bfloat16" if cuda else "float32", help="dtype of q, k, v and their tangents")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False, help="causal mask")
     p.add_argument("--providers", default=",".join(default_providers()),
-                   help=f"comma-separated, of {list(PROVIDERS)} (default: all installed)")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0)
-    p.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    p.add_argument("--hvp", action="store_true", help="also one GPT HVP by fwd_rev and rev_rev (memory)")
-    p.add_argument("--hvp-seq-len", type=int, default=2048 if cuda else 16)
-    p.add_argument("--hvp-batch", type=int, default=8 if cuda else 2)
-    p.add_argument("--hvp-layers", type=int, default=12 if cuda else 1)
-    p.add_argument("--hvp-d-model", type=int, default=768 if cuda else 64)
-    p.add_argument("--hvp-vocab", type=int, default=50304 if cuda else 256)
+                   help=f"comma-separated, of {list(PROVIDERS)}; default: all installed")
+    p.add_argument("--device", default="cuda" if cuda else "cpu", help="torch device")
+    p.add_argument("--warmup-ms", type=float, default=25.0, help="warm-up time per measurement (ms; CUDA)")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (ms)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the correctness check against float64 before timing")
+    p.add_argument("--hvp", action="store_true",
+                   help="also one GPT Hessian-vector product by fwd_rev and by rev_rev (time, peak memory)")
+    p.add_argument("--hvp-seq-len", type=int, default=2048 if cuda else 16, help="--hvp: tokens per sequence")
+    p.add_argument("--hvp-batch", type=int, default=8 if cuda else 2, help="--hvp: sequences per batch")
+    p.add_argument("--hvp-layers", type=int, default=12 if cuda else 1, help="--hvp: GPT blocks")
+    p.add_argument("--hvp-d-model", type=int, default=768 if cuda else 64, help="--hvp: model width")
+    p.add_argument("--hvp-vocab", type=int, default=50304 if cuda else 256, help="--hvp: vocabulary size")
     p.add_argument("--out", default="bench_out", help="folder for bench_jvp.json ('' to skip)")
     a = p.parse_args(argv)
     cfg = JvpBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, head_dim=a.head_dim,

@@ -1,8 +1,10 @@
 """Experimental Hopper-native first-backward dK/dV pass in Gluon (TMA + async wgmma).
 
 Not used by the library: nothing imports this module; ``attn_bwd`` keeps the Triton
-``_attn_bwd_dkdv_kernel`` (attn_bwd.py). It is the first step of issue 15 item 2; the
-measured result is in docs/benchmarks.md, "Gluon (item 2), first step".
+``_attn_bwd_dkdv_kernel`` (attn_bwd.py). It is the first step of issue 15 item 2. Measured
+on an H200 (triton 3.6): compiles and matches float64 autograd as closely as the Triton pass
+(bf16, full and causal, every tile variant); its speed against the Triton pass is not yet
+measured (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md, "Gluon (item 2), first step").
 
 One program owns one key tile (BLOCK_N keys of one (batch, head)): K and V come to shared
 memory once by TMA; the query tiles that can see the keys stream through a two-slot ring
@@ -37,6 +39,9 @@ try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves betwe
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # triton 3.6 names the TMA copies async_copy_*; later versions async_load / async_store
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     HAVE_GLUON = True
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_GLUON = False
@@ -89,8 +94,8 @@ if HAVE_GLUON:
         mbarrier.init(ld_bar.index(1), count=1)
 
         mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + n0, 0], kv_bar, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [row0 + n0, 0], kv_bar, v_smem)
+        _tma_load(k_desc, [row0 + n0, 0], kv_bar, k_smem)
+        _tma_load(v_desc, [row0 + n0, 0], kv_bar, v_smem)
 
         if CAUSAL:
             lo = n0  # query tiles before the key tile see none of its keys
@@ -99,8 +104,8 @@ if HAVE_GLUON:
         n_tiles = (N - lo) // BLOCK_M
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         mbarrier.expect(ld_bar.index(0), tile_bytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + lo, 0], ld_bar.index(0), q_smem.index(0))
-        tma.async_copy_global_to_shared(do_desc, [row0 + lo, 0], ld_bar.index(0),
+        _tma_load(q_desc, [row0 + lo, 0], ld_bar.index(0), q_smem.index(0))
+        _tma_load(do_desc, [row0 + lo, 0], ld_bar.index(0),
                                         do_smem.index(0))
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -115,9 +120,9 @@ if HAVE_GLUON:
             if i + 1 < n_tiles:  # prefetch the next tile into the other slot
                 nxt = 1 - slot
                 mbarrier.expect(ld_bar.index(nxt), tile_bytes)
-                tma.async_copy_global_to_shared(q_desc, [row0 + m0 + BLOCK_M, 0],
+                _tma_load(q_desc, [row0 + m0 + BLOCK_M, 0],
                                                 ld_bar.index(nxt), q_smem.index(nxt))
-                tma.async_copy_global_to_shared(do_desc, [row0 + m0 + BLOCK_M, 0],
+                _tma_load(do_desc, [row0 + m0 + BLOCK_M, 0],
                                                 ld_bar.index(nxt), do_smem.index(nxt))
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
             lse2 = gl.load(LSE + row0 + offs_m) * 1.4426950408889634
@@ -153,8 +158,8 @@ if HAVE_GLUON:
         dk_smem.store((dk * scale).to(dtype))
         dv_smem.store(dv.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [row0 + n0, 0], dk_smem)
-        tma.async_copy_shared_to_global(dv_desc, [row0 + n0, 0], dv_smem)
+        _tma_store(dk_desc, [row0 + n0, 0], dk_smem)
+        _tma_store(dv_desc, [row0 + n0, 0], dv_smem)
         tma.store_wait(pendings=0)
 
 

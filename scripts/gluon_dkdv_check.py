@@ -41,9 +41,12 @@ def inputs(b, h, n, d, dtype, seed=0):
 
 def triton_dkdv_launcher(q, k, v, do, lse, delta, causal):
     """The composer's atomic-free dK/dV launch alone (attn_bwd.py), for timing."""
+    import importlib
+
     import triton
 
-    from ttt_flash.kernels import attn_bwd as ab
+    # the module itself: ttt_flash.kernels re-exports the composer under the same name
+    ab = importlib.import_module("ttt_flash.kernels.attn_bwd")
     from ttt_flash.kernels.common import LOG2E, block_d, cu_or_dummy, layout, long_rows, strides
     from ttt_flash.kernels.common import dot_precision, rowvec_strides
     from ttt_flash.kernels.configs import get_config

@@ -25,8 +25,8 @@ if not available():
     pytest.skip("needs triton.experimental.gluon and an sm_90 GPU", allow_module_level=True)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("tiles", [(128, 64, 8), (64, 32, 4)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("tiles", [(128, 64, 8), (64, 32, 4)], ids=["kt128-qt64-w8", "kt64-qt32-w4"])
 def test_gluon_dkdv_matches_float64(causal, tiles):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(2, 3, 512, 64, device="cuda", dtype=torch.bfloat16)

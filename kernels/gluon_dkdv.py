@@ -3,8 +3,9 @@
 Not used by the library: nothing imports this module; ``attn_bwd`` keeps the Triton
 ``_attn_bwd_dkdv_kernel`` (attn_bwd.py). It is the first step of issue 15 item 2. Measured
 on an H200 (triton 3.6): compiles and matches float64 autograd as closely as the Triton pass
-(bf16, full and causal, every tile variant); its speed against the Triton pass is not yet
-measured (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md, "Gluon (item 2), first step").
+(bf16, full and causal, every tile variant); at N = 16K, H = 12, d = 64 its best tile
+(64 keys x 64 queries, 4 warps) takes 3.29 ms against the Triton pass's 3.60 ms (causal 1.76
+vs 1.85 ms) (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md, "Gluon (item 2), first step").
 
 One program owns one key tile (BLOCK_N keys of one (batch, head)): K and V come to shared
 memory once by TMA; the query tiles that can see the keys stream through a two-slot ring

@@ -110,35 +110,30 @@ if HAVE_GLUON:
         _tma_load(uv_desc, [row, 0], bar, uv_smem)
 
     @gluon.jit
-    def _load_query_tile(q_desc, do_desc, uq_desc, l_desc, d_desc, a_desc, e_desc, r_desc,
-                         q_ring, do_ring, uq_ring, vecs, bar, slot, row,
-                         NVEC: gl.constexpr):
-        """Q, dO, U_Q rows [row, row + BLOCK_M) and their row vectors (L·log2e, D, α,
-        E + αD, and ρ when NVEC == 5) into ring slot ``slot``, completing on ``bar``."""
-        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + NVEC * l_desc.block_type.nbytes)
+    def _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
+                         bar, slot, row):
+        """Q, dO, U_Q rows [row, row + BLOCK_M) and their packed row vectors (L·log2e, D, α,
+        E + αD, ρ) into ring slot ``slot``, completing on ``bar``."""
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + r_desc.block_type.nbytes)
         _tma_load(q_desc, [row, 0], bar, q_ring.index(slot))
         _tma_load(do_desc, [row, 0], bar, do_ring.index(slot))
         _tma_load(uq_desc, [row, 0], bar, uq_ring.index(slot))
-        _tma_load(l_desc, [row], bar, vecs.index(slot * NVEC))
-        _tma_load(d_desc, [row], bar, vecs.index(slot * NVEC + 1))
-        _tma_load(a_desc, [row], bar, vecs.index(slot * NVEC + 2))
-        _tma_load(e_desc, [row], bar, vecs.index(slot * NVEC + 3))
-        if NVEC == 5:
-            _tma_load(r_desc, [row], bar, vecs.index(slot * NVEC + 4))
+        _tma_load(r_desc, [0, row], bar, vecs.index(slot))
 
     @gluon.jit
-    def _query_vec(vecs, i, layout: gl.constexpr):
-        """Row vector ``i`` of the ring, broadcast along the keys of a (keys x queries)
-        tile (read from shared memory where it is used: it costs BLOCK_M / 4 registers)."""
-        return gl.expand_dims(vecs.index(i).load(gl.SliceLayout(0, layout)), 0)
+    def _query_vec(vecs, i: gl.constexpr, layout: gl.constexpr):
+        """Row vector ``i`` of a ring slot's packed vectors, broadcast along the keys of a
+        (keys x queries) tile (read from shared memory where it is used: held in registers
+        it would cost BLOCK_M / 4 per thread for the whole tile)."""
+        return vecs.slice(i, 1, dim=0).load(layout)  # [1, BLOCK_M]
 
     @gluon.jit
-    def _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_s, do_s, uq_s, vecs, vbase, kb, vb,
+    def _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_s, do_s, uq_s, vecs, kb, vb,
                   m0, n0, scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                   CAUSAL: gl.constexpr, NVEC: gl.constexpr, s_layout: gl.constexpr,
                   op_layout: gl.constexpr):
         """K̄, V̄ accumulators after query tile [m0, m0 + BLOCK_M) (its Q, dO, U_Q tiles in
-        shared memory ``q_s``, ``do_s``, ``uq_s``, its row vectors at ``vecs[vbase:]``);
+        shared memory ``q_s``, ``do_s``, ``uq_s``, its row vectors in ``vecs``);
         every product is complete on return."""
         dtype: gl.constexpr = q_s.dtype
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
@@ -149,24 +144,24 @@ if HAVE_GLUON:
         bt = warpgroup_mma(uv_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         st, gt = warpgroup_mma_wait(num_outstanding=1, deps=(st, gt))  # Bᵀ in flight
 
-        pt = gl.exp2(st * qk_scale2 - _query_vec(vecs, vbase, s_layout))
+        pt = gl.exp2(st * qk_scale2 - _query_vec(vecs, 0, s_layout))
         if CAUSAL:
             if m0 < n0 + BLOCK_N:  # only the diagonal tiles hold masked pairs
                 offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
                 offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
                 vis = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
                 pt = gl.where(vis, pt, 0.0)
-        if NVEC == 5:
-            pt = pt * _query_vec(vecs, vbase + 4, s_layout)  # P·ρ
-        gt = gt * scale - _query_vec(vecs, vbase + 2, s_layout)  # Gᵀ − α
+        if NVEC == 8:
+            pt = pt * _query_vec(vecs, 4, s_layout)  # P·ρ
+        gt = gt * scale - _query_vec(vecs, 2, s_layout)  # Gᵀ − α
         h_op = gl.convert_layout((pt * gt).to(dtype), op_layout)
         vb = warpgroup_mma(h_op, do_s, vb, is_async=True)
         dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         bt = warpgroup_mma_wait(num_outstanding=2, deps=(bt,))  # V̄, dPᵀ in flight
-        tt = pt * (bt - _query_vec(vecs, vbase + 3, s_layout))  # Pᵀ∘(Bᵀ − (E + αD))
+        tt = pt * (bt - _query_vec(vecs, 3, s_layout))  # Pᵀ∘(Bᵀ − (E + αD))
         vb, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(vb, dpt))
 
-        dst = pt * (dpt - _query_vec(vecs, vbase + 1, s_layout))  # dSᵀ
+        dst = pt * (dpt - _query_vec(vecs, 1, s_layout))  # dSᵀ
         r_op = gl.convert_layout((gt * dst + tt).to(dtype), op_layout)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
         kb = warpgroup_mma(r_op, q_s, kb, is_async=True)
@@ -188,7 +183,7 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_bob_col_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                              kb_desc, vb_desc, l_desc, d_desc, a_desc, e_desc, r_desc, N,
+                              kb_desc, vb_desc, r_desc, N,
                               scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                               NVEC: gl.constexpr, STAGES: gl.constexpr,
@@ -213,7 +208,7 @@ if HAVE_GLUON:
         q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES * NVEC, BLOCK_M], l_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
@@ -225,9 +220,8 @@ if HAVE_GLUON:
         lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
         for s in gl.static_range(STAGES - 1):  # fill all slots but one
             if s < n_tiles:
-                _load_query_tile(q_desc, do_desc, uq_desc, l_desc, d_desc, a_desc, e_desc,
-                                 r_desc, q_ring, do_ring, uq_ring, vecs, ready.index(s), s,
-                                 row0 + lo + s * BLOCK_M, NVEC)
+                _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
+                                 vecs, ready.index(s), s, row0 + lo + s * BLOCK_M)
 
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -237,13 +231,12 @@ if HAVE_GLUON:
             nxt = i + STAGES - 1
             if nxt < n_tiles:
                 ns = nxt % STAGES
-                _load_query_tile(q_desc, do_desc, uq_desc, l_desc, d_desc, a_desc, e_desc,
-                                 r_desc, q_ring, do_ring, uq_ring, vecs, ready.index(ns), ns,
-                                 row0 + lo + nxt * BLOCK_M, NVEC)
+                _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
+                                 vecs, ready.index(ns), ns, row0 + lo + nxt * BLOCK_M)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             kb, vb = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
-                               do_ring.index(slot), uq_ring.index(slot), vecs, slot * NVEC,
+                               do_ring.index(slot), uq_ring.index(slot), vecs.index(slot),
                                kb, vb, lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M,
                                BLOCK_N, CAUSAL, NVEC, s_layout, op_layout)
 
@@ -255,11 +248,10 @@ if HAVE_GLUON:
     # ----------------------------------------------------------------- warp-specialised
 
     @gluon.jit
-    def _ws_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, l_desc,
-                     d_desc, a_desc, e_desc, r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
+    def _ws_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
+                     k_smem, v_smem, uk_smem, uv_smem, q_ring,
                      do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, NVEC: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Producer partition (one warp): the key-side copy, then the query tiles into the
         ring, each slot refilled once the consumers have released it."""
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
@@ -270,9 +262,8 @@ if HAVE_GLUON:
             # a fresh barrier counts as having completed the phase before phase 0, so the
             # first pass over the ring does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _load_query_tile(q_desc, do_desc, uq_desc, l_desc, d_desc, a_desc, e_desc, r_desc,
-                             q_ring, do_ring, uq_ring, vecs, ready.index(slot), slot,
-                             row0 + lo + i * BLOCK_M, NVEC)
+            _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
+                             ready.index(slot), slot, row0 + lo + i * BLOCK_M)
 
     @gluon.jit
     def _ws_consumer(kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
@@ -296,15 +287,18 @@ if HAVE_GLUON:
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             kb, vb = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
-                               do_ring.index(slot), uq_ring.index(slot), vecs, slot * NVEC,
+                               do_ring.index(slot), uq_ring.index(slot), vecs.index(slot),
                                kb, vb, lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M,
                                BLOCK_N, CAUSAL, NVEC, s_layout, op_layout)
-            mbarrier.arrive(empty.index(slot), count=1)  # its products are complete
+            # its products are complete; order this partition's reads of the row vectors
+            # (generic proxy) before the producer's next TMA write of the slot (async proxy)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(slot), count=1)
         _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row0 + n0, scale)
 
     @gluon.jit
     def _gluon_bob_col_ws_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                                 kb_desc, vb_desc, l_desc, d_desc, a_desc, e_desc, r_desc, N,
+                                 kb_desc, vb_desc, r_desc, N,
                                  scale, qk_scale2, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                  CAUSAL: gl.constexpr, NVEC: gl.constexpr,
@@ -322,7 +316,7 @@ if HAVE_GLUON:
         q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES * NVEC, BLOCK_M], l_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -336,9 +330,9 @@ if HAVE_GLUON:
                             qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
                             num_warps)),
             (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                            l_desc, d_desc, a_desc, e_desc, r_desc, k_smem, v_smem, uk_smem,
-                            uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar, ready, empty,
-                            row0, n0, N, BLOCK_M, CAUSAL, NVEC, STAGES)),
+                            r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring,
+                            vecs, kv_bar, ready, empty, row0, n0, N, BLOCK_M, CAUSAL,
+                            STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
@@ -353,19 +347,22 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
-    lay_r = gl.NVMMASharedLayout.get_default_for([block_m], gl.float32)
     tiles = [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
              for x in flat[:3]]
     tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
               for x in (*flat[3:], kb, vb)]
     lse2 = lse.reshape(-1) * LOG2E  # log2 units; rows that see no key: +inf, so P = 0
     lse2 = torch.where(lse2 == float("-inf"), float("inf"), lse2)
-    rows = [lse2] + [x.contiguous().view(-1) for x in (delta, alpha, ee)]
-    rows.append(rows[2] if rho is None else rho.contiguous().view(-1))  # rho: never read if None
-    vecs = [TensorDescriptor(x, [x.numel()], [1], [block_m], lay_r) for x in rows]
-    args = (*tiles, *vecs, n, scale, scale * LOG2E)
+    rows = [lse2] + [x.reshape(-1) for x in (delta, alpha, ee)]
+    if rho is not None:  # 8 rows (power of two): ρ and three unread copies
+        rows += [rho.reshape(-1)] * 4
+    rows = torch.stack(rows)  # (NVEC, B·H·N): one TMA copy per query tile
+    nvec = rows.shape[0]
+    lay_r = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    vecs = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [nvec, block_m], lay_r)
+    args = (*tiles, vecs, n, scale, scale * LOG2E)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                NVEC=4 if rho is None else 5, STAGES=stages, num_warps=num_warps)
+                NVEC=nvec, STAGES=stages, num_warps=num_warps)
     return args, meta, (kb, vb)
 
 

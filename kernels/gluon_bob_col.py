@@ -60,6 +60,7 @@ try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves betwe
         mbarrier,
         tma,
         warpgroup_mma,
+        warpgroup_mma_init,
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -129,12 +130,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_s, do_s, uq_s, vecs, kb, vb,
-                  m0, n0, scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, NVEC: gl.constexpr, s_layout: gl.constexpr,
-                  op_layout: gl.constexpr):
-        """K̄, V̄ accumulators after query tile [m0, m0 + BLOCK_M) (its Q, dO, U_Q tiles in
-        shared memory ``q_s``, ``do_s``, ``uq_s``, its row vectors in ``vecs``);
-        every product is complete on return."""
+                  r_prev, ds_prev, m0, n0, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, NVEC: gl.constexpr,
+                  DEFER: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+        """(K̄, V̄, Rᵀ, dSᵀ) after query tile [m0, m0 + BLOCK_M) (its Q, dO, U_Q tiles in
+        shared memory ``q_s``, ``do_s``, ``uq_s``, its row vectors in ``vecs``).
+
+        Without DEFER every product is complete on return. With DEFER the two K̄ products
+        are left running: ``kb`` comes in and goes out as a pending accumulator, and the
+        previous tile's K̄ operands ``r_prev``, ``ds_prev`` are retired by this tile's first
+        wait (so the previous tile's K̄ products overlap this tile's score products); the
+        caller then releases the previous tile's ring slot and waits for the last one."""
         dtype: gl.constexpr = q_s.dtype
         s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
         qt = q_s.permute((1, 0))
@@ -142,7 +148,11 @@ if HAVE_GLUON:
         gt = warpgroup_mma(uk_smem, qt, s_zero, use_acc=False, is_async=True)
         gt = warpgroup_mma(k_smem, uq_s.permute((1, 0)), gt, is_async=True)
         bt = warpgroup_mma(uv_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        st, gt = warpgroup_mma_wait(num_outstanding=1, deps=(st, gt))  # Bᵀ in flight
+        if DEFER:  # also retires the previous tile's K̄ products
+            st, gt, kb, r_prev, ds_prev = warpgroup_mma_wait(
+                num_outstanding=1, deps=(st, gt, kb, r_prev, ds_prev))  # Bᵀ in flight
+        else:
+            st, gt = warpgroup_mma_wait(num_outstanding=1, deps=(st, gt))  # Bᵀ in flight
 
         pt = gl.exp2(st * qk_scale2 - _query_vec(vecs, 0, s_layout))
         if CAUSAL:
@@ -159,16 +169,16 @@ if HAVE_GLUON:
         dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         bt = warpgroup_mma_wait(num_outstanding=2, deps=(bt,))  # V̄, dPᵀ in flight
         tt = pt * (bt - _query_vec(vecs, 3, s_layout))  # Pᵀ∘(Bᵀ − (E + αD))
-        vb, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(vb, dpt))
+        vb, dpt, h_op = warpgroup_mma_wait(num_outstanding=0, deps=(vb, dpt, h_op))
 
         dst = pt * (dpt - _query_vec(vecs, 1, s_layout))  # dSᵀ
         r_op = gl.convert_layout((gt * dst + tt).to(dtype), op_layout)
         ds_op = gl.convert_layout(dst.to(dtype), op_layout)
         kb = warpgroup_mma(r_op, q_s, kb, is_async=True)
         kb = warpgroup_mma(ds_op, uq_s, kb, is_async=True)
-        kb, h_op, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0,
-                                                   deps=(kb, h_op, r_op, ds_op))
-        return kb, vb
+        if not DEFER:
+            kb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(kb, r_op, ds_op))
+        return kb, vb, r_op, ds_op
 
     @gluon.jit
     def _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row, scale):
@@ -235,10 +245,11 @@ if HAVE_GLUON:
                                  vecs, ready.index(ns), ns, row0 + lo + nxt * BLOCK_M)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            kb, vb = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
-                               do_ring.index(slot), uq_ring.index(slot), vecs.index(slot),
-                               kb, vb, lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M,
-                               BLOCK_N, CAUSAL, NVEC, s_layout, op_layout)
+            kb, vb, _, _ = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
+                                     do_ring.index(slot), uq_ring.index(slot),
+                                     vecs.index(slot), kb, vb, None, None, lo + i * BLOCK_M,
+                                     n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                                     False, s_layout, op_layout)
 
         mbarrier.invalidate(kv_bar)
         for s in gl.static_range(STAGES):
@@ -270,7 +281,7 @@ if HAVE_GLUON:
                      uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale, qk_scale2,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                      CAUSAL: gl.constexpr, NVEC: gl.constexpr, STAGES: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     DEFER: gl.constexpr, num_warps: gl.constexpr):
         """Consumer partition (the default one, ``num_warps`` warps): the products of every
         query tile, each slot released once its products are done, then the epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -283,17 +294,35 @@ if HAVE_GLUON:
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(kv_bar, 0)
-        for i in range(n_tiles):
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            kb, vb = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
-                               do_ring.index(slot), uq_ring.index(slot), vecs.index(slot),
-                               kb, vb, lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M,
-                               BLOCK_N, CAUSAL, NVEC, s_layout, op_layout)
-            # its products are complete; order this partition's reads of the row vectors
-            # (generic proxy) before the producer's next TMA write of the slot (async proxy)
-            fence_async_shared()
-            mbarrier.arrive(empty.index(slot), count=1)
+        if DEFER:
+            kb = warpgroup_mma_init(kb)  # carried as a pending accumulator
+            r_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
+            ds_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
+            for i in range(n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                kb, vb, r_op, ds_op = _col_tile(
+                    k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
+                    uq_ring.index(slot), vecs.index(slot), kb, vb, r_op, ds_op,
+                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                    True, s_layout, op_layout)
+                # the previous tile's products are complete (retired inside _col_tile)
+                fence_async_shared()
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+            kb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(kb, r_op, ds_op))
+        else:
+            for i in range(n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                kb, vb, _, _ = _col_tile(
+                    k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
+                    uq_ring.index(slot), vecs.index(slot), kb, vb, None, None,
+                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                    False, s_layout, op_layout)
+                # its products are complete; order this partition's reads of the row vectors
+                # (generic proxy) before the producer's next TMA write of the slot (async)
+                fence_async_shared()
+                mbarrier.arrive(empty.index(slot), count=1)
         _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row0 + n0, scale)
 
     @gluon.jit
@@ -303,7 +332,7 @@ if HAVE_GLUON:
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                  CAUSAL: gl.constexpr, NVEC: gl.constexpr,
                                  STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                                 num_warps: gl.constexpr):
+                                 DEFER: gl.constexpr, num_warps: gl.constexpr):
         """Warp-specialised: as ``_gluon_bob_col_kernel``, with a one-warp TMA producer
         partition and ``num_warps`` consumer warps."""
         n0 = gl.program_id(0) * BLOCK_N
@@ -328,7 +357,7 @@ if HAVE_GLUON:
             (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
                             do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale,
                             qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
-                            num_warps)),
+                            DEFER, num_warps)),
             (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
                             r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring,
                             vecs, kv_bar, ready, empty, row0, n0, N, BLOCK_M, CAUSAL,
@@ -375,7 +404,7 @@ def _check(name, x, like):
 
 def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
                   causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
-                  stages=STAGES, warp_specialize=False, maxnreg=None):
+                  stages=STAGES, warp_specialize=False, defer=False, maxnreg=None):
     """K̄, V̄ of the BoB (bob-math.md) for every key tile: the Triton column pass's results.
 
     q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
@@ -386,7 +415,9 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
 
     ``block_n`` keys per program (16 per warp: block_n == 16·num_warps, num_warps 4 or 8),
     ``block_m`` queries per step (dividing block_n), ``stages`` ring slots (2 to 4),
-    ``warp_specialize`` adds a one-warp TMA producer partition, ``maxnreg`` caps ptxas's
+    ``warp_specialize`` adds a one-warp TMA producer partition; ``defer`` (warp-specialised
+    only) leaves each tile's K̄ products running into the next tile, so a slot is released
+    one tile later (use 3 slots or more); ``maxnreg`` caps ptxas's
     registers per thread (None: no cap; with ``warp_specialize`` it sets the budget the
     partitions' registers are carved from).
     """
@@ -411,6 +442,8 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     if block_m not in (32, 64, 128) or block_n % block_m:
         raise ValueError(f"gluon_bob_col: block_m must be 32, 64 or 128 and divide block_n, "
                          f"got {block_m}")
+    if defer and not warp_specialize:
+        raise ValueError("gluon_bob_col: defer=True needs warp_specialize=True")
     if stages not in (2, 3, 4):
         raise ValueError(f"gluon_bob_col: stages must be 2, 3 or 4, got {stages}")
     if n % block_n:
@@ -432,7 +465,8 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
         meta["maxnreg"] = int(maxnreg)
     grid = (n // block_n, b * h)
     if warp_specialize:
-        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, **meta)
+        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
+                                       **meta)
     else:
         _gluon_bob_col_kernel[grid](*args, **meta)
     return kb.view(b, h, n, d), vb.view(b, h, n, d)

@@ -24,14 +24,17 @@ import torch
 
 RESULTS = []
 
-# (block_n, block_m, num_warps, stages, warp_specialize, maxnreg)
+# (block_n, block_m, num_warps, stages, warp_specialize (0 no, 1 yes, 2 with deferred K̄
+# waits), maxnreg)
 VARIANTS = [
-    (64, 64, 4, 2, False, None),
-    (64, 32, 4, 2, False, None),
-    (128, 64, 8, 2, False, None),
-    (64, 64, 4, 2, True, 128),
-    (64, 32, 4, 3, True, 128),
-    (128, 64, 8, 2, True, 168),
+    (64, 64, 4, 2, 0, None),
+    (64, 32, 4, 2, 0, None),
+    (128, 64, 8, 2, 0, None),
+    (64, 64, 4, 2, 1, 128),
+    (64, 64, 4, 3, 1, 128),
+    (64, 64, 4, 3, 2, 128),
+    (64, 32, 4, 3, 1, 128),
+    (128, 64, 8, 2, 1, 168),
 ]
 
 
@@ -133,7 +136,7 @@ def call(var, x, rows, causal):
 
     bn, bm, w, st, ws, mr = var
     return gluon_bob_col(*x, *rows, causal=causal, block_n=bn, block_m=bm, num_warps=w,
-                         stages=st, warp_specialize=ws, maxnreg=mr)
+                         stages=st, warp_specialize=ws > 0, defer=ws == 2, maxnreg=mr)
 
 
 def correctness_small(variants):

@@ -96,6 +96,7 @@ def resources(kernel):
 
 
 def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg):
+    """ws: 0 single partition, 1 warp-specialised, 2 warp-specialised with deferred K̄ waits."""
     b, h, n = 1, 2, 4 * block_n
     x = [torch.zeros(b, h, n, d, dtype=torch.bfloat16) for _ in range(7)]
     r = [torch.zeros(b, h, n) for _ in range(4)]
@@ -104,7 +105,7 @@ def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, max
         meta["maxnreg"] = maxnreg
     if ws:
         return mod._gluon_bob_col_ws_kernel.warmup(*args, PRODUCER_REGS=mod.PRODUCER_REGS,
-                                                   grid=(1,), **meta)
+                                                   DEFER=ws == 2, grid=(1,), **meta)
     return mod._gluon_bob_col_kernel.warmup(*args, grid=(1,), **meta)
 
 
@@ -133,6 +134,8 @@ BOB_COL_VARIANTS = [
     (64, 64, 4, 2, True, 128),
     (64, 32, 4, 3, True, 128),
     (128, 64, 8, 2, True, 168),
+    (64, 64, 4, 3, True, 128),
+    (64, 64, 4, 3, 2, 128),
 ]
 
 
@@ -142,7 +145,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--variant", action="append", default=[],
-                   help="block_n,block_m,num_warps,stages,ws(0/1),maxnreg(0: none)")
+                   help="block_n,block_m,num_warps,stages,ws(0/1/2: +defer),maxnreg(0: none)")
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
@@ -158,9 +161,9 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        name = f"{bn}x{bm}/{w}, {st}, {'ws' if ws else '-'}, {mr or '-'}"
+        name = f"{bn}x{bm}/{w}, {st}, {['-', 'ws', 'ws+defer'][int(ws)]}, {mr or '-'}"
         try:
-            k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, bool(ws), mr or None)
+            k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None)
             ptx = k.asm["ptx"]
             regs, stack, sst, sld, warn = resources(k)
             print(f"{name:<40}{regs:>6}{stack:>7}{f'{sst}/{sld}':>13}"

@@ -95,10 +95,11 @@ def _float64_col(x, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("variant", [(64, 64, 4, 2, False, None), (128, 64, 8, 2, False, None),
-                                     (64, 32, 4, 3, True, 128), (128, 64, 8, 2, True, 168)],
+@pytest.mark.parametrize("variant", [(64, 64, 4, 2, 0, None), (128, 64, 8, 2, 0, None),
+                                     (64, 32, 4, 3, 1, 128), (128, 64, 8, 2, 1, 168),
+                                     (64, 64, 4, 3, 2, 128)],
                          ids=["kt64-qt64-w4", "kt128-qt64-w8", "ws-kt64-qt32-w4-s3",
-                              "ws-kt128-qt64-w8"])
+                              "ws-kt128-qt64-w8", "ws-defer-kt64-qt64-w4-s3"])
 def test_gluon_bob_col_matches_triton_and_float64(causal, variant):
     x, o, lse, delta, alpha, ee = _bob_inputs(causal)
     _, kb_t, vb_t, _ = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None, causal=causal,
@@ -106,8 +107,8 @@ def test_gluon_bob_col_matches_triton_and_float64(causal, variant):
                                 deterministic=True)
     bn, bm, w, st, ws, mr = variant
     kb_g, vb_g = gluon_bob_col(*x, lse, delta, alpha, ee, causal=causal, block_n=bn,
-                               block_m=bm, num_warps=w, stages=st, warp_specialize=ws,
-                               maxnreg=mr)
+                               block_m=bm, num_warps=w, stages=st, warp_specialize=ws > 0,
+                               defer=ws == 2, maxnreg=mr)
     kb64, vb64 = _float64_col(x, causal)
     for name, got, tri, ref in (("kb", kb_g, kb_t, kb64), ("vb", vb_g, vb_t, vb64)):
         err = (got.double() - ref).abs().max().item()
@@ -126,5 +127,7 @@ def test_gluon_bob_col_rejects_unsupported_inputs():
         gluon_bob_col(q, q, q, q, q, None, q, r, r, r, r)
     with pytest.raises(ValueError, match="multiple of block_n"):
         gluon_bob_col(*(q[:, :, :200],) * 7, *(r[:, :, :200],) * 4)
+    with pytest.raises(ValueError, match="defer=True needs warp_specialize"):
+        gluon_bob_col(*(q,) * 7, r, r, r, r, defer=True)
     with pytest.raises(ValueError, match="alpha must be float32"):
         gluon_bob_col(*(q,) * 7, r, r, r.double(), r)

@@ -1,0 +1,479 @@
+"""Experimental Hopper-native BoB column pass in Gluon (TMA + async wgmma, optional warp
+specialisation).
+
+Not used by the library: nothing imports this module; ``attn_bob`` keeps the Triton
+``_bob_col_kernel`` (bob.py). Step two of issue 15 item 2 (after gluon_dkdv.py). Same inputs
+and outputs as the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K, U_V, the
+forward's L, D = rowsum(dO∘O) and the statistics pass's α and E + αD (and ρ where the
+row-sum correction is on), it writes K̄ and V̄ of every key tile (bob-math.md).
+
+One program owns one key tile (BLOCK_N keys of one (batch, head)): K, V, U_K, U_V come to
+shared memory once by TMA; the query tiles that can see the keys stream through a ring of
+``stages`` slots of (Q, dO, U_Q) tiles, one mbarrier per slot. Per query tile, in
+(keys x queries) orientation, with τ = ``scale``, per-query vectors broadcast along keys:
+
+    Sᵀ = K Qᵀ                 Pᵀ = exp2(τ·log2e·Sᵀ − L·log2e)  (·ρ)
+    Gᵀ = τ (U_K Qᵀ + K U_Qᵀ) − α                 Hᵀ = Pᵀ∘Gᵀ
+    dPᵀ = V dOᵀ,  Bᵀ = U_V dOᵀ                   dSᵀ = Pᵀ∘(dPᵀ − D)
+    Rᵀ = Gᵀ∘dSᵀ + Pᵀ∘(Bᵀ − (E + αD))
+    V̄ += Hᵀ dO,   K̄ += Rᵀ Q + dSᵀ U_Q            (K̄ scaled by τ at the end)
+
+Eight ``warpgroup_mma`` per tile pair: the five score-shaped products are issued together
+asynchronously; Sᵀ and Gᵀ are waited for first, so Pᵀ and Hᵀ are formed while dPᵀ and Bᵀ are
+still on the tensor cores, and V̄ += Hᵀ dO is issued before dPᵀ, Bᵀ are waited for. Hᵀ, Rᵀ
+and dSᵀ enter as register A operands.
+
+Two program shapes:
+
+- single partition (``warp_specialize=False``): every warp issues the TMA copies itself
+  (the next ``stages - 1`` tiles are in flight while one is consumed);
+- warp-specialised (``warp_specialize=True``): a one-warp producer partition (few registers)
+  issues the K/V/U_K/U_V copy and the ring's copies, waiting on per-slot "empty" barriers;
+  the ``num_warps`` consumer warps (the default partition) wait on per-slot "ready" barriers,
+  do the products and release each slot once its products are done (FlashAttention-3's
+  producer/consumer structure, in Gluon's ``warp_specialize``). With ``defer`` a tile's K̄
+  products are retired by the next tile's first wait instead of its own last one.
+
+Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), second step"):
+matches float64 double backward as closely as the Triton column pass (bf16, full and causal,
+every variant); at N = 16K, H = 12, d = 64 the warp-specialised 64 keys x 64 queries / 4
+warps, 2 slots, ``maxnreg=128`` takes 5.72-5.75 ms against the Triton pass's 7.05 ms (1.23x);
+causal 2.9-3.3 ms against 3.6 ms, varying between runs.
+
+Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
+H_q == H_kv, N_q == N_k, N a multiple of ``block_n``, d in {64, 128}, bf16 or fp16, full or
+causal, all three cotangents present and both K̄ and V̄ wanted, precise mode (α and E + αD
+from the statistics pass). Not covered: GQA, varlen, window, missing cotangents,
+``precise=False``'s affine row pass (its column pass reads the same statistics, so the
+kernel would serve it too), float32.
+
+Triton versions: Gluon's API moves. triton 3.6 names the TMA copies
+``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later versions
+``async_load`` / ``async_store`` (both looked up below); ``gl.warp_specialize`` takes
+``[(default_fn, args), (worker_fn, args), ...], worker_num_warps, worker_num_regs`` in 3.6
+and 3.9 (3.9 makes the register list optional; earlier releases took the default and worker
+partitions as separate arguments, which this module does not support).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves between versions
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # triton 3.6 names the TMA copies async_copy_*; later versions async_load / async_store
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAVE_GLUON = hasattr(gl, "warp_specialize")
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64
+BLOCK_M = 64
+NUM_WARPS = 4
+STAGES = 2
+#: registers per thread of the warp-specialised kernel's producer warp (TMA issue only)
+PRODUCER_REGS = 24
+
+
+def available(device=None) -> bool:
+    """True where Gluon's Hopper ops import and the CUDA device is sm_90 (Hopper)."""
+    if not HAVE_GLUON or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_range(n0, N, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """First query row and number of query tiles that see key tile [n0, n0 + BLOCK_N)."""
+        if CAUSAL:
+            lo = n0  # query tiles before the key tile see none of its keys
+        else:
+            lo = n0 * 0
+        return lo, (N - lo) // BLOCK_M
+
+    @gluon.jit
+    def _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
+                        bar, row):
+        """K, V, U_K, U_V rows [row, row + BLOCK_N) to shared memory, completing on ``bar``."""
+        mbarrier.expect(bar, 4 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, 0], bar, k_smem)
+        _tma_load(v_desc, [row, 0], bar, v_smem)
+        _tma_load(uk_desc, [row, 0], bar, uk_smem)
+        _tma_load(uv_desc, [row, 0], bar, uv_smem)
+
+    @gluon.jit
+    def _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
+                         bar, slot, row):
+        """Q, dO, U_Q rows [row, row + BLOCK_M) and their packed row vectors (L·log2e, D, α,
+        E + αD, ρ) into ring slot ``slot``, completing on ``bar``."""
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes + r_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, 0], bar, q_ring.index(slot))
+        _tma_load(do_desc, [row, 0], bar, do_ring.index(slot))
+        _tma_load(uq_desc, [row, 0], bar, uq_ring.index(slot))
+        _tma_load(r_desc, [0, row], bar, vecs.index(slot))
+
+    @gluon.jit
+    def _query_vec(vecs, i: gl.constexpr, layout: gl.constexpr):
+        """Row vector ``i`` of a ring slot's packed vectors, broadcast along the keys of a
+        (keys x queries) tile (read from shared memory where it is used: held in registers
+        it would cost BLOCK_M / 4 per thread for the whole tile)."""
+        return vecs.slice(i, 1, dim=0).load(layout)  # [1, BLOCK_M]
+
+    @gluon.jit
+    def _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_s, do_s, uq_s, vecs, kb, vb,
+                  r_prev, ds_prev, m0, n0, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, NVEC: gl.constexpr,
+                  DEFER: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+        """(K̄, V̄, Rᵀ, dSᵀ) after query tile [m0, m0 + BLOCK_M) (its Q, dO, U_Q tiles in
+        shared memory ``q_s``, ``do_s``, ``uq_s``, its row vectors in ``vecs``).
+
+        Without DEFER every product is complete on return. With DEFER the two K̄ products
+        are left running: ``kb`` comes in and goes out as a pending accumulator, and the
+        previous tile's K̄ operands ``r_prev``, ``ds_prev`` are retired by this tile's first
+        wait (so the previous tile's K̄ products overlap this tile's score products); the
+        caller then releases the previous tile's ring slot and waits for the last one."""
+        dtype: gl.constexpr = q_s.dtype
+        s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+        qt = q_s.permute((1, 0))
+        st = warpgroup_mma(k_smem, qt, s_zero, use_acc=False, is_async=True)
+        gt = warpgroup_mma(uk_smem, qt, s_zero, use_acc=False, is_async=True)
+        gt = warpgroup_mma(k_smem, uq_s.permute((1, 0)), gt, is_async=True)
+        bt = warpgroup_mma(uv_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if DEFER:  # also retires the previous tile's K̄ products
+            st, gt, kb, r_prev, ds_prev = warpgroup_mma_wait(
+                num_outstanding=1, deps=(st, gt, kb, r_prev, ds_prev))  # Bᵀ in flight
+        else:
+            st, gt = warpgroup_mma_wait(num_outstanding=1, deps=(st, gt))  # Bᵀ in flight
+
+        pt = gl.exp2(st * qk_scale2 - _query_vec(vecs, 0, s_layout))
+        if CAUSAL:
+            if m0 < n0 + BLOCK_N:  # only the diagonal tiles hold masked pairs
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+                vis = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+                pt = gl.where(vis, pt, 0.0)
+        if NVEC == 8:
+            pt = pt * _query_vec(vecs, 4, s_layout)  # P·ρ
+        gt = gt * scale - _query_vec(vecs, 2, s_layout)  # Gᵀ − α
+        h_op = gl.convert_layout((pt * gt).to(dtype), op_layout)
+        vb = warpgroup_mma(h_op, do_s, vb, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        bt = warpgroup_mma_wait(num_outstanding=2, deps=(bt,))  # V̄, dPᵀ in flight
+        tt = pt * (bt - _query_vec(vecs, 3, s_layout))  # Pᵀ∘(Bᵀ − (E + αD))
+        vb, dpt, h_op = warpgroup_mma_wait(num_outstanding=0, deps=(vb, dpt, h_op))
+
+        dst = pt * (dpt - _query_vec(vecs, 1, s_layout))  # dSᵀ
+        r_op = gl.convert_layout((gt * dst + tt).to(dtype), op_layout)
+        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+        kb = warpgroup_mma(r_op, q_s, kb, is_async=True)
+        kb = warpgroup_mma(ds_op, uq_s, kb, is_async=True)
+        if not DEFER:
+            kb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(kb, r_op, ds_op))
+        return kb, vb, r_op, ds_op
+
+    @gluon.jit
+    def _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row, scale):
+        """K̄·τ and V̄ to HBM by TMA, staged through the (no longer read) K and V buffers."""
+        dtype: gl.constexpr = k_smem.dtype
+        k_smem.store((kb * scale).to(dtype))
+        v_smem.store(vb.to(dtype))
+        fence_async_shared()
+        _tma_store(kb_desc, [row, 0], k_smem)
+        _tma_store(vb_desc, [row, 0], v_smem)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _gluon_bob_col_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                              kb_desc, vb_desc, r_desc, N,
+                              scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                              NVEC: gl.constexpr, STAGES: gl.constexpr,
+                              num_warps: gl.constexpr):
+        """Single partition: K̄, V̄ of key tile ``program_id(0)`` of (batch·head)
+        ``program_id(1)``. Tile descriptors view (B·H·N, d) tensors, row-vector descriptors
+        (B·H·N,) float32 ones (L·log2e, D, α, E + αD, ρ)."""
+        n0 = gl.program_id(0) * BLOCK_N
+        row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
+        dtype: gl.constexpr = q_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                      k_width=2)
+
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
+        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+
+        _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
+                        kv_bar, row0 + n0)
+        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        for s in gl.static_range(STAGES - 1):  # fill all slots but one
+            if s < n_tiles:
+                _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
+                                 vecs, ready.index(s), s, row0 + lo + s * BLOCK_M)
+
+        kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        for i in range(n_tiles):
+            # refill the slot consumed (and waited for) in the previous iteration
+            nxt = i + STAGES - 1
+            if nxt < n_tiles:
+                ns = nxt % STAGES
+                _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
+                                 vecs, ready.index(ns), ns, row0 + lo + nxt * BLOCK_M)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            kb, vb, _, _ = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
+                                     do_ring.index(slot), uq_ring.index(slot),
+                                     vecs.index(slot), kb, vb, None, None, lo + i * BLOCK_M,
+                                     n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                                     False, s_layout, op_layout)
+
+        mbarrier.invalidate(kv_bar)
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+        _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row0 + n0, scale)
+
+    # ----------------------------------------------------------------- warp-specialised
+
+    @gluon.jit
+    def _ws_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
+                     k_smem, v_smem, uk_smem, uv_smem, q_ring,
+                     do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
+                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """Producer partition (one warp): the key-side copy, then the query tiles into the
+        ring, each slot refilled once the consumers have released it."""
+        _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
+                        kv_bar, row0 + n0)
+        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            # a fresh barrier counts as having completed the phase before phase 0, so the
+            # first pass over the ring does not wait
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
+                             ready.index(slot), slot, row0 + lo + i * BLOCK_M)
+
+    @gluon.jit
+    def _ws_consumer(kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
+                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale, qk_scale2,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     CAUSAL: gl.constexpr, NVEC: gl.constexpr, STAGES: gl.constexpr,
+                     DEFER: gl.constexpr, num_warps: gl.constexpr):
+        """Consumer partition (the default one, ``num_warps`` warps): the products of every
+        query tile, each slot released once its products are done, then the epilogue."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                      k_width=2)
+        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        if DEFER:
+            kb = warpgroup_mma_init(kb)  # carried as a pending accumulator
+            r_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
+            ds_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
+            for i in range(n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                kb, vb, r_op, ds_op = _col_tile(
+                    k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
+                    uq_ring.index(slot), vecs.index(slot), kb, vb, r_op, ds_op,
+                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                    True, s_layout, op_layout)
+                # the previous tile's products are complete (retired inside _col_tile)
+                fence_async_shared()
+                mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
+            kb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(kb, r_op, ds_op))
+        else:
+            for i in range(n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                kb, vb, _, _ = _col_tile(
+                    k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
+                    uq_ring.index(slot), vecs.index(slot), kb, vb, None, None,
+                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
+                    False, s_layout, op_layout)
+                # its products are complete; order this partition's reads of the row vectors
+                # (generic proxy) before the producer's next TMA write of the slot (async)
+                fence_async_shared()
+                mbarrier.arrive(empty.index(slot), count=1)
+        _col_epilogue(kb, vb, k_smem, v_smem, kb_desc, vb_desc, row0 + n0, scale)
+
+    @gluon.jit
+    def _gluon_bob_col_ws_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                                 kb_desc, vb_desc, r_desc, N,
+                                 scale, qk_scale2, BLOCK_M: gl.constexpr,
+                                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                 CAUSAL: gl.constexpr, NVEC: gl.constexpr,
+                                 STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 DEFER: gl.constexpr, num_warps: gl.constexpr):
+        """Warp-specialised: as ``_gluon_bob_col_kernel``, with a one-warp TMA producer
+        partition and ``num_warps`` consumer warps."""
+        n0 = gl.program_id(0) * BLOCK_N
+        row0 = gl.program_id(1) * N
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
+        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        gl.warp_specialize([
+            (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
+                            do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale,
+                            qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
+                            DEFER, num_warps)),
+            (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                            r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring,
+                            vecs, kv_bar, ready, empty, row0, n0, N, BLOCK_M, CAUSAL,
+                            STAGES)),
+        ], [1], [PRODUCER_REGS])
+
+
+def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal, block_n,
+             block_m, num_warps, stages):
+    """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H·N, d)) of one
+    launch; no checks, any device (scripts/gluon_compile_sm90.py builds CPU ones)."""
+    b, h, n, d = q.shape
+    flat = [x.contiguous().view(b * h * n, d) for x in (q, do, uq, k, v, uk, uv)]
+    kb = torch.empty_like(flat[3])
+    vb = torch.empty_like(flat[4])
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
+    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
+    tiles = [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
+             for x in flat[:3]]
+    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
+              for x in (*flat[3:], kb, vb)]
+    lse2 = lse.reshape(-1) * LOG2E  # log2 units; rows that see no key: +inf, so P = 0
+    lse2 = torch.where(lse2 == float("-inf"), float("inf"), lse2)
+    rows = [lse2] + [x.reshape(-1) for x in (delta, alpha, ee)]
+    if rho is not None:  # 8 rows (power of two): ρ and three unread copies
+        rows += [rho.reshape(-1)] * 4
+    rows = torch.stack(rows)  # (NVEC, B·H·N): one TMA copy per query tile
+    nvec = rows.shape[0]
+    lay_r = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    vecs = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [nvec, block_m], lay_r)
+    args = (*tiles, vecs, n, scale, scale * LOG2E)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
+                NVEC=nvec, STAGES=stages, num_warps=num_warps)
+    return args, meta, (kb, vb)
+
+
+def _check(name, x, like):
+    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"gluon_bob_col: {name} must match q in shape, dtype and device "
+                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); GQA and varlen are "
+                         "not supported here")
+
+
+def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
+                  causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
+                  stages=STAGES, warp_specialize=False, defer=False, maxnreg=None):
+    """K̄, V̄ of the BoB (bob-math.md) for every key tile: the Triton column pass's results.
+
+    q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
+    cotangents present); lse (natural log, as ``attn_fwd`` returns it), delta = rowsum(dO∘O),
+    alpha, ee = E + αD (the statistics pass's outputs) and optional rho (row-sum correction,
+    None: off, as for 16-bit inputs in the library): (B, H, N) float32. Returns (kb, vb),
+    each (B, H, N, d) in q's dtype. Inputs that are not contiguous are copied.
+
+    ``block_n`` keys per program (16 per warp: block_n == 16·num_warps, num_warps 4 or 8),
+    ``block_m`` queries per step (dividing block_n), ``stages`` ring slots (2 to 4),
+    ``warp_specialize`` adds a one-warp TMA producer partition; ``defer`` (warp-specialised
+    only) leaves each tile's K̄ products running into the next tile, so a slot is released
+    one tile later (use 3 slots or more); ``maxnreg`` caps ptxas's
+    registers per thread (None: no cap; with ``warp_specialize`` it sets the budget the
+    partitions' registers are carved from).
+    """
+    if not available(q.device):
+        raise RuntimeError("gluon_bob_col: needs triton.experimental.gluon and an sm_90 GPU; "
+                           "use attn_bob elsewhere")
+    if q.dim() != 4:
+        raise ValueError(f"gluon_bob_col: q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"gluon_bob_col: q must be bf16 or fp16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
+        if x is None:
+            raise ValueError(f"gluon_bob_col: {name} is None; this pass needs all three "
+                             "cotangents (use attn_bob for the others)")
+        _check(name, x, q)
+    b, h, n, d = q.shape
+    if d not in (64, 128):
+        raise ValueError(f"gluon_bob_col: head dim must be 64 or 128, got {d}")
+    if num_warps not in (4, 8) or block_n != 16 * num_warps:
+        raise ValueError(f"gluon_bob_col: need num_warps in (4, 8) and block_n == 16*num_warps, "
+                         f"got block_n={block_n}, num_warps={num_warps}")
+    if block_m not in (32, 64, 128) or block_n % block_m:
+        raise ValueError(f"gluon_bob_col: block_m must be 32, 64 or 128 and divide block_n, "
+                         f"got {block_m}")
+    if defer and not warp_specialize:
+        raise ValueError("gluon_bob_col: defer=True needs warp_specialize=True")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"gluon_bob_col: stages must be 2, 3 or 4, got {stages}")
+    if n % block_n:
+        raise ValueError(f"gluon_bob_col: sequence length must be a multiple of "
+                         f"block_n={block_n}, got {n}")
+    for name, x in (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee), ("rho", rho)):
+        if x is None and name == "rho":
+            continue
+        if x.shape != (b, h, n) or x.dtype != torch.float32 or x.device != q.device:
+            raise ValueError(f"gluon_bob_col: {name} must be float32 of shape {(b, h, n)} on "
+                             f"{q.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if b * h * n >= 2 ** 31:
+        raise ValueError(f"gluon_bob_col: B*H*N must be < 2**31 (int32 TMA coordinates), "
+                         f"got {b * h * n}")
+    scale = d ** -0.5 if scale is None else float(scale)
+    args, meta, (kb, vb) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale,
+                                    causal, block_n, block_m, num_warps, stages)
+    if maxnreg is not None:
+        meta["maxnreg"] = int(maxnreg)
+    grid = (n // block_n, b * h)
+    if warp_specialize:
+        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
+                                       **meta)
+    else:
+        _gluon_bob_col_kernel[grid](*args, **meta)
+    return kb.view(b, h, n, d), vb.view(b, h, n, d)

@@ -1,0 +1,189 @@
+"""Compile the experimental Gluon kernels (kernels/gluon_*.py) for sm_90 on a machine without
+a GPU and print registers, spills and shared memory per variant.
+
+The active Triton driver is replaced by a stub that reports an sm_90 target; each kernel is
+compiled with ``warmup`` on CPU tensors (descriptors are built the way the wrappers build
+them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 machine's) and
+3.9; run it with each interpreter to catch API drift before device time is spent::
+
+    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv] [--head-dim 64] [--causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _Sm90Stub:
+    """Just enough of a CUDA driver for ``JITFunction.warmup`` to compile for sm_90."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_benchmarker(self):
+        return None
+
+    def map_python_to_cpp_type(self, ty):
+        from triton.backends.nvidia.driver import ty_to_cpp
+
+        return ty_to_cpp(ty)
+
+
+def load_module(name):
+    """kernels/<name>.py by path (this script may run under an interpreter where the package
+    is not installed)."""
+    path = os.path.join(HERE, "..", "kernels", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resources(kernel):
+    """(registers, stack bytes, spill store bytes, spill load bytes, warnings) of a compiled
+    kernel: registers and stack from its cubin (cuobjdump), spills from ptxas -v on its PTX
+    for sm_90a (-1 where the bundled ptxas is older than the PTX, as in triton 3.9)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", cubin], capture_output=True,
+                             text=True).stdout
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        out = subprocess.run([_tool("ptxas"), "-v", "--gpu-name", "sm_90a", src, "-o",
+                              os.path.join(tmp, "p.cubin")], capture_output=True, text=True)
+    regs = re.search(r"REG:(\d+)", res)
+    stack = re.search(r"STACK:(\d+)", res)
+    text = out.stdout + out.stderr
+    st = re.findall(r"(\d+) bytes spill stores", text)
+    ld = re.findall(r"(\d+) bytes spill loads", text)
+    warn = [line for line in text.splitlines() if "warning" in line.lower()]
+    return (int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1,
+            sum(map(int, st)) if st else -1, sum(map(int, ld)) if ld else -1, warn)
+
+
+def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg):
+    """ws: 0 single partition, 1 warp-specialised, 2 warp-specialised with deferred K̄ waits."""
+    b, h, n = 1, 2, 4 * block_n
+    x = [torch.zeros(b, h, n, d, dtype=torch.bfloat16) for _ in range(7)]
+    r = [torch.zeros(b, h, n) for _ in range(4)]
+    args, meta, _ = mod._prepare(*x, *r, None, 0.125, causal, block_n, block_m, warps, stages)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    if ws:
+        return mod._gluon_bob_col_ws_kernel.warmup(*args, PRODUCER_REGS=mod.PRODUCER_REGS,
+                                                   DEFER=ws == 2, grid=(1,), **meta)
+    return mod._gluon_bob_col_kernel.warmup(*args, grid=(1,), **meta)
+
+
+def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg):
+    b, h, n = 1, 2, 4 * block_n
+    td = mod.TensorDescriptor
+    x = [torch.zeros(b * h * n, d, dtype=torch.bfloat16) for _ in range(6)]
+    lm = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
+    ln = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
+    qd, dod = (td(t, list(t.shape), list(t.stride()), [block_m, d], lm) for t in (x[0], x[3]))
+    kd, vd, dkd, dvd = (td(t, list(t.shape), list(t.stride()), [block_n, d], ln)
+                        for t in (x[1], x[2], x[4], x[5]))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, num_warps=warps,
+                grid=(1,))
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    return mod._gluon_dkdv_kernel.warmup(qd, kd, vd, dod, dkd, dvd, torch.zeros(b * h * n),
+                                         torch.zeros(b * h * n), n, 0.125, 0.18, **meta)
+
+
+# (block_n, block_m, num_warps, stages, warp_specialize, maxnreg)
+BOB_COL_VARIANTS = [
+    (64, 64, 4, 2, False, None),
+    (64, 32, 4, 2, False, None),
+    (128, 64, 8, 2, False, None),
+    (64, 64, 4, 2, True, 128),
+    (64, 32, 4, 3, True, 128),
+    (128, 64, 8, 2, True, 168),
+    (64, 64, 4, 3, True, 128),
+    (64, 64, 4, 3, 2, 128),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernel", default="bob_col", choices=["bob_col", "dkdv"])
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--variant", action="append", default=[],
+                   help="block_n,block_m,num_warps,stages,ws(0/1/2: +defer),maxnreg(0: none)")
+    p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
+    a = p.parse_args()
+    driver.set_active(_Sm90Stub())
+    mod = load_module(f"gluon_{a.kernel}")
+    if not mod.HAVE_GLUON:
+        print(f"triton {triton.__version__}: Gluon's Hopper ops are missing")
+        return 1
+    variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or (
+        BOB_COL_VARIANTS if a.kernel == "bob_col" else [(128, 64, 8, 1, 0, 0), (64, 64, 4, 1, 0, 0)])
+    fn = compile_bob_col if a.kernel == "bob_col" else compile_dkdv
+    print(f"triton {triton.__version__}, gluon_{a.kernel}, d={a.head_dim}, causal={a.causal}")
+    print(f"{'kt x qt / warps, stages, ws, maxnreg':<40}{'regs':>6}{'stack':>7}"
+          f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
+    bad = 0
+    for bn, bm, w, st, ws, mr in variants:
+        name = f"{bn}x{bm}/{w}, {st}, {['-', 'ws', 'ws+defer'][int(ws)]}, {mr or '-'}"
+        try:
+            k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None)
+            ptx = k.asm["ptx"]
+            regs, stack, sst, sld, warn = resources(k)
+            print(f"{name:<40}{regs:>6}{stack:>7}{f'{sst}/{sld}':>13}"
+                  f"{k.metadata.shared / 1024:>10.1f}{ptx.count('wgmma.mma_async'):>7}",
+                  flush=True)
+            for line in warn[:3]:
+                print(f"    {line.strip()[:200]}")
+            if a.dump:
+                os.makedirs(a.dump, exist_ok=True)
+                tag = name.replace(" ", "").replace("/", "w").replace(",", "_")
+                for ext in ("ptx", "ttgir"):
+                    with open(os.path.join(a.dump, f"{tag}.{ext}"), "w") as f:
+                        f.write(k.asm[ext])
+        except Exception as e:  # noqa: BLE001 - report every failing variant
+            bad += 1
+            msg = str(e).strip().splitlines()
+            print(f"{name:<40} FAILED: {type(e).__name__}: {' | '.join(msg[-6:])[:1500]}",
+                  flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

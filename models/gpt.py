@@ -174,9 +174,11 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model)
         self.mlp = SwiGLU(config.d_model, config.mlp_hidden, bias=config.bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: (B, N, d_model); cos, sin: rotary tables. Returns (B, N, d_model)."""
-        x = x + F.dropout(self.attn(self.attn_norm(x), cos, sin), self.dropout, self.training)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, local: bool = False) -> Tensor:
+        """x: (B, N, d_model); cos, sin: rotary tables. Returns (B, N, d_model). ``local``:
+        no context parallelism in this call (:meth:`GPT.forward`)."""
+        h = self.attn(self.attn_norm(x), cos, sin, local=True) if local else self.attn(self.attn_norm(x), cos, sin)
+        x = x + F.dropout(h, self.dropout, self.training)
         return x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
 
 
@@ -233,6 +235,13 @@ class GPT(nn.Module):
         if on:
             attend = context_parallel_attention_for(self.config.attention, group, what="GPTConfig.attention")
             attend = partial(attend, causal=True)
+            for i, block in enumerate(self.blocks):
+                if not isinstance(block.attn, CausalSelfAttention):
+                    raise ValueError(
+                        f"context parallelism needs every block's attention to be a CausalSelfAttention; "
+                        f"block {i} has {type(block.attn).__name__}, which would run on each rank's block "
+                        "alone (docs/distributed.md: which memory models take context_parallel)"
+                    )
         self.context_parallel = on
         self.context_parallel_group = group
         for block in self.blocks:
@@ -283,17 +292,17 @@ class GPT(nn.Module):
             )
         return positions.to(device)
 
-    def _run_block(self, block: Block, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def _run_block(self, block: Block, x: Tensor, cos: Tensor, sin: Tensor, local: bool = False) -> Tensor:
         if not (self.config.checkpoint and torch.is_grad_enabled()):
-            return block(x, cos, sin)
+            return block(x, cos, sin, local)
         # The recomputation in the backward pass must use the parameters of *this* forward
         # pass. Under functional_call those are swapped back out by the time backward runs,
         # so they are passed to the checkpointed function explicitly instead of being read
         # from the module during recomputation.
         names, tensors = zip(*block.named_parameters())
 
-        def run(x, cos, sin, *params):
-            return functional_call(block, dict(zip(names, params)), (x, cos, sin))
+        def run(x, cos, sin, *params):  # ``local`` is fixed here: the recomputation uses it too
+            return functional_call(block, dict(zip(names, params)), (x, cos, sin, local))
 
         return checkpoint(run, x, cos, sin, *tensors, use_reentrant=False)
 
@@ -304,6 +313,7 @@ class GPT(nn.Module):
         inputs_embeds: Optional[Tensor] = None,
         positions: Union[None, int, Tensor] = None,
         return_hidden: bool = False,
+        local: bool = False,
     ) -> Tensor:
         """Run the model on token ids or on embeddings.
 
@@ -318,6 +328,10 @@ class GPT(nn.Module):
                 N is this rank's block and ``None``/``p`` count from the block's global
                 offset (a tensor is used as given).
             return_hidden: return the final normalised hidden states instead of logits.
+            local: with context parallelism, run this call in this process alone over the
+                whole given sequence (local attention, positions from 0 or as given): for a
+                short sequence that every rank holds whole, e.g. the query that the memory
+                models read on every rank. No effect without context parallelism.
 
         Returns:
             (B, N, vocab_size) logits, or (B, N, d_model) hidden states with
@@ -341,12 +355,12 @@ class GPT(nn.Module):
             x = inputs_embeds
         batch, n, _ = x.shape
         pos = self._positions(positions, batch, n, x.device)
-        if self.context_parallel and (positions is None or not isinstance(positions, Tensor)):
+        if self.context_parallel and not local and (positions is None or not isinstance(positions, Tensor)):
             pos = pos + sequence_offset(n, group=self.context_parallel_group, device=x.device)[0]
         cos, sin = rope_angles(pos, self.config.head_dim, self.config.rope_base, x.dtype)
         x = F.dropout(x, self.config.dropout, self.training)
         for block in self.blocks:
-            x = self._run_block(block, x, cos, sin)
+            x = self._run_block(block, x, cos, sin, bool(local and self.context_parallel))
         h = self.norm(x)
         if return_hidden:
             return h

@@ -127,15 +127,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, (n_head + 2 * n_kv_head) * self.head_dim, bias=bias)
         self.proj = nn.Linear(n_head * self.head_dim, d_model, bias=bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: (B, N, d_model); cos, sin from :func:`rope_angles`. Returns (B, N, d_model)."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, *, local: bool = False) -> Tensor:
+        """x: (B, N, d_model); cos, sin from :func:`rope_angles`. Returns (B, N, d_model).
+        ``local``: attend within ``x`` alone even when :attr:`attend` is set (a context-parallel
+        model run on a short sequence that every rank holds whole)."""
         hq, hkv, d = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).split((hq * d, hkv * d, hkv * d), dim=-1)
         q = rearrange(q, "b n (h d) -> b h n d", h=hq)
         k = rearrange(k, "b n (h d) -> b h n d", h=hkv)
         v = rearrange(v, "b n (h d) -> b h n d", h=hkv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.attend is not None:
+        if self.attend is not None and not local:
             o = self.attend(q, k, v, window=self.window)
         else:
             o = causal_attention(q, k, v, impl=self.impl, window=self.window)

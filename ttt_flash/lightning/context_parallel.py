@@ -6,7 +6,8 @@ parallel across the groups (docs/distributed.md).
 its ``context_parallel`` argument:
 
 * :meth:`~ContextParallelPlan.setup` (every rank, once the process group exists) creates the
-  groups and switches the GPT to context parallelism over its group;
+  groups and switches the GPT (or a memory model, through its ``set_context_parallel``) to
+  context parallelism over its group;
 * :meth:`~ContextParallelPlan.shard` gives every rank of a group the batch of the group's
   first rank (broadcast) and keeps this rank's block of the tokens (global RoPE positions
   come from the GPT);
@@ -20,12 +21,18 @@ its ``context_parallel`` argument:
 
 The other ranks' batches of a group are not used (each group draws P batches per step and
 trains on one).
+
+The memory modules (:mod:`ttt_flash.lightning.memory`: ``GradMemKV``, ``TTTE2EMQAR``) use
+:meth:`~ContextParallelPlan.setup` and :meth:`~ContextParallelPlan.broadcast` only: their
+models take the whole batch on every rank and cut the written sequence themselves, and their
+outer loss is the same on every rank of a group, so the explicit averaging with the batch's
+query-target count as weight already gives each group's gradient its weight.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,8 +62,9 @@ class ContextParallelPlan:
         return self.cp_group is not None
 
     def setup(self, model) -> None:
-        """Create the groups (every rank must call this) and switch ``model`` (a GPT) to
-        context parallelism over this rank's group."""
+        """Create the groups (every rank must call this) and switch ``model`` (anything with
+        ``set_context_parallel(group)``: a GPT, :class:`~ttt_flash.memory.GradMem`,
+        :class:`~ttt_flash.memory.FastWeightTTT`) to context parallelism over this rank's group."""
         if self.size == 1 or self.active:
             return
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() % self.size:
@@ -69,6 +77,23 @@ class ContextParallelPlan:
         self.cp_group, self.dp_group = context_parallel_groups(self.size)
         self._leader = dist.get_rank() // self.size * self.size
         model.set_context_parallel(self.cp_group)
+
+    def broadcast(self, *tensors: Tensor) -> List[Tensor]:
+        """The group's first rank's ``tensors`` on every rank of the group (every rank passes
+        tensors of the same shapes and dtypes; one collective per dtype). Pass-through when
+        inactive."""
+        if not self.active:
+            return list(tensors)
+        out = list(tensors)
+        by_dtype = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for idx in by_dtype.values():
+            flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+            dist.broadcast(flat, src=self._leader, group=self.cp_group)
+            for i, part in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                out[i] = part.view_as(tensors[i])
+        return out
 
     def shard(self, x: Tensor, y: Tensor, ignore_index: int = -100) -> Tuple[Tensor, Tensor, int]:
         """(B, N) inputs and targets → this rank's (B, N_local) block of the group leader's,

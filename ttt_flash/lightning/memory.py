@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from ._step import LocalGradients, StepTimer
+from .context_parallel import ContextParallelPlan
 from .resume import EpochSampler, ResumableLoader
 from ..impls import AttentionName
 from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
@@ -163,6 +164,8 @@ class _RecallModule(LightningModule):
     def __init__(self):
         super().__init__()
         self._timer, self._local = StepTimer(), LocalGradients()
+        #: context parallelism (docs/distributed.md); subclasses that support it replace it
+        self.context_parallel_plan = ContextParallelPlan(1)
 
     def _query_logits(self, batch: RecallBatch, write: bool) -> Tuple[Tensor, Optional[Tensor]]:
         raise NotImplementedError
@@ -175,6 +178,7 @@ class _RecallModule(LightningModule):
     def _metrics(self, batch: RecallBatch, train: bool) -> Dict[str, Tensor]:
         if not isinstance(batch, RecallBatch):
             raise TypeError(f"{type(self).__name__} expects ttt_flash.tasks.RecallBatch batches, got {type(batch).__name__}")
+        batch = RecallBatch(*self.context_parallel_plan.broadcast(*batch))  # the group's batch (context_parallel > 1)
         targets = batch.query_targets
         out: Dict[str, Tensor] = {}
         # The loss in float32 for half-precision logits; float64 stays float64.
@@ -197,6 +201,16 @@ class _RecallModule(LightningModule):
                      batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"), **kw)
 
     # ---------------------------------------------------------------- distributed (docs/distributed.md)
+
+    def setup(self, stage: str) -> None:
+        # context_parallel > 1: the groups, and the network's GPT switched to its group. Every
+        # rank of a group then trains on the group's first rank's batch (broadcast in _metrics),
+        # each on its block of the written sequence; the loss and the logged metrics are the
+        # same on every rank of a group, and the explicit averaging below (weight: the batch's
+        # query targets, the same on every rank of a group) gives each group's gradient the
+        # weight of its batch: the mean over a group of its ranks' shares is the group's
+        # gradient (ttt_flash.memory.GradMem's docstring).
+        self.context_parallel_plan.setup(self.net)
 
     def on_train_start(self) -> None:
         # Under DDP: its hooks cannot reduce a backward through the inner loops' autograd.grad
@@ -292,6 +306,11 @@ class GradMemKV(_RecallModule):
         inner_lr: initial inner step size (learned as its log).
         first_order: first-order outer gradient.
         lr, weight_decay, warmup_steps: AdamW (weight decay on matrices only) with linear warmup.
+        context_parallel: ranks per sequence under DDP (1: off). The W processes form W / P
+            context-parallel groups of P consecutive ranks, data parallel across groups; each
+            group trains on its first rank's batch, each rank writing its block of the
+            ``[memory; context]`` sequence (:class:`ttt_flash.memory.GradMem`,
+            docs/distributed.md). Needs ``attention="ttt_flash"`` and ``n_head`` >= P.
     """
 
     def __init__(
@@ -310,12 +329,14 @@ class GradMemKV(_RecallModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
+        context_parallel: int = 1,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
         self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
                            memory_tokens, inner_steps, inner_lr, first_order=first_order)
+        self.context_parallel_plan = ContextParallelPlan(context_parallel)
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -338,6 +359,8 @@ class TTTE2EMQAR(_RecallModule):
         fast_layers: blocks whose MLP is a fast weight (negative: from the end).
         chunk_size: context tokens per inner update.
         inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps: as in :class:`GradMemKV`.
+        context_parallel: as in :class:`GradMemKV`; each rank runs its block of every chunk's
+            sequence (:class:`ttt_flash.memory.FastWeightTTT`).
     """
 
     def __init__(
@@ -357,12 +380,14 @@ class TTTE2EMQAR(_RecallModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
+        context_parallel: int = 1,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
         self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
                                  fast_layers, chunk_size, inner_steps, inner_lr, first_order=first_order)
+        self.context_parallel_plan = ContextParallelPlan(context_parallel)
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -386,6 +411,9 @@ class MemoryLayerMQAR(_RecallModule):
         heads, memory_slots, inner_steps, inner_lr, chunk_size: of every memory layer.
         attention: ``"ttt_flash"`` or ``"math"``.
         conv: causal short-convolution width before each memory layer (1: none).
+        context_parallel: must be 1. The memory layer reads and writes its slots chunk after
+            chunk, so a contiguous block of the sequence per rank would leave all but one rank
+            idle (docs/distributed.md); use data parallelism.
     """
 
     def __init__(
@@ -405,9 +433,17 @@ class MemoryLayerMQAR(_RecallModule):
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
+        context_parallel: int = 1,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
+        if context_parallel != 1:
+            raise ValueError(
+                f"MemoryLayerMQAR does not take context_parallel={context_parallel!r} (only 1): the memory "
+                "layer writes its slots chunk after chunk, so each chunk would run on one rank while the "
+                "others wait (docs/distributed.md). Use data parallelism (--trainer.strategy=ddp), or "
+                "GradMemKV / TTTE2EMQAR, which take context_parallel"
+            )
         self.save_hyperparameters()
         self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
                             attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint)

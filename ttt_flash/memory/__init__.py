@@ -26,6 +26,13 @@ need them); the result is then detached. Under ``torch.inference_mode()`` they c
 leave it first (``with torch.inference_mode(False), torch.enable_grad():`` and clone
 inference tensors).
 
+Context parallelism (one sequence across processes, docs/distributed.md): :class:`GradMem`
+and :class:`FastWeightTTT` follow their GPT's ``context_parallel`` switch (or
+``set_context_parallel``): the written sequence is cut across the ranks, every rank holds the
+whole memory / fast weights and adds the ranks' inner-gradient shares with the differentiable
+:func:`ttt_flash.distributed.all_reduce_sum`, and the short read runs whole on every rank.
+:class:`MemoryLM` has no such switch (its chunks are written one after another).
+
 One module per mechanism: :mod:`~ttt_flash.memory.gradmem`, :mod:`~ttt_flash.memory.fast_weight`,
 :mod:`~ttt_flash.memory.attention_layer`, :mod:`~ttt_flash.memory.memory_lm`; every inner loop
 takes its steps through :func:`ttt_flash.memory._common.inner_step`.

@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from .._checks import check_int
 from ..models import GPT, SwiGLU
-from ._common import _inner_grad_mode, _log_lr, inner_step, masked_lm_loss
+from ._common import _inner_grad_mode, _log_lr, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["FastWeightTTT"]
 
@@ -64,6 +64,18 @@ class FastWeightTTT(nn.Module):
     construction by modules computing the same function that also accept such batched
     weights; parameter names and the state dict are unchanged), and the chunk loss is summed
     over the batch, so each sequence's weights take its own gradient.
+
+    Context parallelism (``model`` a ``GPT(..., context_parallel=...)``, or
+    :meth:`set_context_parallel`): each chunk's sequence (its ``overlap`` preceding tokens
+    and the chunk, n tokens) is cut across the P ranks of the group (rank r: tokens
+    n·r//P … n·(r+1)//P − 1 of it). Every rank passes the *whole* context, targets and query
+    (token ids) and holds the whole fast weights; each update adds the ranks' gradient
+    shares with the differentiable all-reduce
+    (:func:`ttt_flash.distributed.all_reduce_sum`), so the outer gradient differentiates
+    through every update exactly. The prediction (the last ``overlap`` context tokens and
+    the query) runs whole on every rank (``GPT(..., local=True)``): every rank gets the same
+    logits and outer loss, and the **mean over the group** of the ranks' parameter-gradient
+    shares is its gradient (docs/distributed.md).
 
     Args:
         model: the GPT; its ``config.window`` sets the attention window.
@@ -126,6 +138,11 @@ class FastWeightTTT(nn.Module):
     def inner_lr(self) -> Tensor:
         return self.log_inner_lr.exp()
 
+    def set_context_parallel(self, context_parallel) -> None:
+        """Switch the model's context parallelism (``GPT.set_context_parallel``); see the
+        class docstring."""
+        self.model.set_context_parallel(context_parallel)
+
     @property
     def overlap(self) -> int:
         """Preceding tokens a chunk recomputes: ``window − 1`` (0 without a window)."""
@@ -137,19 +154,24 @@ class FastWeightTTT(nn.Module):
         params = dict(self.model.named_parameters())
         return {n: params[n].unsqueeze(0).expand(batch, *params[n].shape) for n in self.fast_names}
 
-    def _logits(self, fast: Optional[Dict[str, Tensor]], idx: Tensor, start: int) -> Tensor:
+    def _logits(self, fast: Optional[Dict[str, Tensor]], idx: Tensor, start: int, local: bool = False) -> Tensor:
         if not fast:
-            return self.model(idx, positions=start)
-        return functional_call(self.model, fast, (idx,), {"positions": start}, strict=False)
+            return self.model(idx, positions=start, local=local)
+        return functional_call(self.model, fast, (idx,), {"positions": start, "local": local}, strict=False)
 
     def chunk_loss(self, fast: Dict[str, Tensor], context: Tensor, targets: Tensor, start: int, end: int) -> Tensor:
         """Mean next-token loss of ``context[:, start:end]`` per sequence, summed over the
         batch, with fast weights ``fast``; the ``overlap`` preceding tokens are recomputed as
-        attention context (not scored)."""
+        attention context (not scored). With context parallelism: this rank's part of it."""
         lo = max(0, start - self.overlap)
         tgt = targets[:, lo:end].clone()
         tgt[:, : start - lo] = -100
-        return masked_lm_loss(self._logits(fast, context[:, lo:end], lo), tgt).sum()
+        cp = context_parallel_of(self.model)
+        if cp is None:
+            return masked_lm_loss(self._logits(fast, context[:, lo:end], lo), tgt).sum()
+        a, b = cp.bounds(end - lo)  # the GPT adds the block's offset a to the positions
+        count = (tgt != -100).sum(-1)
+        return masked_lm_loss_part(self._logits(fast, context[:, lo + a:lo + b], lo), tgt[:, a:b], count).sum()
 
     def adapt(
         self,
@@ -173,6 +195,8 @@ class FastWeightTTT(nn.Module):
                 f"{tuple(context.shape)} and context_targets {tuple(context_targets.shape)}"
             )
         batch, length = context.shape
+        cp = context_parallel_of(self.model)
+        reduce = None if cp is None else cp.reduce
         fast = self.initial_fast_weights(batch)
         lr = self.inner_lr
         losses = []
@@ -182,8 +206,9 @@ class FastWeightTTT(nn.Module):
                 names = list(fast)
                 weights, loss = inner_step(
                     lambda *ws: self.chunk_loss(dict(zip(names, ws)), context, context_targets, start, end),
-                    list(fast.values()), lr, track=track, create_graph=create_graph)
-                losses.append(loss.detach() / batch)
+                    list(fast.values()), lr, track=track, create_graph=create_graph, reduce=reduce)
+                loss = loss.detach() if reduce is None else reduce(loss.detach())
+                losses.append(loss / batch)
                 fast = dict(zip(names, weights))
         if not track:
             fast = {n: w.detach() for n, w in fast.items()}
@@ -191,11 +216,12 @@ class FastWeightTTT(nn.Module):
 
     def predict(self, fast: Optional[Dict[str, Tensor]], context: Tensor, query: Tensor) -> Tensor:
         """(B, Q, vocab) logits of ``query`` placed after ``context`` (the last ``overlap``
-        context tokens are attended to), with fast weights ``fast`` (None: the initial)."""
+        context tokens are attended to), with fast weights ``fast`` (None: the initial). With
+        context parallelism every rank computes them whole (the same on every rank)."""
         tail = min(self.overlap, context.shape[1])
         start = context.shape[1] - tail
         idx = torch.cat([context[:, start:], query], dim=1)
-        return self._logits(fast, idx, start)[:, tail:]
+        return self._logits(fast, idx, start, local=True)[:, tail:]
 
     def forward(self, context: Tensor, context_targets: Tensor, query: Tensor) -> Tensor:
         """Adapt to each sequence's context, return the (B, Q, vocab) query logits."""

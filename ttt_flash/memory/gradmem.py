@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .._checks import check_int
 from ..models import GPT
-from ._common import _inner_grad_mode, _log_lr, inner_step, masked_lm_loss
+from ._common import _inner_grad_mode, _log_lr, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["GradMem"]
 
@@ -36,6 +36,20 @@ class GradMem(nn.Module):
 
     Positions: memory tokens take RoPE positions 0…m−1, the context and the query
     m, m+1, …
+
+    Context parallelism (``model`` a ``GPT(..., context_parallel=...)``, or
+    :meth:`set_context_parallel`): the written sequence ``[M; c]`` of m + L tokens is cut
+    across the P ranks of the group (rank r: tokens (m+L)·r//P … (m+L)·(r+1)//P − 1, so the
+    memory tokens sit on the first rank(s)). Every rank passes the *whole* context, targets
+    and query (token ids; the same on every rank) and holds the whole memory: each inner
+    step takes the rank's share of ∇_M L_c and adds the shares with the differentiable
+    all-reduce (:func:`ttt_flash.distributed.all_reduce_sum`), so every rank takes the same
+    step and the outer gradient differentiates through the write exactly. The read (m + Q
+    tokens) runs whole on every rank (``GPT(..., local=True)``), so every rank gets the same
+    query logits and outer loss; the backward from it on every rank leaves on each rank a
+    share of the parameters' gradients, and their **mean over the group** is the gradient of
+    the outer loss (:class:`ttt_flash.lightning.GradMemKV` with ``context_parallel=P`` does
+    this; docs/distributed.md).
 
     Args:
         model: the language model (uses ``model.tok_emb`` and
@@ -77,6 +91,11 @@ class GradMem(nn.Module):
         self.memory = nn.Parameter(torch.randn(memory_tokens, model.config.d_model) * 0.02)
         self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
 
+    def set_context_parallel(self, context_parallel) -> None:
+        """Switch the model's context parallelism (``GPT.set_context_parallel``: True, a
+        ProcessGroup, or None/False to switch it off); see the class docstring."""
+        self.model.set_context_parallel(context_parallel)
+
     @property
     def num_memory(self) -> int:
         return self.memory.shape[0]
@@ -90,15 +109,28 @@ class GradMem(nn.Module):
         """M_0 expanded to (batch, m, d_model)."""
         return self.memory.unsqueeze(0).expand(batch, -1, -1)
 
-    def _with_memory(self, memory: Tensor, idx: Tensor) -> Tensor:
+    def _with_memory(self, memory: Tensor, idx: Tensor, local: bool = False) -> Tensor:
         emb = self.model.tok_emb(idx)
         x = torch.cat([memory.to(emb.dtype), emb], dim=1)
-        return self.model(inputs_embeds=x)[:, memory.shape[1]:]
+        return self.model(inputs_embeds=x, local=local)[:, memory.shape[1]:]
 
     def write_loss(self, memory: Tensor, context: Tensor, context_targets: Tensor) -> Tensor:
         """L_c(M): the per-sequence masked LM loss of ``context`` after ``memory``, summed
-        over the batch (a scalar)."""
-        return masked_lm_loss(self._with_memory(memory, context), context_targets).sum()
+        over the batch (a scalar). With context parallelism: this rank's part of it (the
+        parts of the group's ranks add up to L_c)."""
+        cp = context_parallel_of(self.model)
+        if cp is None:
+            return masked_lm_loss(self._with_memory(memory, context), context_targets).sum()
+        m = memory.shape[1]
+        start, end = cp.bounds(m + context.shape[1])
+        a, b = max(start - m, 0), max(end - m, 0)  # this rank's context tokens
+        emb = self.model.tok_emb(context[:, a:b])
+        # The memory slice is empty on ranks past the memory tokens; it keeps the memory in
+        # every rank's graph, so that every rank's backward runs its exchanges.
+        x = torch.cat([memory[:, min(start, m):min(end, m)].to(emb.dtype), emb], dim=1)
+        logits = self.model(inputs_embeds=x)[:, x.shape[1] - (b - a):]
+        count = (context_targets != -100).sum(-1)
+        return masked_lm_loss_part(logits, context_targets[:, a:b], count).sum()
 
     def write(
         self,
@@ -123,18 +155,22 @@ class GradMem(nn.Module):
         steps = self.inner_steps if steps is None else steps
         first_order = self.first_order if first_order is None else first_order
         track, create_graph = _inner_grad_mode(first_order)
+        cp = context_parallel_of(self.model)
+        reduce = None if cp is None else cp.reduce
         memory = self.initial_memory(context.shape[0])
         lr = self.inner_lr
         losses = []
         for _ in range(steps):
             (memory,), loss = inner_step(lambda m: self.write_loss(m, context, context_targets), (memory,), lr,
-                                         track=track, create_graph=create_graph)
-            losses.append(loss.detach() / context.shape[0])
+                                         track=track, create_graph=create_graph, reduce=reduce)
+            loss = loss.detach() if reduce is None else reduce(loss.detach())
+            losses.append(loss / context.shape[0])
         return (memory if track else memory.detach()), losses
 
     def read(self, memory: Tensor, query: Tensor) -> Tensor:
-        """(B, Q, vocab) logits of ``query`` (B, Q) after ``memory`` (B, m, d_model)."""
-        return self._with_memory(memory, query)
+        """(B, Q, vocab) logits of ``query`` (B, Q) after ``memory`` (B, m, d_model). With
+        context parallelism every rank reads the whole query (the same logits on every rank)."""
+        return self._with_memory(memory, query, local=True)
 
     def forward(self, context: Tensor, context_targets: Tensor, query: Tensor) -> Tensor:
         """Write ``context``, then return the query logits read from the written memory."""

@@ -272,3 +272,35 @@ def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
     expect = {"split_col": ["bwd_dkdv"], "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
               "kb-not-wanted": ["bwd_dkdv"]}.get(case, [])
     assert [c[0] for c in calls] == expect
+
+
+# --------------------------------------------------------------------------- A/B script
+
+
+def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
+    """scripts/gluon_chain_ab.py end to end on the CPU (no Gluon there: 0 launches)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+
+    # the script wraps the two entry points to count launches: put them back afterwards
+    monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", gluon_dkdv.gluon_dkdv)
+    monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", gluon_bob_col.gluon_bob_col)
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_chain_ab.py"
+    spec = importlib.util.spec_from_file_location("gluon_chain_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--seq-lens", "32", "--causal", "both", "--heads", "1",
+                     "--head-dim", "16", "--dtype", "float32", "--reps", "2",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gluon_chain_ab.json").read_text())["rows"]
+    assert [(r["N"], r["causal"]) for r in rows] == [(32, False), (32, True)]
+    for r in rows:
+        assert r["gluon_launches_per_chain"] == 0 and len(r["on_all_ms"]) == 2
+        assert r["ratio_on"] == pytest.approx(r["on_ms"] / r["sdpa_ms"])
+        assert r["speedup"] == pytest.approx(r["off_ms"] / r["on_ms"])
+    table = capsys.readouterr().out.splitlines()[-2:]
+    assert table[0].startswith("| 32 | no |") and table[1].startswith("| 32 | yes |")

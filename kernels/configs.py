@@ -292,11 +292,14 @@ class GluonConfig:
 
 #: Gluon passes on sm_90, keyed by (kind, head dim): the best tiles of the H200 sweeps
 #: (docs/benchmarks.md, "Gluon (item 2)"): dK/dV 3.29 vs 3.60 ms, BoB column pass 5.72 vs
-#: 7.05 ms at N = 16,384, H = 12, bf16 (Triton pass of the table in each case). d = 128
-#: compiles but was not measured: Triton there.
+#: 7.05 ms at N = 16,384, H = 12, bf16 (Triton pass of the table in each case). In the
+#: chain (both passes) on / off: 16,384 and 65,536 tokens 1.07-1.11x faster, 4,096 tokens
+#: 2-5 % slower (host-bound there): hence ``min_keys``. d = 128 compiles but was not
+#: measured: Triton there.
 GLUON = {
-    ("bwd_dkdv", 64): GluonConfig(64, 64, 4),
-    ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128),
+    ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
+    ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
+                                 min_keys=16384),
 }
 
 #: triton versions (major, minor), inclusive, whose Gluon API the Gluon modules were

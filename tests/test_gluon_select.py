@@ -33,7 +33,7 @@ def sm90(monkeypatch):
     monkeypatch.setattr(configs, "_gluon_importable", lambda kind: True)
 
 
-def _lay(b=1, h_q=2, h_kv=2, d=64, n_q=256, n_k=256, varlen=False):
+def _lay(b=1, h_q=2, h_kv=2, d=64, n_q=16384, n_k=16384, varlen=False):
     return Layout(varlen, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
 
 
@@ -47,14 +47,14 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
 
 @pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=16384, n_k=16384)],
-                         ids=["N256", "N16K-H12-B2"])
+@pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536)],
+                         ids=["N16K", "N64K-H12-B2"])
 def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
     assert _select(kind, lay, dtype) == configs.GLUON[(kind, 64)]
 
 
 def test_table_tiles_are_the_measured_ones():
-    assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4)
+    assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
     col = configs.GLUON[("bob_col", 64)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
     assert col.warp_specialize and col.maxnreg == 128
@@ -74,10 +74,11 @@ OUT_OF_SCOPE = {
     "d32": dict(lay=_lay(d=32)),
     "varlen": dict(lay=_lay(varlen=True)),
     "gqa": dict(lay=_lay(h_q=4, h_kv=2)),
-    "nq-ne-nk": dict(lay=_lay(n_q=128, n_k=256)),
-    "n-not-multiple-of-tile": dict(lay=_lay(n_q=200, n_k=200)),
+    "nq-ne-nk": dict(lay=_lay(n_q=16384, n_k=32768)),
+    "n-not-multiple-of-tile": dict(lay=_lay(n_q=16400, n_k=16400)),
+    "n-below-min-keys": dict(lay=_lay(n_q=8192, n_k=8192)),
     "n-zero": dict(lay=_lay(n_q=0, n_k=0)),
-    "int32-coordinates": dict(lay=_lay(b=1, h_q=32768, h_kv=32768, n_q=65536, n_k=65536)),
+    "int32-coordinates": dict(lay=_lay(b=1, h_q=2048, h_kv=2048, n_q=2 ** 20, n_k=2 ** 20)),
     "window": dict(window=True),
     "rowsum": dict(rowsum=True),
     "caller-incomplete": dict(complete=False),

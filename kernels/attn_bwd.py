@@ -51,7 +51,7 @@ from .common import (
     rowvec_strides,
     strides,
 )
-from .configs import ROWSUM_CORRECTION, get_config, use_atomics
+from .configs import ROWSUM_CORRECTION, get_config, use_atomics, use_gluon
 
 
 @triton.jit
@@ -373,7 +373,15 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         dq.zero_()
         delta.zero_()
     if dk.numel():
-        if lay.n_k > 0:
+        gcfg = use_gluon("bwd_dkdv", lay, q.dtype, q.device, window=use_window, rowsum=rowsum,
+                         tensors=(q, k, v, do, lse, delta, dk, dv), complete=not atomic)
+        if gcfg is not None:  # sm_90: the Gluon pass (configs.use_gluon, gluon_dkdv.py)
+            from . import gluon_dkdv
+
+            gluon_dkdv.gluon_dkdv(q, k, v, do, lse, delta, scale=scale, causal=causal,
+                                  block_n=gcfg.block_n, block_m=gcfg.block_m,
+                                  num_warps=gcfg.num_warps, maxnreg=gcfg.maxnreg, out=(dk, dv))
+        elif lay.n_k > 0:
             cfg = get_config("bwd_fused" if atomic else "bwd_dkdv", bd, q.dtype, q.device)
             grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
             _attn_bwd_dkdv_kernel[grid](

@@ -69,7 +69,7 @@ from .common import (
     rowvec_strides,
     strides,
 )
-from .configs import ROWSUM_CORRECTION, fuse_row_sweeps, get_config, use_atomics
+from .configs import ROWSUM_CORRECTION, fuse_row_sweeps, get_config, use_atomics, use_gluon
 
 
 # --------------------------------------------------------------------------- row-program helpers
@@ -854,6 +854,18 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
 
     def col_pass():
+        gcfg = use_gluon("bob_col", lay, q.dtype, q.device, window=flags["WINDOW"], rowsum=rowsum,
+                         tensors=(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, kb, vb),
+                         complete=precise and col_kb and col_vb and not (half and split_col))
+        if gcfg is not None:  # sm_90: the Gluon pass (configs.use_gluon, gluon_bob_col.py)
+            from . import gluon_bob_col
+
+            gluon_bob_col.gluon_bob_col(
+                q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, None, scale=scale,
+                causal=causal, block_n=gcfg.block_n, block_m=gcfg.block_m,
+                num_warps=gcfg.num_warps, stages=gcfg.stages,
+                warp_specialize=gcfg.warp_specialize, maxnreg=gcfg.maxnreg, out=(kb, vb))
+            return
         cfg = get_config("bob_col", bd, q.dtype, q.device)
         _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
             q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,

@@ -22,6 +22,12 @@ Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
   :data:`FUSED_ROW_MAX_KEYS` and equal tiles, statistics and direct sweeps are one launch.
 - ``bob_fused``  ``deterministic=False`` only: BoB key-tile pass with K̄, V̄ in registers and
   Q̄, dŌ added to float32 buffers by atomics (replaces ``bob_direct`` + ``bob_col``).
+
+On Hopper (sm_90) two passes have Gluon versions (TMA, async ``warpgroup_mma``;
+``gluon_dkdv.py``, ``gluon_bob_col.py``): :data:`GLUON` lists their tiles and
+:func:`use_gluon` decides, per call, whether a pass takes the Gluon kernel or the Triton one
+(the portable path: interpreter, other GPUs, and every input outside the Gluon kernel's
+scope). :func:`use_gluon_passes` switches the Gluon passes off for comparison.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -264,3 +270,123 @@ def _table_config(kind: str, block_d: int, dtype: torch.dtype, index) -> TileCon
     else:
         table = {9: _SM90_HALF, 10: _SM90_HALF, 8: _SM80_HALF}.get(major, _DEFAULT)
     return table[block_d][kind]
+
+
+# --------------------------------------------------------------------------- Gluon (sm_90)
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """Launch parameters of a Gluon pass (``gluon_dkdv`` / ``gluon_bob_col`` keywords)."""
+
+    block_n: int  #: keys per program (16 per warp: block_n == 16·num_warps)
+    block_m: int  #: queries per step of the program's query loop (divides block_n)
+    num_warps: int
+    stages: int = 2  #: ring slots of the streamed query tiles (``bob_col`` only)
+    warp_specialize: bool = False  #: one-warp TMA producer partition (``bob_col`` only)
+    maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
+    #: shortest sequence for which the Gluon pass is chosen (host time of the TMA
+    #: descriptors against the pass's own time)
+    min_keys: int = 0
+
+
+#: Gluon passes on sm_90, keyed by (kind, head dim): the best tiles of the H200 sweeps
+#: (docs/benchmarks.md, "Gluon (item 2)"): dK/dV 3.29 vs 3.60 ms, BoB column pass 5.72 vs
+#: 7.05 ms at N = 16,384, H = 12, bf16 (Triton pass of the table in each case). In the
+#: chain (both passes) on / off: 16,384 and 65,536 tokens 1.07-1.11x faster, 4,096 tokens
+#: 2-5 % slower (host-bound there): hence ``min_keys``. d = 128 compiles but was not
+#: measured: Triton there.
+GLUON = {
+    ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
+    ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
+                                 min_keys=16384),
+}
+
+#: triton versions (major, minor), inclusive, whose Gluon API the Gluon modules were
+#: written against (3.6, the GPU machine's) and compiled with (3.9); outside: Triton.
+GLUON_TRITON = ((3, 6), (3, 9))
+
+_GLUON_ON = [True]
+
+
+@contextlib.contextmanager
+def use_gluon_passes(enabled: bool) -> Iterator[None]:
+    """Turn the Gluon passes on or off inside the ``with`` block (A/B timings, tests)::
+
+        with use_gluon_passes(False):
+            flash_attention(...)  # Triton kernels everywhere
+
+    Nests; the previous setting comes back on exit. On (the default) they still run only
+    where :func:`use_gluon` finds the call in their scope."""
+    saved = _GLUON_ON[0]
+    _GLUON_ON[0] = bool(enabled)
+    try:
+        yield
+    finally:
+        _GLUON_ON[0] = saved
+
+
+def gluon_passes_enabled() -> bool:
+    """Whether :func:`use_gluon_passes` currently allows the Gluon passes."""
+    return _GLUON_ON[0]
+
+
+def use_gluon(kind: str, lay, dtype: torch.dtype, device: torch.device, *, window: bool,
+              rowsum: bool, tensors: Sequence[Optional[torch.Tensor]],
+              complete: bool = True) -> Optional[GluonConfig]:
+    """The Gluon launch parameters for this call of pass ``kind`` ("bwd_dkdv" or "bob_col"),
+    or None: take the Triton kernel.
+
+    ``lay`` is the call's ``common.Layout``; ``window``: a causal sliding window is in use;
+    ``rowsum``: the ρ row-sum correction is on; ``tensors``: the (B, H, N, d) tiles and
+    (B, H, N) row vectors the pass reads and writes (each must be contiguous: no hidden
+    copies); ``complete``: the caller's own conditions hold (``bwd_dkdv``: the atomic-free
+    pass; ``bob_col``: precise mode, all three cotangents, both K̄ and V̄ wanted, no
+    hi + lo split). Gluon is chosen only with all of: the passes on
+    (:func:`use_gluon_passes`), no tile override for ``kind`` (:func:`tile_overrides`
+    selects the Triton kernel), a CUDA device of capability 9.0 outside the interpreter,
+    triton within :data:`GLUON_TRITON` and its Gluon Hopper API importable, bf16 / fp16,
+    dense inputs with H_q == H_kv, N_q == N_k a multiple of the tiles and at least
+    ``min_keys``, a head dim in :data:`GLUON`, B·H·N < 2³¹, full or causal attention without
+    a window, no ρ."""
+    cfg = GLUON.get((kind, lay.head_dim))
+    if (cfg is None or not _GLUON_ON[0] or kind in _OVERRIDES or not complete or window
+            or rowsum or dtype not in (torch.float16, torch.bfloat16)
+            or device.type != "cuda" or interpreting()):
+        return None
+    n = lay.n_k
+    if (lay.varlen or lay.h_q != lay.h_kv or lay.n_q != n or n < max(cfg.min_keys, 1)
+            or n % cfg.block_n or n % cfg.block_m or lay.batch * lay.h_q * n >= 2 ** 31):
+        return None
+    if any(t is None or not t.is_contiguous() for t in tensors):
+        return None
+    if _capability(device.index) != (9, 0) or not _gluon_importable(kind):
+        return None
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+def _triton_version() -> tuple:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_importable(kind: str) -> bool:
+    """triton in :data:`GLUON_TRITON` and the Gluon module of ``kind`` imports its API."""
+    lo, hi = GLUON_TRITON
+    try:
+        if not lo <= _triton_version() <= hi:
+            return False
+    except ValueError:  # an unparsable version string
+        return False
+    if kind == "bwd_dkdv":
+        from . import gluon_dkdv as mod
+    else:
+        from . import gluon_bob_col as mod
+    return bool(mod.HAVE_GLUON)

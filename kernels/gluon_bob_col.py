@@ -1,8 +1,11 @@
-"""Experimental Hopper-native BoB column pass in Gluon (TMA + async wgmma, optional warp
+"""Hopper-native BoB column pass in Gluon (TMA + async wgmma, optional warp
 specialisation).
 
-Not used by the library: nothing imports this module; ``attn_bob`` keeps the Triton
-``_bob_col_kernel`` (bob.py). Step two of issue 15 item 2 (after gluon_dkdv.py). Same inputs
+``attn_bob``'s column pass calls :func:`gluon_bob_col` instead of the Triton
+``_bob_col_kernel`` (bob.py) where ``configs.use_gluon("bob_col", ...)`` selects it: sm_90,
+inputs in the scope below (the library's call: 16-bit inputs, no ρ), tiles from
+``configs.GLUON`` (warp-specialised 64 x 64 / 4, 2 slots, ``maxnreg=128``); everywhere else
+the Triton pass runs. Step two of issue 15 item 2 (after gluon_dkdv.py). Same inputs
 and outputs as the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K, U_V, the
 forward's L, D = rowsum(dO∘O) and the statistics pass's α and E + αD (and ρ where the
 row-sum correction is on), it writes K̄ and V̄ of every key tile (bob-math.md).
@@ -57,6 +60,8 @@ partitions as separate arguments, which this module does not support).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves between versions
@@ -93,7 +98,12 @@ def available(device=None) -> bool:
     if not HAVE_GLUON or not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 if HAVE_GLUON:
@@ -373,13 +383,16 @@ if HAVE_GLUON:
 
 
 def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal, block_n,
-             block_m, num_warps, stages):
-    """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H·N, d)) of one
-    launch; no checks, any device (scripts/gluon_compile_sm90.py builds CPU ones)."""
+             block_m, num_warps, stages, out=None):
+    """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H·N, d); ``out``:
+    contiguous (kb, vb) to write into) of one launch; no checks, any device
+    (scripts/gluon_compile_sm90.py builds CPU ones)."""
     b, h, n, d = q.shape
     flat = [x.contiguous().view(b * h * n, d) for x in (q, do, uq, k, v, uk, uv)]
-    kb = torch.empty_like(flat[3])
-    vb = torch.empty_like(flat[4])
+    if out is None:
+        kb, vb = torch.empty_like(flat[3]), torch.empty_like(flat[4])
+    else:
+        kb, vb = (x.view(b * h * n, d) for x in out)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
@@ -411,7 +424,7 @@ def _check(name, x, like):
 
 def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
                   causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
-                  stages=STAGES, warp_specialize=False, defer=False, maxnreg=None):
+                  stages=STAGES, warp_specialize=False, defer=False, maxnreg=None, out=None):
     """K̄, V̄ of the BoB (bob-math.md) for every key tile: the Triton column pass's results.
 
     q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
@@ -426,7 +439,8 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     only) leaves each tile's K̄ products running into the next tile, so a slot is released
     one tile later (use 3 slots or more); ``maxnreg`` caps ptxas's
     registers per thread (None: no cap; with ``warp_specialize`` it sets the budget the
-    partitions' registers are carved from).
+    partitions' registers are carved from). ``out``: optional (kb, vb) pair of contiguous
+    tensors like q to write into.
     """
     if not available(q.device):
         raise RuntimeError("gluon_bob_col: needs triton.experimental.gluon and an sm_90 GPU; "
@@ -465,9 +479,14 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     if b * h * n >= 2 ** 31:
         raise ValueError(f"gluon_bob_col: B*H*N must be < 2**31 (int32 TMA coordinates), "
                          f"got {b * h * n}")
+    if out is not None:
+        for name, x in zip(("out[0]", "out[1]"), out):
+            _check(name, x, q)
+            if not x.is_contiguous():
+                raise ValueError(f"gluon_bob_col: {name} must be contiguous")
     scale = d ** -0.5 if scale is None else float(scale)
     args, meta, (kb, vb) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale,
-                                    causal, block_n, block_m, num_warps, stages)
+                                    causal, block_n, block_m, num_warps, stages, out)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
     grid = (n // block_n, b * h)

@@ -1,11 +1,13 @@
-"""Experimental Hopper-native first-backward dK/dV pass in Gluon (TMA + async wgmma).
+"""Hopper-native first-backward dK/dV pass in Gluon (TMA + async wgmma).
 
-Not used by the library: nothing imports this module; ``attn_bwd`` keeps the Triton
-``_attn_bwd_dkdv_kernel`` (attn_bwd.py). It is the first step of issue 15 item 2. Measured
-on an H200 (triton 3.6): compiles and matches float64 autograd as closely as the Triton pass
-(bf16, full and causal, every tile variant); at N = 16K, H = 12, d = 64 its best tile
-(64 keys x 64 queries, 4 warps) takes 3.29 ms against the Triton pass's 3.60 ms (causal 1.76
-vs 1.85 ms) (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md, "Gluon (item 2), first step").
+``attn_bwd`` calls :func:`gluon_dkdv` instead of the Triton ``_attn_bwd_dkdv_kernel``
+(attn_bwd.py) where ``configs.use_gluon("bwd_dkdv", ...)`` selects it: sm_90, inputs in the
+scope below, tiles from ``configs.GLUON``; everywhere else (interpreter, other GPUs, other
+inputs) the Triton pass runs. Measured on an H200 (triton 3.6): matches float64 autograd as
+closely as the Triton pass (bf16, full and causal, every tile variant); at N = 16K, H = 12,
+d = 64 its best tile (64 keys x 64 queries, 4 warps) takes 3.29 ms against the Triton pass's
+3.60 ms (causal 1.76 vs 1.85 ms) (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md,
+"Gluon (item 2), first step").
 
 One program owns one key tile (BLOCK_N keys of one (batch, head)): K and V come to shared
 memory once by TMA; the query tiles that can see the keys stream through a two-slot ring
@@ -24,6 +26,8 @@ H_q == H_kv, N_q == N_k, N a multiple of 128, d in {64, 128}, bf16 or fp16, full
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -58,7 +62,12 @@ def available(device=None) -> bool:
     if not HAVE_GLUON or not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
-    return dev.type == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0)
+    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return tuple(torch.cuda.get_device_capability(index))
 
 
 if HAVE_GLUON:
@@ -171,7 +180,7 @@ def _check(name, x, like):
 
 
 def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLOCK_N,
-               block_m=BLOCK_M, num_warps=NUM_WARPS, maxnreg=None):
+               block_m=BLOCK_M, num_warps=NUM_WARPS, maxnreg=None, out=None):
     """dK, dV of softmax attention from the forward's ``lse`` and ``delta`` = rowsum(dO∘O).
 
     q, k, v, do: (B, H, N, d) bf16/fp16 on one sm_90 device; lse, delta: (B, H, N) float32
@@ -179,6 +188,7 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
     q's dtype. Inputs that are not contiguous are copied. ``block_n`` keys per program
     (16 per warp: block_n == 16·num_warps, num_warps 4 or 8), ``block_m`` queries per step
     (dividing block_n); ``maxnreg`` caps ptxas's registers per thread (None: no cap).
+    ``out``: optional (dk, dv) pair of contiguous tensors like q to write into.
     """
     if not available(q.device):
         raise RuntimeError("gluon_dkdv: needs triton.experimental.gluon and an sm_90 GPU; "
@@ -209,8 +219,14 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
         raise ValueError(f"gluon_dkdv: B*H*N must be < 2**31 (int32 TMA coordinates), got {b * h * n}")
     scale = d ** -0.5 if scale is None else float(scale)
     q2, k2, v2, do2 = (x.contiguous().view(b * h * n, d) for x in (q, k, v, do))
-    dk = torch.empty_like(q2)
-    dv = torch.empty_like(q2)
+    if out is None:
+        dk, dv = torch.empty_like(q2), torch.empty_like(q2)
+    else:
+        for name, x in zip(("out[0]", "out[1]"), out):
+            _check(name, x, q)
+            if not x.is_contiguous():
+                raise ValueError(f"gluon_dkdv: {name} must be contiguous")
+        dk, dv = (x.view(b * h * n, d) for x in out)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)

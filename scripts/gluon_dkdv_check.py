@@ -161,4 +161,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from ttt_flash.kernels import configs
+
+    # the library's passes as the Triton baseline: its Gluon passes off
+    with configs.use_gluon_passes(False):
+        main()

@@ -1,12 +1,16 @@
-"""GPU tests of the experimental Gluon passes (kernels/gluon_dkdv.py, gluon_bob_col.py) on sm_90.
+"""GPU tests of the Gluon passes (kernels/gluon_dkdv.py, gluon_bob_col.py) on sm_90.
 
 dK and dV of the Gluon pass, fed the Triton forward's LSE and the Triton backward's
 D = rowsum(dO∘O), are compared with float64 autograd through ``naive_attention``: the max
 error must be at most 2x the Triton pass's own error plus one bf16 rounding unit at the
 output's scale (the bound tests/test_kernels_gpu.py uses). K̄ and V̄ of the Gluon BoB column
 pass (fed α and E + αD computed in float64) meet the same bound against float64 double
-backward, and agree with the Triton column pass (``attn_bob``) to four bf16 units. Skipped
-where Gluon's Hopper ops or an sm_90 device are missing.
+backward, and agree with the Triton column pass (``attn_bob`` with the Gluon passes off) to
+four bf16 units. The library chain (``flash_attention`` forward, ``autograd.grad(...,
+create_graph=True)``, backward-over-backward) with the Gluon passes on (where
+``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
+within the float64 bound, the two within a few bf16 units of each other. Skipped where
+Gluon's Hopper ops or an sm_90 device are missing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from ttt_flash.kernels import attn_bwd, attn_fwd  # noqa: E402
+from ttt_flash.kernels import attn_bwd, attn_fwd, configs  # noqa: E402
 from ttt_flash.kernels.gluon_dkdv import available, gluon_dkdv  # noqa: E402
 from ttt_flash.reference import naive_attention  # noqa: E402
 
@@ -35,7 +39,8 @@ def test_gluon_dkdv_matches_float64(causal, tiles):
                    for _ in range(4))
     kw = dict(scale=None, causal=causal, window=None)
     o, lse = attn_fwd(q, k, v, **kw)
-    _, dk_t, dv_t, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    with configs.use_gluon_passes(False):  # the Triton dK/dV pass as the baseline
+        _, dk_t, dv_t, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     bn, bm, w = tiles
     dk_g, dv_g = gluon_dkdv(q, k, v, do, lse, delta, causal=causal, block_n=bn, block_m=bm,
                             num_warps=w)
@@ -102,9 +107,10 @@ def _float64_col(x, causal):
                               "ws-kt128-qt64-w8", "ws-defer-kt64-qt64-w4-s3"])
 def test_gluon_bob_col_matches_triton_and_float64(causal, variant):
     x, o, lse, delta, alpha, ee = _bob_inputs(causal)
-    _, kb_t, vb_t, _ = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None, causal=causal,
-                                window=None, needs=(False, True, True, False),
-                                deterministic=True)
+    with configs.use_gluon_passes(False):  # the Triton column pass as the baseline
+        _, kb_t, vb_t, _ = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None,
+                                    causal=causal, window=None, needs=(False, True, True, False),
+                                    deterministic=True)
     bn, bm, w, st, ws, mr = variant
     kb_g, vb_g = gluon_bob_col(*x, lse, delta, alpha, ee, causal=causal, block_n=bn,
                                block_m=bm, num_warps=w, stages=st, warp_specialize=ws > 0,
@@ -131,3 +137,96 @@ def test_gluon_bob_col_rejects_unsupported_inputs():
         gluon_bob_col(*(q,) * 7, r, r, r, r, defer=True)
     with pytest.raises(ValueError, match="alpha must be float32"):
         gluon_bob_col(*(q,) * 7, r, r, r.double(), r)
+
+
+# --------------------------------------------------------------------------- library chain
+
+from ttt_flash import flash_attention  # noqa: E402
+from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
+from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
+
+CHAIN_NAMES = ("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob")
+
+
+def _chain(x, causal, dtype):
+    """Forward, create_graph first backward and backward-over-backward of flash_attention
+    (float64: through naive_attention)."""
+    q, k, v, do = (t.to(dtype).detach().requires_grad_() for t in x[:4])
+    u = [t.to(dtype) for t in x[4:]]
+    attend = naive_attention if dtype == torch.float64 else flash_attention
+    o = attend(q, k, v, causal=causal)
+    g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    inner = sum((a * w).sum() for a, w in zip(g, u))
+    return dict(zip(CHAIN_NAMES, (o, *g, *torch.autograd.grad(inner, (q, k, v, do)))))
+
+
+@pytest.fixture(autouse=True)
+def _gluon_at_test_lengths(monkeypatch):
+    """The table's Gluon tiles without its shortest-sequence threshold (``min_keys``), so
+    that test-sized chains take the Gluon passes."""
+    import dataclasses
+
+    monkeypatch.setattr(configs, "GLUON", {key: dataclasses.replace(c, min_keys=0)
+                                           for key, c in configs.GLUON.items()})
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Names of the Gluon passes the library calls during the test."""
+    calls = []
+    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col")):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 4, 1024), (2, 2, 512)], ids=["B1-H4-N1024", "B2-H2-N512"])
+def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
+    b, h, n = shape
+    torch.manual_seed(0)
+    x = [torch.randn(b, h, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+    ref = _chain(x, causal, torch.float64)
+    base = _chain(x, causal, torch.bfloat16)  # the same call, first with the table's choice
+    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]
+    with configs.use_gluon_passes(False):
+        off = _chain(x, causal, torch.bfloat16)
+    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]  # no Gluon call when off
+    for name in CHAIN_NAMES:
+        r = ref[name].double()
+        ulp = r.abs().max().item() * 2.0 ** -8
+        err_on = (base[name].double() - r).abs().max().item()
+        err_off = (off[name].double() - r).abs().max().item()
+        assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)
+        diff = (base[name].float() - off[name].float()).abs().max().item()
+        assert diff <= 4 * ulp, (name, diff, ulp)
+
+
+@pytest.mark.parametrize("case", ["d128", "gqa", "N-not-tiled", "bnhd-views"])
+def test_chain_outside_gluon_scope_runs_triton(case, gluon_calls):
+    torch.manual_seed(0)
+    d = 128 if case == "d128" else 64
+    n = 200 if case == "N-not-tiled" else 256
+    hk = 1 if case == "gqa" else 2
+    shapes = [(1, 2, n, d), (1, hk, n, d), (1, hk, n, d), (1, 2, n, d), (1, 2, n, d),
+              (1, hk, n, d), (1, hk, n, d)]
+    x = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    q, k, v, do = (t.requires_grad_() for t in x[:4])
+    kw = {}
+    if case == "bnhd-views":  # (B, N, H, D) tensors: the kernels see strided views
+        q, k, v, do = (t.detach().transpose(1, 2).contiguous().requires_grad_()
+                       for t in (q, k, v, do))
+        kw = dict(layout="bnhd")
+    o = flash_attention(q, k, v, causal=True, **kw)
+    g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    u = x[4:] if case != "bnhd-views" else [t.transpose(1, 2).contiguous() for t in x[4:]]
+    inner = sum((a * w).sum() for a, w in zip(g, u))
+    outs = torch.autograd.grad(inner, (q, k, v, do))
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t).all() for t in outs)
+    assert gluon_calls == []

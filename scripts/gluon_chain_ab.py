@@ -1,0 +1,166 @@
+"""Chain time with the Gluon passes on and off, against first-order SDPA flash, in one process.
+
+    python scripts/gluon_chain_ab.py --seq-lens 4096,16384,65536 --causal both --out DIR
+
+Per (N, causal): the chain of ``ttt_flash.bench`` (forward, ``autograd.grad(...,
+create_graph=True)``, backward-over-backward) of ``flash_attention`` with the Gluon passes on
+(the table's choice, ``configs.use_gluon``) and off (``configs.use_gluon_passes(False)``),
+and SDPA flash forward + backward on the same shapes; the three are timed in interleaved
+rounds (one call of each per round, CUDA events), so drifts of the machine hit all three.
+Prints one line per measurement, then a table: medians, the ratios chain / SDPA, the on / off
+speed-up and how many Gluon launches one chain made (0: the table chose Triton). ``--device
+cpu`` runs the same code on the CPU (reference path, PyTorch's SDPA; no Gluon) as a smoke test.
+Writes ``gluon_chain_ab.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def _counter():
+    """Wrap the two Gluon entry points; return the list their calls append to."""
+    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+
+    calls = []
+    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col")):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        setattr(mod, name, counted)
+    return calls
+
+
+def _timer(device):
+    if device.startswith("cuda"):
+        def run(fn):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            return s.elapsed_time(e)
+    else:
+        def run(fn):
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+    return run
+
+
+def measure(n, causal, a, calls):
+    """Medians (ms) of the three providers at one (N, causal), and the Gluon launches per
+    chain with the passes on."""
+    from ttt_flash import bench
+    from ttt_flash.kernels import configs
+
+    cuda = a.device.startswith("cuda")
+    sdpa = "sdpa_flash" if cuda else "sdpa"
+    cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, head_dim=a.head_dim,
+                            dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
+                            device=a.device, check=False, out=None)
+    chain, _ = bench._make(cfg, "ttt_flash", n)
+    first, _ = bench._make(cfg, sdpa, n)
+
+    def off():
+        with configs.use_gluon_passes(False):
+            return chain()
+
+    fns = {"on": chain, "off": off, "sdpa": first}
+    timer = _timer(a.device)
+    for fn in fns.values():  # compile and warm up
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    del calls[:]
+    chain()
+    launches = len(calls)
+    if cuda:
+        torch.cuda.synchronize()
+    reps = a.reps if n < 32768 else a.reps_long
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            times[k].append(timer(fn))
+    row = {"N": n, "causal": causal, "reps": reps, "gluon_launches_per_chain": launches}
+    for k, ts in times.items():
+        row[f"{k}_ms"] = statistics.median(ts)
+        row[f"{k}_all_ms"] = ts
+    row["ratio_on"] = row["on_ms"] / row["sdpa_ms"]
+    row["ratio_off"] = row["off_ms"] / row["sdpa_ms"]
+    row["speedup"] = row["off_ms"] / row["on_ms"]
+    print(f"ROW N={n} causal={int(causal)} on {row['on_ms']:.3f} off {row['off_ms']:.3f} "
+          f"sdpa {row['sdpa_ms']:.3f} ms (reps {reps}, gluon launches {launches})", flush=True)
+    del chain, first, fns
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def format_table(rows):
+    out = ["| N | causal | Gluon on | Gluon off | SDPA flash fwd+bwd | ratio on | ratio off | on / off speed-up | Gluon launches |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        out.append(f"| {r['N']:,} | {'yes' if r['causal'] else 'no'} | {r['on_ms']:.3f} ms | "
+                   f"{r['off_ms']:.3f} ms | {r['sdpa_ms']:.3f} ms | {r['ratio_on']:.2f} | "
+                   f"{r['ratio_off']:.2f} | {r['speedup']:.3f}x | {r['gluon_launches_per_chain']} |")
+    return "\n".join(out)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", default="4096,16384,65536")
+    p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--reps", type=int, default=10, help="timed rounds below N = 32,768")
+    p.add_argument("--reps-long", type=int, default=3, help="timed rounds from N = 32,768")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default=None, help="folder for gluon_chain_ab.json")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    calls = _counter()
+    env = {"torch": torch.__version__}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if a.device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(a.device)
+    print("ENV", json.dumps(env), flush=True)
+    modes = {"no": [False], "yes": [True], "both": [False, True]}[a.causal]
+    rows = []
+    for causal in modes:
+        for n in (int(x) for x in a.seq_lens.split(",") if x):
+            try:
+                rows.append(measure(n, causal, a, calls))
+            except Exception as ex:  # noqa: BLE001 - one failing size is a result, go on
+                print(f"ROW N={n} causal={int(causal)} FAILED {type(ex).__name__}: "
+                      f"{str(ex)[:300]}", flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gluon_chain_ab.json"), "w") as f:
+            json.dump({"env": env, "args": vars(a), "rows": rows}, f, indent=1)
+    print(format_table(rows), flush=True)
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

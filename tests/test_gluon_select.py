@@ -1,0 +1,307 @@
+"""CPU tests of the choice between the Gluon (sm_90) passes and the Triton ones.
+
+``configs.use_gluon`` is exercised with the GPU capability, the interpreter check and the
+Gluon import mocked: the in-scope call selects the table's Gluon tiles, and every condition
+outside the Gluon kernels' scope (or the switch, or a tile override) selects Triton. The call
+sites in ``attn_bwd`` and ``attn_bob`` are run under the interpreter with the real selection
+(told the tensors are on an sm_90 device) and the Gluon functions replaced by float64
+implementations of their documented formulas: the results must equal the Triton pass's, so
+the arguments handed over mean what the Gluon kernels expect. Gluon itself is never
+compiled here (no GPU), and nothing here needs it to import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import pytest
+import torch
+
+from ttt_flash.kernels import attn_bob, attn_fwd, configs
+from ttt_flash.kernels.common import Layout
+
+attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
+CUDA0 = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend: a capability-9.0 GPU, no interpreter, Gluon importable."""
+    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(configs, "_gluon_importable", lambda kind: True)
+
+
+def _lay(b=1, h_q=2, h_kv=2, d=64, n_q=16384, n_k=16384, varlen=False):
+    return Layout(varlen, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
+
+
+def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
+            rowsum=False, tensors=None, complete=True):
+    if tensors is None:
+        tensors = (torch.empty(2, 3, 4), torch.empty(5))
+    return configs.use_gluon(kind, lay or _lay(), dtype, device, window=window, rowsum=rowsum,
+                             tensors=tensors, complete=complete)
+
+
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536)],
+                         ids=["N16K", "N64K-H12-B2"])
+def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
+    assert _select(kind, lay, dtype) == configs.GLUON[(kind, 64)]
+
+
+def test_table_tiles_are_the_measured_ones():
+    assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
+    col = configs.GLUON[("bob_col", 64)]
+    assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
+    assert col.warp_specialize and col.maxnreg == 128
+    assert {d for _, d in configs.GLUON} == {64}  # d = 128 not measured: Triton there
+
+
+OUT_OF_SCOPE = {
+    "capability-8.0": dict(cap=(8, 0)),
+    "capability-10.0": dict(cap=(10, 0)),
+    "capability-9.x-other": dict(cap=(9, 1)),
+    "interpreter": dict(interp=True),
+    "cpu-device": dict(device=torch.device("cpu")),
+    "gluon-not-importable": dict(importable=False),
+    "float32": dict(dtype=torch.float32),
+    "float64": dict(dtype=torch.float64),
+    "d128": dict(lay=_lay(d=128)),
+    "d32": dict(lay=_lay(d=32)),
+    "varlen": dict(lay=_lay(varlen=True)),
+    "gqa": dict(lay=_lay(h_q=4, h_kv=2)),
+    "nq-ne-nk": dict(lay=_lay(n_q=16384, n_k=32768)),
+    "n-not-multiple-of-tile": dict(lay=_lay(n_q=16400, n_k=16400)),
+    "n-below-min-keys": dict(lay=_lay(n_q=8192, n_k=8192)),
+    "n-zero": dict(lay=_lay(n_q=0, n_k=0)),
+    "int32-coordinates": dict(lay=_lay(b=1, h_q=2048, h_kv=2048, n_q=2 ** 20, n_k=2 ** 20)),
+    "window": dict(window=True),
+    "rowsum": dict(rowsum=True),
+    "caller-incomplete": dict(complete=False),
+    "missing-tensor": dict(tensors=(torch.empty(2, 3), None)),
+    "non-contiguous": dict(tensors=(torch.empty(4, 6).t(),)),
+}
+
+
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("case", list(OUT_OF_SCOPE))
+def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
+    spec = dict(OUT_OF_SCOPE[case])
+    cap = spec.pop("cap", (9, 0))
+    monkeypatch.setattr(configs, "_capability", lambda index: cap)
+    interp = spec.pop("interp", False)
+    monkeypatch.setattr(configs, "interpreting", lambda: interp)
+    importable = spec.pop("importable", True)
+    monkeypatch.setattr(configs, "_gluon_importable", lambda k: importable)
+    assert _select(kind, **spec) is None
+
+
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+def test_switch_and_tile_override_select_triton(sm90, kind):
+    assert configs.gluon_passes_enabled()
+    with configs.use_gluon_passes(False):
+        assert not configs.gluon_passes_enabled()
+        assert _select(kind) is None
+        with configs.use_gluon_passes(True):  # nests
+            assert _select(kind) is not None
+        assert _select(kind) is None
+    assert _select(kind) is not None
+    with configs.tile_overrides({kind: configs.TileConfig(64, 64, 4, 2, True)}):
+        assert _select(kind) is None  # an explicit Triton tile for this kind
+    other = "bob_col" if kind == "bwd_dkdv" else "bwd_dkdv"
+    with configs.tile_overrides({other: configs.TileConfig(64, 64, 4, 2, True)}):
+        assert _select(kind) is not None
+    with pytest.raises(RuntimeError), configs.use_gluon_passes(False):
+        raise RuntimeError
+    assert configs.gluon_passes_enabled()  # restored after an exception
+
+
+def test_unmocked_cpu_and_interpreter_never_select_gluon():
+    assert configs.interpreting()  # tests/conftest.py on a machine without CUDA
+    for device in (torch.device("cpu"), CUDA0):
+        for kind in ("bwd_dkdv", "bob_col"):
+            assert _select(kind, device=device) is None
+
+
+@pytest.mark.parametrize("version,ok", [((3, 5), False), ((3, 6), True), ((3, 9), True),
+                                        ((3, 10), False), ((4, 0), False)])
+def test_triton_version_range(monkeypatch, version, ok):
+    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+
+    monkeypatch.setattr(configs, "_triton_version", lambda: version)
+    configs._gluon_importable.cache_clear()
+    try:
+        assert configs._gluon_importable("bwd_dkdv") is (ok and gluon_dkdv.HAVE_GLUON)
+        assert configs._gluon_importable("bob_col") is (ok and gluon_bob_col.HAVE_GLUON)
+    finally:
+        configs._gluon_importable.cache_clear()
+
+
+def test_gluon_modules_import_without_gpu():
+    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+
+    assert not gluon_dkdv.available() and not gluon_bob_col.available()
+    with pytest.raises(RuntimeError, match="sm_90"):
+        gluon_dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
+                              torch.empty(1, 1, 64), torch.empty(1, 1, 64))
+
+
+# --------------------------------------------------------------------------- call sites
+
+
+def _fake_dkdv(calls):
+    """gluon_dkdv's documented result in float64, written into ``out``."""
+
+    def fake(q, k, v, do, lse, delta, *, scale, causal, out, **tiles):
+        calls.append(("bwd_dkdv", tiles))
+        q, k, v, do = (x.double() for x in (q, k, v, do))
+        p = _probs(q, k, lse, scale, causal)
+        ds = p * (do @ v.transpose(-1, -2) - delta.double()[..., None])
+        out[0].copy_(scale * ds.transpose(-1, -2) @ q)
+        out[1].copy_(p.transpose(-1, -2) @ do)
+        return out
+
+    return fake
+
+
+def _fake_bob_col(calls):
+    """gluon_bob_col's documented result (K̄, V̄ from α and E + αD) in float64, into ``out``."""
+
+    def fake(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, *, scale, causal, out, **tiles):
+        calls.append(("bob_col", tiles))
+        assert rho is None
+        q, k, v, do, uq, uk, uv = (x.double() for x in (q, k, v, do, uq, uk, uv))
+        tr = lambda x: x.transpose(-1, -2)  # noqa: E731
+        p = _probs(q, k, lse, scale, causal)
+        g = scale * (q @ tr(uk) + uq @ tr(k)) - alpha.double()[..., None]
+        ds = p * (do @ tr(v) - delta.double()[..., None])
+        r = g * ds + p * (do @ tr(uv) - ee.double()[..., None])
+        out[0].copy_(scale * (tr(r) @ q + tr(ds) @ uq))
+        out[1].copy_(tr(p * g) @ do)
+        return out
+
+    return fake
+
+
+def _probs(q, k, lse, scale, causal):
+    s = scale * q @ k.transpose(-1, -2)
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.exp(s - lse.double()[..., None])
+
+
+@contextlib.contextmanager
+def _gluon_on_cpu(monkeypatch, calls):
+    """The real selection, told the CPU tensors sit on an sm_90 GPU, with d = 16 / 32-wide
+    tiles in the table (interpreter-sized), and the float64 stand-ins for the kernels."""
+    from ttt_flash.kernels import bob, gluon_bob_col, gluon_dkdv
+
+    real = configs.use_gluon
+
+    def select(kind, lay, dtype, device, **kw):
+        with monkeypatch.context() as m:
+            m.setattr(configs, "interpreting", lambda: False)
+            m.setattr(configs, "_capability", lambda index: (9, 0))
+            m.setattr(configs, "_gluon_importable", lambda k: True)
+            return real(kind, lay, dtype, CUDA0, **kw)
+
+    monkeypatch.setattr(configs, "GLUON", {
+        ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
+        ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
+                                             maxnreg=128)})
+    monkeypatch.setattr(attn_bwd_mod, "use_gluon", select)
+    monkeypatch.setattr(bob, "use_gluon", select)
+    monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", _fake_dkdv(calls))
+    monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", _fake_bob_col(calls))
+    yield
+
+
+def _inputs(h_q=2, h_kv=2, n=64, d=16):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, h_q, n, d), (1, h_kv, n, d), (1, h_kv, n, d), (1, h_q, n, d),
+              (1, h_q, n, d), (1, h_kv, n, d), (1, h_kv, n, d)]
+    return [torch.randn(s, generator=g).to(torch.float16) for s in shapes]
+
+
+def _chain(ts, kw, **bob_kw):
+    q, k, v, do, uq, uk, uv = ts
+    o, lse = attn_fwd(q, k, v, **kw)
+    dq, dk, dv, delta = attn_bwd_mod.attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    outs = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, deterministic=True, **kw, **bob_kw)
+    return dict(zip(("dq", "dk", "dv", "qb", "kb", "vb", "dob"), (dq, dk, dv, *outs)))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thread, causal):
+    ts = _inputs()
+    kw = dict(scale=None, causal=causal, window=None)
+    want = _chain(ts, kw)
+    calls = []
+    with _gluon_on_cpu(monkeypatch, calls):
+        got = _chain(ts, kw)
+    assert [c[0] for c in calls] == ["bwd_dkdv", "bob_col"]
+    assert calls[0][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
+    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
+                               warp_specialize=True, maxnreg=128)
+    for name, x in want.items():
+        y = got[name]
+        assert y.dtype == x.dtype and y.shape == x.shape, name
+        mag = x.double().abs().max().item()
+        err = (y.double() - x.double()).abs().max().item()
+        assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)  # four fp16 units
+
+
+@pytest.mark.parametrize("case", [
+    "gqa", "window", "split_col", "affine", "uq-missing", "kb-not-wanted", "n-not-tiled",
+    "switched-off"])
+def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
+    ts = _inputs(h_kv=1 if case == "gqa" else 2, n=48 if case == "n-not-tiled" else 64)
+    kw = dict(scale=None, causal=True, window=16 if case == "window" else None)
+    bob_kw = {"split_col": dict(split_col=True), "affine": dict(precise=False),
+              "kb-not-wanted": dict(needs=(True, False, True, True))}.get(case, {})
+    if case == "uq-missing":
+        ts[4] = None
+    calls = []
+    with _gluon_on_cpu(monkeypatch, calls), (
+            configs.use_gluon_passes(False) if case == "switched-off" else contextlib.nullcontext()):
+        _chain(ts, kw, **bob_kw)
+    expect = {"split_col": ["bwd_dkdv"], "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
+              "kb-not-wanted": ["bwd_dkdv"]}.get(case, [])
+    assert [c[0] for c in calls] == expect
+
+
+# --------------------------------------------------------------------------- A/B script
+
+
+def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
+    """scripts/gluon_chain_ab.py end to end on the CPU (no Gluon there: 0 launches)."""
+    import importlib.util
+    import json
+    import pathlib
+
+    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+
+    # the script wraps the two entry points to count launches: put them back afterwards
+    monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", gluon_dkdv.gluon_dkdv)
+    monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", gluon_bob_col.gluon_bob_col)
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_chain_ab.py"
+    spec = importlib.util.spec_from_file_location("gluon_chain_ab", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--device", "cpu", "--seq-lens", "32", "--causal", "both", "--heads", "1",
+                     "--head-dim", "16", "--dtype", "float32", "--reps", "2",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "gluon_chain_ab.json").read_text())["rows"]
+    assert [(r["N"], r["causal"]) for r in rows] == [(32, False), (32, True)]
+    for r in rows:
+        assert r["gluon_launches_per_chain"] == 0 and len(r["on_all_ms"]) == 2
+        assert r["ratio_on"] == pytest.approx(r["on_ms"] / r["sdpa_ms"])
+        assert r["speedup"] == pytest.approx(r["off_ms"] / r["on_ms"])
+    table = capsys.readouterr().out.splitlines()[-2:]
+    assert table[0].startswith("| 32 | no |") and table[1].startswith("| 32 | yes |")

@@ -143,15 +143,7 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
     if provider == "jvp_bwd":
         return _jvp_bwd_fn(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v, qd, kd, vd), (ob, odb))
     if provider == "jvp_flash_attention":
-        from jvp_flash_attention.jvp_attention import JVPAttn
-
-        def dual():
-            with fwAD.dual_level():
-                o = JVPAttn.fwd_dual(fwAD.make_dual(q, qd), fwAD.make_dual(k, kd), fwAD.make_dual(v, vd),
-                                     causal=cfg.causal)
-                return fwAD.unpack_dual(o)
-
-        return dual
+        return _jvp_flash_attention_fn(q, k, v, qd, kd, vd, cfg.causal)
     if provider == "chain":
         leaves = [t.requires_grad_(True) for t in (q, k, v, ob)]
 
@@ -179,6 +171,20 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
         return torch.autograd.grad(o, leaves, ob)
 
     return fwd_bwd
+
+
+def _jvp_flash_attention_fn(q, k, v, qd, kd, vd, causal: bool) -> Callable:
+    """The ``jvp-flash-attention`` package's primal + tangent forward (``JVPAttn.fwd_dual``
+    under forward_ad): returns (o, ȯ)."""
+    from jvp_flash_attention.jvp_attention import JVPAttn
+
+    def dual():
+        with fwAD.dual_level():
+            o = JVPAttn.fwd_dual(fwAD.make_dual(q, qd), fwAD.make_dual(k, kd), fwAD.make_dual(v, vd),
+                                 causal=causal)
+            return fwAD.unpack_dual(o)
+
+    return dual
 
 
 def _sdpa_context(cfg: JvpBenchConfig):
@@ -241,6 +247,19 @@ def check_correctness(cfg: JvpBenchConfig, n: int = 256) -> dict:
         res[name] = {"ttt_flash": err, "math_same_dtype": err_math}
         ok &= math.isfinite(err) and err <= 2 * err_math + _FLOOR[cfg.dtype]
     res["ok"] = bool(ok)
+    if "jvp_flash_attention" in cfg.providers and cfg.device.startswith("cuda"):
+        # the other package's (o, ȯ), judged by the same rule; it gates that row only
+        try:
+            o, od = _jvp_flash_attention_fn(*low[:6], cfg.causal)()
+            good = True
+            for name, a, i in (("jvp_flash_attention_o", o, 0), ("jvp_flash_attention_od", od, 1)):
+                err, err_math = _rel(a, exact[i]), res[names[i]]["math_same_dtype"]
+                res[name] = {"jvp_flash_attention": err, "math_same_dtype": err_math}
+                good &= math.isfinite(err) and err <= 2 * err_math + _FLOOR[cfg.dtype]
+            res["jvp_flash_attention_ok"] = bool(good)
+        except Exception as e:  # noqa: BLE001 - a failure of the other package is a result
+            res["jvp_flash_attention_ok"] = False
+            res["jvp_flash_attention_error"] = error_text(e)
     return res
 
 
@@ -410,6 +429,9 @@ def run_jvp_bench(cfg: JvpBenchConfig) -> dict:
             if not ok and provider in ("tangent_fwd", "jvp", "jvp_bwd"):
                 result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
                 continue
+            if provider == "jvp_flash_attention" and not result.get("check", {}).get("jvp_flash_attention_ok", True):
+                result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
+                continue
             result["rows"].append(_measure(cfg, provider, n))
     by = {(r["provider"], r["N"]): r.get("ms") for r in result["rows"]}
     for r in result["rows"]:
@@ -429,9 +451,14 @@ def format_jvp_table(result: dict) -> str:
              f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']} {cfg['dtype']} causal={cfg['causal']}"]
     if "check" in result:
         chk = result["check"]
-        worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
+        worst = max(v["ttt_flash"] for v in chk.values() if isinstance(v, dict) and "ttt_flash" in v)
         verdict = "ok" if chk["ok"] else "FAILED"
         lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {verdict}")
+        if "jvp_flash_attention_ok" in chk:
+            other = [v["jvp_flash_attention"] for v in chk.values() if isinstance(v, dict) and "jvp_flash_attention" in v]
+            detail = f"worst rel. L2 {max(other):.2e}" if other else chk.get("jvp_flash_attention_error", "")
+            lines.append(f"jvp_flash_attention vs float64: {detail} -> "
+                         f"{'ok' if chk['jvp_flash_attention_ok'] else 'FAILED'}")
     rate_name, rate_div = flop_unit(result["rows"])  # GFLOP/s on the CPU: no column of 0.0
     lines.append(f"{'provider':<20}{'N':>8}{'ms':>11}{rate_name:>9}{'peak GiB':>10}"
                  f"{'/sdpa_fwd':>10}{'/sdpa_fb':>9}{'/chain':>8}")

@@ -44,6 +44,7 @@ Writes ``bench_jvp.json`` into ``--out`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -345,8 +346,9 @@ def _chunked_lm_loss(model, x, y, chunk: int):
 
 def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     """One HVP of a GPT (bf16/fp16 weights as ``cfg.dtype``; float32 loss) in four ways
-    (:data:`HVP_ROWS`): reverse over reverse and forward over reverse, each without and with
-    recomputation (the transformer blocks as units, the vocabulary head in ``cfg.hvp_chunk``-
+    (:data:`HVP_ROWS`): reverse over reverse (one product: ``create_graph`` gradient, then a
+    reverse pass that frees its graph) and forward over reverse (``ttt_flash.hessian.hvp``),
+    each without and with recomputation (the transformer blocks as units, the vocabulary head in ``cfg.hvp_chunk``-
     token chunks). Time, peak memory above weights + direction (the CUDA allocator's peak; on
     the CPU the peak of live tensor storages, :class:`LiveBytes`), and each product's relative
     difference to the plain reverse-over-reverse one. ``peak_ratio_vs_rev_rev`` and
@@ -369,10 +371,15 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     losses = {False: lambda: model.loss(x, y), True: lambda: _chunked_lm_loss(model, x, y, cfg.hvp_chunk)}
 
     def product(mode: str, rc: bool):
-        def fn():
-            return hessian.hvp(losses[rc], model, vecs, mode=mode, recompute="blocks" if rc else None)
+        if mode == "fwd_rev":
+            return lambda: hessian.hvp(losses[rc], model, vecs, mode=mode, recompute="blocks" if rc else None)
 
-        return fn
+        def rev_rev():  # one product: the create_graph graph is freed by the second pass
+            with hessian.recomputed(model, "blocks") if rc else contextlib.nullcontext():
+                grads = torch.autograd.grad(losses[rc](), params, create_graph=True)
+            return torch.autograd.grad(grads, params, vecs)
+
+        return rev_rev
 
     cuda = cfg.device.startswith("cuda")
     rows, products = [], {}

@@ -32,6 +32,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash.reference": 1,
     "ttt_flash.meta": 1,
     "ttt_flash.hessian": 1,
+    "ttt_flash.hessian_recompute": 1,
     "ttt_flash.tasks": 1,
     # 2: the attention core, attention across processes, data-parallel averaging, optimisers
     "ttt_flash.attention": 2,

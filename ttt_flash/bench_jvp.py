@@ -44,13 +44,18 @@ Writes ``bench_jvp.json`` into ``--out`` and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
+import weakref
+
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .attention import _impl, _resolve_backend, flash_attention
 from .bench_common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
@@ -93,6 +98,7 @@ class JvpBenchConfig:
     hvp_layers: int = 12
     hvp_d_model: int = 768
     hvp_vocab: int = 50304
+    hvp_chunk: int = 2048  #: tokens per chunk of the recomputed vocabulary head
 
     def __post_init__(self):
         if self.dtype not in _FLOOR:
@@ -138,15 +144,7 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
     if provider == "jvp_bwd":
         return _jvp_bwd_fn(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v, qd, kd, vd), (ob, odb))
     if provider == "jvp_flash_attention":
-        from jvp_flash_attention.jvp_attention import JVPAttn
-
-        def dual():
-            with fwAD.dual_level():
-                o = JVPAttn.fwd_dual(fwAD.make_dual(q, qd), fwAD.make_dual(k, kd), fwAD.make_dual(v, vd),
-                                     causal=cfg.causal)
-                return fwAD.unpack_dual(o)
-
-        return dual
+        return _jvp_flash_attention_fn(q, k, v, qd, kd, vd, cfg.causal)
     if provider == "chain":
         leaves = [t.requires_grad_(True) for t in (q, k, v, ob)]
 
@@ -174,6 +172,20 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
         return torch.autograd.grad(o, leaves, ob)
 
     return fwd_bwd
+
+
+def _jvp_flash_attention_fn(q, k, v, qd, kd, vd, causal: bool) -> Callable:
+    """The ``jvp-flash-attention`` package's primal + tangent forward (``JVPAttn.fwd_dual``
+    under forward_ad): returns (o, ȯ)."""
+    from jvp_flash_attention.jvp_attention import JVPAttn
+
+    def dual():
+        with fwAD.dual_level():
+            o = JVPAttn.fwd_dual(fwAD.make_dual(q, qd), fwAD.make_dual(k, kd), fwAD.make_dual(v, vd),
+                                 causal=causal)
+            return fwAD.unpack_dual(o)
+
+    return dual
 
 
 def _sdpa_context(cfg: JvpBenchConfig):
@@ -236,15 +248,112 @@ def check_correctness(cfg: JvpBenchConfig, n: int = 256) -> dict:
         res[name] = {"ttt_flash": err, "math_same_dtype": err_math}
         ok &= math.isfinite(err) and err <= 2 * err_math + _FLOOR[cfg.dtype]
     res["ok"] = bool(ok)
+    if "jvp_flash_attention" in cfg.providers and cfg.device.startswith("cuda"):
+        # the other package's (o, ȯ), judged by the same rule; it gates that row only
+        try:
+            o, od = _jvp_flash_attention_fn(*low[:6], cfg.causal)()
+            good = True
+            for name, a, i in (("jvp_flash_attention_o", o, 0), ("jvp_flash_attention_od", od, 1)):
+                err, err_math = _rel(a, exact[i]), res[names[i]]["math_same_dtype"]
+                res[name] = {"jvp_flash_attention": err, "math_same_dtype": err_math}
+                good &= math.isfinite(err) and err <= 2 * err_math + _FLOOR[cfg.dtype]
+            res["jvp_flash_attention_ok"] = bool(good)
+        except Exception as e:  # noqa: BLE001 - a failure of the other package is a result
+            res["jvp_flash_attention_ok"] = False
+            res["jvp_flash_attention_error"] = error_text(e)
     return res
 
 
 # --------------------------------------------------------------------------- GPT HVP memory
 
 
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages created while the mode is active (the CPU stand-in
+    for ``torch.cuda.max_memory_allocated``): each op's outputs are counted once per storage and
+    uncounted when the storage is freed. Tensors created before entering (weights) are not
+    counted; views share their base's storage.
+
+    Example::
+
+        >>> import torch
+        >>> with LiveBytes() as m:
+        ...     a = torch.zeros(1000)          # 4000 bytes
+        ...     b = a * 2                      # 4000 more
+        ...     del b
+        ...     c = a + 1                      # 4000: peak still 8000
+        >>> m.peak, m.current
+        (8000, 8000)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live = {}
+
+    def _track(self, t) -> None:
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # storage-less tensors (meta, functorch wrappers)
+            return
+        n = storage.nbytes()
+        if n == 0 or key in self._live:
+            return
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key) -> None:
+        n = self._live.pop(key, None)
+        if n is not None:
+            self.current -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out
+
+
+#: The GPT HVP rows: (provider, mode, recompute units + chunked head).
+HVP_ROWS = (
+    ("gpt_hvp_rev_rev", "rev_rev", False),
+    ("gpt_hvp_rev_rev_recompute", "rev_rev", True),
+    ("gpt_hvp_fwd_rev_no_recompute", "fwd_rev", False),
+    ("gpt_hvp_fwd_rev", "fwd_rev", True),
+)
+
+
+def _chunked_lm_loss(model, x, y, chunk: int):
+    """``model.loss(x, y)`` with the vocabulary head (final logits, fp32 cross-entropy) computed
+    and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.hessian.recompute`): the same
+    mean cross-entropy, without a (tokens × vocabulary) fp32 tensor of the whole batch."""
+    from .hessian import recompute
+    from .models.gpt import lm_loss
+
+    def head_sum(h, w, t):
+        return lm_loss(torch.nn.functional.linear(h, w), t) * t.numel()
+
+    h = model(x, return_hidden=True).flatten(0, 1)
+    t = y.flatten()
+    total = sum(recompute(head_sum, h[i:i + chunk], model.output_weight, t[i:i + chunk])
+                for i in range(0, t.numel(), chunk))
+    return total / t.numel()
+
+
 def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
-    """One HVP of a GPT (bf16/fp16 weights as ``cfg.dtype``; float32 loss) by each mode:
-    time, peak memory above weights + direction (CUDA), and the products' agreement."""
+    """One HVP of a GPT (bf16/fp16 weights as ``cfg.dtype``; float32 loss) in four ways
+    (:data:`HVP_ROWS`): reverse over reverse (one product: ``create_graph`` gradient, then a
+    reverse pass that frees its graph) and forward over reverse (``ttt_flash.hessian.hvp``),
+    each without and with recomputation (the transformer blocks as units, the vocabulary head in ``cfg.hvp_chunk``-
+    token chunks). Time, peak memory above weights + direction (the CUDA allocator's peak; on
+    the CPU the peak of live tensor storages, :class:`LiveBytes`), and each product's relative
+    difference to the plain reverse-over-reverse one. ``peak_ratio_vs_rev_rev`` and
+    ``peak_ratio_vs_best_rev_rev`` (the lower of the two reverse-over-reverse peaks) on the
+    forward-over-reverse rows."""
     from . import hessian
     from .models import GPT, GPTConfig
 
@@ -259,40 +368,57 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     x, y = idx[:, :-1], idx[:, 1:]
     params = [p for p in model.parameters() if p.requires_grad]
     vecs = [torch.randn(p.shape, device=cfg.device, generator=g, dtype=torch.float32).to(dtype) for p in params]
-    loss = lambda: model.loss(x, y)  # noqa: E731
+    losses = {False: lambda: model.loss(x, y), True: lambda: _chunked_lm_loss(model, x, y, cfg.hvp_chunk)}
 
-    def rev_rev():
-        grads = torch.autograd.grad(loss(), params, create_graph=True)
-        return torch.autograd.grad(grads, params, vecs)
+    def product(mode: str, rc: bool):
+        if mode == "fwd_rev":
+            return lambda: hessian.hvp(losses[rc], model, vecs, mode=mode, recompute="blocks" if rc else None)
 
-    def fwd_rev():
-        return hessian.hvp(loss, model, vecs, mode="fwd_rev")
+        def rev_rev():  # one product: the create_graph graph is freed by the second pass
+            with hessian.recomputed(model, "blocks") if rc else contextlib.nullcontext():
+                grads = torch.autograd.grad(losses[rc](), params, create_graph=True)
+            return torch.autograd.grad(grads, params, vecs)
+
+        return rev_rev
 
     cuda = cfg.device.startswith("cuda")
     rows, products = [], {}
-    for mode, fn in (("rev_rev", rev_rev), ("fwd_rev", fwd_rev)):
-        row = {"provider": f"gpt_hvp_{mode}", "N": cfg.hvp_seq_len, "batch": cfg.hvp_batch,
-               "layers": cfg.hvp_layers, "d_model": cfg.hvp_d_model}
+    for provider, mode, rc in HVP_ROWS:
+        fn = product(mode, rc)
+        row = {"provider": provider, "mode": mode, "recompute": rc, "N": cfg.hvp_seq_len,
+               "batch": cfg.hvp_batch, "layers": cfg.hvp_layers, "d_model": cfg.hvp_d_model}
         try:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-            products[mode] = [h.detach() for h in fn()]
-            if cuda:
+                products[provider] = [h.detach() for h in fn()]
                 torch.cuda.synchronize()
                 row["peak_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            else:
+                with LiveBytes() as live:
+                    products[provider] = [h.detach() for h in fn()]
+                row["peak_gib"] = live.peak / 2**30
+                row["peak_source"] = "live tensor storages (LiveBytes)"
             row["ms"] = median_ms(cfg, fn)
         except Exception as e:  # noqa: BLE001
             row["error"] = error_text(e)
         rows.append(row)
-    if len(products) == 2:
-        a = torch.cat([h.double().flatten() for h in products["fwd_rev"]])
-        b = torch.cat([h.double().flatten() for h in products["rev_rev"]])
-        rows[1]["rel_diff_vs_rev_rev"] = ((a - b).norm() / b.norm()).item()
-        if "peak_gib" in rows[0] and "peak_gib" in rows[1]:
-            rows[1]["peak_ratio_vs_rev_rev"] = rows[1]["peak_gib"] / rows[0]["peak_gib"]
+    ref = products.get("gpt_hvp_rev_rev")
+    if ref is not None:
+        b = torch.cat([h.double().flatten() for h in ref])
+        for row in rows[1:]:
+            if row["provider"] in products:
+                a = torch.cat([h.double().flatten() for h in products[row["provider"]]])
+                row["rel_diff_vs_rev_rev"] = ((a - b).norm() / b.norm()).item()
+    peaks = {r["provider"]: r["peak_gib"] for r in rows if "peak_gib" in r}
+    rev = [peaks[p] for p in ("gpt_hvp_rev_rev", "gpt_hvp_rev_rev_recompute") if p in peaks]
+    for row in rows:
+        if row["mode"] == "fwd_rev" and "peak_gib" in row and rev:
+            if "gpt_hvp_rev_rev" in peaks:
+                row["peak_ratio_vs_rev_rev"] = row["peak_gib"] / peaks["gpt_hvp_rev_rev"]
+            row["peak_ratio_vs_best_rev_rev"] = row["peak_gib"] / min(rev)
     return rows
 
 
@@ -308,6 +434,9 @@ def run_jvp_bench(cfg: JvpBenchConfig) -> dict:
     for n in cfg.seq_lens:
         for provider in cfg.providers:
             if not ok and provider in ("tangent_fwd", "jvp", "jvp_bwd"):
+                result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
+                continue
+            if provider == "jvp_flash_attention" and not result.get("check", {}).get("jvp_flash_attention_ok", True):
                 result["rows"].append({"provider": provider, "N": n, "error": "correctness check failed"})
                 continue
             result["rows"].append(_measure(cfg, provider, n))
@@ -329,9 +458,14 @@ def format_jvp_table(result: dict) -> str:
              f"B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']} {cfg['dtype']} causal={cfg['causal']}"]
     if "check" in result:
         chk = result["check"]
-        worst = max(v["ttt_flash"] for k, v in chk.items() if k != "ok")
+        worst = max(v["ttt_flash"] for v in chk.values() if isinstance(v, dict) and "ttt_flash" in v)
         verdict = "ok" if chk["ok"] else "FAILED"
         lines.append(f"correctness vs float64 at N<=256: worst rel. L2 {worst:.2e} -> {verdict}")
+        if "jvp_flash_attention_ok" in chk:
+            other = [v["jvp_flash_attention"] for v in chk.values() if isinstance(v, dict) and "jvp_flash_attention" in v]
+            detail = f"worst rel. L2 {max(other):.2e}" if other else chk.get("jvp_flash_attention_error", "")
+            lines.append(f"jvp_flash_attention vs float64: {detail} -> "
+                         f"{'ok' if chk['jvp_flash_attention_ok'] else 'FAILED'}")
     rate_name, rate_div = flop_unit(result["rows"])  # GFLOP/s on the CPU: no column of 0.0
     lines.append(f"{'provider':<20}{'N':>8}{'ms':>11}{rate_name:>9}{'peak GiB':>10}"
                  f"{'/sdpa_fwd':>10}{'/sdpa_fb':>9}{'/chain':>8}")
@@ -346,15 +480,19 @@ def format_jvp_table(result: dict) -> str:
                      f"{cols[0]:>10}{cols[1]:>9}{cols[2]:>8}")
     for r in result.get("hvp", []):
         if "error" in r:
-            lines.append(f"{r['provider']:<16} N={r['N']} batch={r['batch']}: {r['error']}")
+            lines.append(f"{r['provider']:<29} N={r['N']} batch={r['batch']}: {r['error']}")
             continue
-        peak = f"{r['peak_gib']:.2f} GiB" if "peak_gib" in r else "peak -"
+        peak = "peak -"
+        if "peak_gib" in r:
+            peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] >= 1 else f"{r['peak_gib'] * 1024:.2f} MiB"
         extra = ""
         if "rel_diff_vs_rev_rev" in r:
             extra = f", rel. diff vs rev_rev {r['rel_diff_vs_rev_rev']:.1e}"
         if "peak_ratio_vs_rev_rev" in r:
-            extra += f", peak ratio {r['peak_ratio_vs_rev_rev']:.2f}"
-        lines.append(f"{r['provider']:<16} N={r['N']} batch={r['batch']} layers={r['layers']}: "
+            extra += f", peak / rev_rev {r['peak_ratio_vs_rev_rev']:.2f}"
+        if "peak_ratio_vs_best_rev_rev" in r:
+            extra += f", peak / best rev_rev {r['peak_ratio_vs_best_rev_rev']:.2f}"
+        lines.append(f"{r['provider']:<29} N={r['N']} batch={r['batch']} layers={r['layers']}: "
                      f"{r['ms']:.1f} ms, {peak}{extra}")
     return "\n".join(lines)
 
@@ -393,13 +531,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--hvp-layers", type=int, default=12 if cuda else 1, help="--hvp: GPT blocks")
     p.add_argument("--hvp-d-model", type=int, default=768 if cuda else 64, help="--hvp: model width")
     p.add_argument("--hvp-vocab", type=int, default=50304 if cuda else 256, help="--hvp: vocabulary size")
+    p.add_argument("--hvp-chunk", type=int, default=2048 if cuda else 8,
+                   help="--hvp: tokens per chunk of the recomputed vocabulary head (the recompute rows)")
     p.add_argument("--out", default="bench_out", help="folder for bench_jvp.json ('' to skip)")
     a = p.parse_args(argv)
     cfg = JvpBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
                          dtype=a.dtype, causal=a.causal, providers=[x for x in a.providers.split(",") if x],
                          device=a.device, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check,
                          hvp=a.hvp, hvp_seq_len=a.hvp_seq_len, hvp_batch=a.hvp_batch,
-                         hvp_layers=a.hvp_layers, hvp_d_model=a.hvp_d_model, hvp_vocab=a.hvp_vocab)
+                         hvp_layers=a.hvp_layers, hvp_d_model=a.hvp_d_model, hvp_vocab=a.hvp_vocab,
+                         hvp_chunk=a.hvp_chunk)
     result = run_jvp_bench(cfg)
     print(format_jvp_table(result))
     if a.out:

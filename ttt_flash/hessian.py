@@ -16,6 +16,15 @@ Hessian-vector product ``H v = ∇²L(θ) v`` is computed in one of two :data:`M
   ``torch.autograd.forward_ad`` tangents, which needs forward-mode formulas for the
   backward ops of the loss (``silu_backward``, e.g., has none: pass ``module=``).
 
+  ``recompute`` (either mode; needs a module and a loss callable) names submodules, e.g.
+  ``"blocks"``, whose calls are recomputation units (:mod:`ttt_flash.hessian_recompute`). Under
+  ``"fwd_rev"`` each unit keeps only its inputs and their tangents and is recomputed in the
+  backward pass, so the peak memory is that of the unit inputs plus one unit, well below reverse
+  over reverse, which must keep the ``create_graph`` graph of every unit (with ``recompute`` its
+  units are ``torch.utils.checkpoint`` regions, which that graph keeps alive anyway). The
+  product then attaches v to the parameters in place (the ``forward_ad`` route), with the units'
+  backward ops differentiated inside the units, so SwiGLU models need no ``torch.func``.
+
 Through a transformer whose attention is :func:`ttt_flash.flash_attention`, every product
 is exact in both modes and never materialises an N × N attention matrix on the Triton
 backend.
@@ -32,6 +41,7 @@ Public names:
 * :func:`select_params`: ``{name: parameter}`` of a module, by names, prefixes or a predicate.
 * :func:`probe_like`: one random probe (Rademacher ±1 or Gaussian) per parameter.
 * :data:`PROBES`: accepted probe distributions; :data:`MODES`: accepted ``mode`` values.
+* :func:`recompute`, :func:`recomputed`: recomputation units (:mod:`ttt_flash.hessian_recompute`).
 
 Parameters (the ``params`` argument everywhere) may be an ``nn.Module`` (its parameters
 that require grad), one tensor, a sequence of tensors or a ``{name: tensor}`` mapping
@@ -64,6 +74,7 @@ knows nothing about the model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
@@ -74,6 +85,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 
 from ._select import Selector, preview as _preview, select_names
+from .hessian_recompute import forward_over_reverse, recompute, recomputed, unit_modules
 from .second_order import second_order_grad
 
 __all__ = [
@@ -88,6 +100,8 @@ __all__ = [
     "probe_like",
     "PROBES",
     "MODES",
+    "recompute",
+    "recomputed",
 ]
 
 #: Accepted values of ``probe``: Rademacher (±1 with probability ½ each; the default,
@@ -100,6 +114,8 @@ MODES = ("rev_rev", "fwd_rev")
 
 ParamsLike = Union[nn.Module, Tensor, Sequence[Tensor], Mapping[str, Tensor]]
 LossLike = Union[Tensor, Callable[[], Tensor], "HessianOperator"]
+#: Submodule names whose calls are recomputation units (``"blocks"``: each transformer block).
+Recompute = Optional[Union[str, Sequence[str]]]
 Select = Selector
 
 
@@ -219,8 +235,11 @@ class HessianOperator:
             callable is required and is called once per product).
         params: see the module docstring (module, tensor, list or ``{name: tensor}``).
         mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (:data:`MODES`; module docstring).
-        module: ``"fwd_rev"``: the ``nn.Module`` whose parameters ``params`` are
-            (default: ``params`` itself when it is a module); ignored by ``"rev_rev"``.
+        module: the ``nn.Module`` whose parameters ``params`` are (default: ``params`` itself
+            when it is a module); used by ``"fwd_rev"`` and by ``recompute``.
+        recompute: submodule names of ``module`` whose calls are recomputation units
+            (``"blocks"``: each child of the ModuleList ``blocks``); module docstring. None
+            (default): no recomputation.
 
     Attributes:
         names: one name per parameter (``"params[i]"`` for a list).
@@ -238,19 +257,45 @@ class HessianOperator:
     """
 
     def __init__(self, loss: Union[Tensor, Callable[[], Tensor]], params: ParamsLike, mode: str = "rev_rev",
-                 *, module: Optional[nn.Module] = None):
+                 *, module: Optional[nn.Module] = None, recompute: Recompute = None):
         self.mode = _check_mode(mode)
         self.names, self.params = _as_params(params)
+        owner = params if module is None and isinstance(params, nn.Module) else module
+        self._units = self._init_recompute(loss, owner, recompute)
         if mode == "fwd_rev":
-            self._init_fwd_rev(loss, params if module is None and isinstance(params, nn.Module) else module)
+            self._init_fwd_rev(loss, owner)
             return
         if callable(loss) and not isinstance(loss, Tensor):
-            with torch.enable_grad():
+            with torch.enable_grad(), self._units_context():
                 loss = loss()
         _check_loss(loss)
         with torch.enable_grad():
             grads = second_order_grad(loss, self.params, create_graph=True, allow_unused=True)
         self._init_from_grads(list(grads))
+
+    def _init_recompute(self, loss, owner: Optional[nn.Module], recompute) -> Optional[tuple]:
+        """(module, names) of the recomputation units, validated; None without ``recompute``."""
+        if recompute is None:
+            return None
+        if owner is None:
+            raise ValueError(
+                "recompute names submodules of a module: pass the module as params or as module= "
+                "(e.g. hvp(loss, params, vecs, module=model, recompute='blocks'))"
+            )
+        if isinstance(loss, Tensor) or not callable(loss):
+            raise TypeError(
+                "recompute needs the loss as a zero-argument callable (the units are installed "
+                f"while it runs), not a {type(loss).__name__}"
+            )
+        unit_modules(owner, recompute)  # raises on a bad name now rather than at the first product
+        return owner, recompute
+
+    def _units_context(self):
+        """The :func:`~ttt_flash.hessian_recompute.recomputed` context of the operator's units
+        (a no-op context without ``recompute``)."""
+        if self._units is None:
+            return contextlib.nullcontext()
+        return recomputed(*self._units)
 
     @classmethod
     def from_grads(cls, grads: Sequence[Optional[Tensor]], params: ParamsLike) -> "HessianOperator":
@@ -265,6 +310,7 @@ class HessianOperator:
         """
         op = cls.__new__(cls)
         op.mode = "rev_rev"
+        op._units = None
         op.names, op.params = _as_params(params)
         grads = list(grads)
         if len(grads) != len(op.params):
@@ -312,7 +358,7 @@ class HessianOperator:
             self._module = module
             self._module_names = [owned[id(p)] for p in self.params]
         for n, p in zip(self.names, self.params):
-            if module is None and not p.is_leaf:
+            if (module is None or self._units is not None) and not p.is_leaf:
                 raise ValueError(
                     f"mode='fwd_rev' attaches the direction to each parameter as a forward-mode "
                     f"tangent, which needs leaf tensors; {n} is not a leaf (it has a grad_fn): "
@@ -327,7 +373,7 @@ class HessianOperator:
         # plain gradient pass when read first); rev_rev sets them as attributes.
         if name in ("gradient", "reached") and self.__dict__.get("mode") == "fwd_rev":
             if self.__dict__.get("_fwd_grad") is None:
-                with torch.enable_grad():
+                with torch.enable_grad(), self._units_context():
                     loss = self._loss_fn()
                 _check_loss(loss)
                 self._fwd_grad = [None if g is None else g.detach() for g in
@@ -402,12 +448,13 @@ class HessianOperator:
 
     def _mv_fwd_rev(self, vecs: List[Tensor]) -> List[Tensor]:
         """H v as the tangent of ∇L in direction v (forward over reverse)."""
-        if self._module is not None:
+        if self._module is not None and self._units is None:
             return self._mv_func(vecs)
         # v attached to each parameter in place as its forward-mode tangent at a fresh dual
-        # level (removed when the level closes); the loss is re-run and a plain gradient taken
+        # level (removed when the level closes); the loss is re-run and a plain gradient taken.
+        # With recompute, the units keep only their inputs and recompute in the backward pass.
         out, grads = [], []
-        with forward_ad.dual_level():
+        with forward_ad.dual_level(), self._units_context(), forward_over_reverse():
             with torch.no_grad():
                 for p, v in zip(self.params, vecs):
                     p.copy_(forward_ad.make_dual(p.detach().clone(), v))
@@ -493,23 +540,26 @@ def _check_mode(mode) -> str:
 
 
 def _operator(loss: LossLike, params: Optional[ParamsLike], mode: Optional[str] = None,
-              module: Optional[nn.Module] = None) -> HessianOperator:
+              module: Optional[nn.Module] = None, recompute: Recompute = None) -> HessianOperator:
     if isinstance(loss, HessianOperator):
         if params is not None:
             raise ValueError("give params only with a loss, not with a HessianOperator (it has its own)")
         if mode is not None and _check_mode(mode) != loss.mode:
             raise ValueError(f"mode={mode!r} differs from the HessianOperator's mode {loss.mode!r}")
+        if recompute is not None:
+            raise ValueError("give recompute when building the HessianOperator, not with it")
         return loss
     if params is None:
         raise TypeError("params is required when loss is a tensor or a callable")
-    return HessianOperator(loss, params, mode="rev_rev" if mode is None else mode, module=module)
+    return HessianOperator(loss, params, mode="rev_rev" if mode is None else mode, module=module,
+                           recompute=recompute)
 
 
 # --------------------------------------------------------------------------- products
 
 
 def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None, *, mode: Optional[str] = None,
-        module: Optional[nn.Module] = None) -> List[Tensor]:
+        module: Optional[nn.Module] = None, recompute: Recompute = None) -> List[Tensor]:
     """One Hessian-vector product ``∇²L(θ) v`` (exact; reverse over reverse by default).
 
     Args:
@@ -522,6 +572,9 @@ def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None, *, mode:
             must be a zero-argument callable; module docstring). With an operator, its own.
         module: ``"fwd_rev"``: the module whose parameters ``params`` are (default:
             ``params`` when it is a module); see :class:`HessianOperator`.
+        recompute: submodule names of the module whose calls are recomputation units
+            (``"fwd_rev"`` with ``recompute="blocks"`` keeps only each block's input); see
+            :class:`HessianOperator`.
 
     Returns:
         H v as a list of tensors, one per parameter, of its shape.
@@ -539,7 +592,7 @@ def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None, *, mode:
     """
     if vecs is None:
         raise TypeError("hvp() needs vecs (one vector per parameter)")
-    return _operator(loss, params, mode, module).mv(vecs)
+    return _operator(loss, params, mode, module, recompute).mv(vecs)
 
 
 def hutchinson_diagonal(
@@ -552,6 +605,7 @@ def hutchinson_diagonal(
     progress: bool = False,
     mode: Optional[str] = None,
     module: Optional[nn.Module] = None,
+    recompute: Recompute = None,
 ) -> List[Tensor]:
     """Hutchinson estimate of the Hessian diagonal: the mean over ``n_samples`` probes z of z ∘ (H z).
 
@@ -564,13 +618,13 @@ def hutchinson_diagonal(
         probe: ``"rademacher"`` or ``"gaussian"`` (:data:`PROBES`).
         generator: random generator for the probes (default: the global one).
         progress: show a tqdm bar (off by default).
-        mode, module: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
+        mode, module, recompute: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
 
     Returns:
         One tensor per parameter, of its shape; float32 for float16/bfloat16 parameters,
         the parameter's dtype otherwise.
     """
-    op = _operator(loss, params, mode, module)
+    op = _operator(loss, params, mode, module, recompute)
     n_samples = _check_count("n_samples", n_samples)
     acc = [torch.zeros(p.shape, dtype=_acc_dtype(p.dtype), device=p.device) for p in op.params]
     bar = _progress(n_samples, "hutchinson diag", progress)
@@ -595,13 +649,14 @@ def hutchinson_trace(
     progress: bool = False,
     mode: Optional[str] = None,
     module: Optional[nn.Module] = None,
+    recompute: Recompute = None,
 ) -> float:
     """Hutchinson estimate of tr(H): the mean over ``n_samples`` probes z of zᵀ H z.
 
     Arguments as in :func:`hutchinson_diagonal`. Returns a Python float (accumulated in
     float64). With Rademacher probes one sample's variance is 2 Σ_{i≠j} H_ij².
     """
-    op = _operator(loss, params, mode, module)
+    op = _operator(loss, params, mode, module, recompute)
     n_samples = _check_count("n_samples", n_samples)
     total = 0.0
     bar = _progress(n_samples, "hutchinson trace", progress)
@@ -639,6 +694,7 @@ def top_eigenvalue(
     progress: bool = False,
     mode: Optional[str] = None,
     module: Optional[nn.Module] = None,
+    recompute: Recompute = None,
 ) -> Eigen:
     """Dominant eigenvalue of H by power iteration (v ← Hv / ‖Hv‖).
 
@@ -651,12 +707,12 @@ def top_eigenvalue(
         tol: stop when the Rayleigh quotient changes by at most ``tol`` relative.
         generator: random generator for the start vector.
         progress: show a tqdm bar (off by default).
-        mode, module: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
+        mode, module, recompute: as in :func:`hvp` (``"rev_rev"`` or ``"fwd_rev"``).
 
     Returns:
         :class:`Eigen` (value, unit vector, iterations run, converged). H = 0 gives value 0.
     """
-    op = _operator(loss, params, mode, module)
+    op = _operator(loss, params, mode, module, recompute)
     n_iter = _check_count("n_iter", n_iter)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise ValueError(f"tol must be a number >= 0, got {tol!r}")
@@ -689,13 +745,14 @@ def top_eigenvalue(
 
 
 def exact_diagonal(loss: LossLike, params: Optional[ParamsLike] = None, *, progress: bool = False,
-                   mode: Optional[str] = None, module: Optional[nn.Module] = None) -> List[Tensor]:
+                   mode: Optional[str] = None, module: Optional[nn.Module] = None,
+                   recompute: Recompute = None) -> List[Tensor]:
     """diag(H) exactly: H e_i for every unit vector e_i, one product per scalar parameter.
 
     Costs ``numel`` Hessian-vector products: for small parameter sets (tests, probing a
     few tensors); use :func:`hutchinson_diagonal` otherwise.
     """
-    op = _operator(loss, params, mode, module)
+    op = _operator(loss, params, mode, module, recompute)
     out = [torch.zeros(p.shape, dtype=_acc_dtype(p.dtype), device=p.device) for p in op.params]
     bar = _progress(op.numel, "exact diagonal", progress)
     for k, p in enumerate(op.params):

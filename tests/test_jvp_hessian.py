@@ -113,11 +113,14 @@ def test_fwd_rev_refresh_estimate_equals_rev_rev_refresh():
     idx = torch.randint(0, 256, (2, 13))
     batch = (idx[:, :-1], idx[:, 1:])
     states = {}
-    for mode in ("rev_rev", "fwd_rev"):
+    for mode in ("rev_rev", "fwd_rev", "fwd_rev+recompute"):
         torch.manual_seed(0)
-        model = LanguageModel(GPTConfig.tiny(n_layer=1, d_model=32, n_head=2), optimizer="sophiah").double()
+        model = LanguageModel(GPTConfig.tiny(n_layer=2, d_model=32, n_head=2), optimizer="sophiah").double()
         opt = SophiaH(model.parameters(), weight_decay=0.0)
-        cb = HessianRefresh(every_k=1, mode=mode)
+        if mode == "fwd_rev+recompute":
+            cb = HessianRefresh(every_k=1, mode="fwd_rev", recompute="model.blocks")
+        else:
+            cb = HessianRefresh(every_k=1, mode=mode)
         torch.manual_seed(5)
         if mode == "rev_rev":
             model.hessian_refresh_pending = True
@@ -127,8 +130,39 @@ def test_fwd_rev_refresh_estimate_equals_rev_rev_refresh():
             cb._batch = batch
             cb.on_before_optimizer_step(None, model, opt)
         states[mode] = torch.cat([opt.state[p]["hessian"].reshape(-1) for p in model.parameters()])
-    err = (states["fwd_rev"] - states["rev_rev"]).norm() / states["rev_rev"].norm()
-    assert err <= 1e-10, f"relative error {err:.3e}"
+    for mode in ("fwd_rev", "fwd_rev+recompute"):
+        err = (states[mode] - states["rev_rev"]).norm() / states["rev_rev"].norm()
+        assert err <= 1e-10, f"{mode}: relative error {err:.3e}"
+
+
+def test_language_model_hessian_recompute_reaches_the_refresh():
+    model = LanguageModel(GPTConfig.tiny(n_layer=2, d_model=32, n_head=2), optimizer="sophiah",
+                          hessian_mode="fwd_rev", hessian_recompute=True)
+    (cb,) = model.configure_callbacks()
+    assert cb.mode == "fwd_rev" and cb.recompute == "model.blocks"
+    plain = LanguageModel(GPTConfig.tiny(n_layer=2, d_model=32, n_head=2), optimizer="sophiah",
+                          hessian_mode="fwd_rev")
+    assert plain.configure_callbacks()[0].recompute is None
+
+
+def test_fwd_rev_refresh_with_recompute_peaks_lower():
+    """The refresh with recomputed blocks holds fewer live bytes at its peak than without
+    (the test fails if ``recompute`` is not passed on to the products)."""
+    from ttt_flash.bench_jvp import LiveBytes
+
+    idx = torch.randint(0, 256, (8, 33))
+    peaks = {}
+    for recompute in (None, "model.blocks"):
+        torch.manual_seed(0)
+        model = LanguageModel(GPTConfig.tiny(n_layer=4, d_model=32, n_head=2), optimizer="sophiah").double()
+        opt = SophiaH(model.parameters(), weight_decay=0.0)
+        cb = HessianRefresh(every_k=1, mode="fwd_rev", recompute=recompute)
+        cb._batch = (idx[:, :-1], idx[:, 1:])
+        with LiveBytes() as m:
+            cb.on_before_optimizer_step(None, model, opt)
+        assert cb.refreshes == 1
+        peaks[recompute] = m.peak
+    assert peaks["model.blocks"] < 0.8 * peaks[None], peaks
 
 
 def test_fwd_rev_bad_arguments():
@@ -145,3 +179,9 @@ def test_fwd_rev_bad_arguments():
         HessianRefresh(mode="forward")
     with pytest.raises(ValueError, match="hessian_mode"):
         LanguageModel(GPTConfig.tiny(n_layer=1), hessian_mode="fwd")
+    with pytest.raises(ValueError, match="needs mode='fwd_rev'"):
+        HessianRefresh(recompute="model.blocks")
+    with pytest.raises(ValueError, match="needs mode='fwd_rev'"):
+        SophiaH(model.parameters()).update_hessian(loss(), recompute="blocks")
+    with pytest.raises(ValueError, match="hessian_recompute=True needs hessian_mode='fwd_rev'"):
+        LanguageModel(GPTConfig.tiny(n_layer=1), hessian_recompute=True)

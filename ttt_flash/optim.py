@@ -144,6 +144,7 @@ class HessianOptimizer(torch.optim.Optimizer):
         weight: Optional[float] = None,
         mode: str = "rev_rev",
         module: Optional[torch.nn.Module] = None,
+        recompute=None,
     ) -> None:
         """Refresh the Hessian-diagonal estimate with ``n_samples`` Hutchinson probes.
 
@@ -163,6 +164,10 @@ class HessianOptimizer(torch.optim.Optimizer):
                 zero-argument callable, re-run for each probe; :mod:`ttt_flash.hessian`).
             module: ``"fwd_rev"``: the module owning the parameters (products through
                 ``torch.func``; see :class:`ttt_flash.hessian.HessianOperator`).
+            recompute: ``"fwd_rev"`` only: submodule names of ``module`` (e.g.
+                ``"blocks"``) whose calls are recomputation units: each keeps only its inputs
+                and their tangents and is recomputed in the backward pass, so the peak memory
+                of a product is a few blocks' activations (:mod:`ttt_flash.hessian_recompute`).
 
         Only parameters the loss reaches are refreshed. Runs regardless of
         :attr:`hessian_due` (you decide when); does not count as a step.
@@ -171,6 +176,11 @@ class HessianOptimizer(torch.optim.Optimizer):
             ValueError: ``loss=None`` and no ``p.grad`` carries a graph.
         """
         pairs = self._trainable()
+        if recompute is not None and mode != "fwd_rev":
+            raise ValueError(
+                "update_hessian(recompute=...) needs mode='fwd_rev' (reverse over reverse keeps "
+                "the whole create_graph graph, recomputed or not)"
+            )
         if mode == "fwd_rev":
             if loss is None or isinstance(loss, Tensor) or not callable(loss):
                 raise ValueError(
@@ -180,7 +190,8 @@ class HessianOptimizer(torch.optim.Optimizer):
                 )
             if not pairs:
                 raise ValueError("the optimizer has no parameter that requires grad")
-            op = HessianOperator(loss, [p for _, p in pairs], mode="fwd_rev", module=module)
+            op = HessianOperator(loss, [p for _, p in pairs], mode="fwd_rev", module=module,
+                                recompute=recompute)
         elif loss is None:
             pairs = [(g, p) for g, p in pairs if p.grad is not None]
             if not pairs:

@@ -107,6 +107,12 @@ class HessianRefresh(Callback):
             re-runs ``pl_module.hessian_loss(batch)`` on the step's (last) batch, keeping
             no ``create_graph`` graph (less memory, one more forward and backward; with
             dropout the re-run draws fresh masks).
+        recompute: ``mode="fwd_rev"`` only: submodule names of the LightningModule whose
+            calls are recomputation units in each product (e.g. ``"model.blocks"``: every
+            transformer block of :class:`LanguageModel`): a product then keeps only each
+            block's inputs and their tangents and recomputes the block in its backward pass
+            (:mod:`ttt_flash.hessian_recompute`; the refresh's peak memory falls to a few
+            blocks' activations, for about one more forward per product).
 
     Optimizers without ``update_hessian`` (e.g. AdamW) are left alone. Automatic
     optimization only; fp16 loss scaling is not supported (the estimate would be scaled):
@@ -114,7 +120,7 @@ class HessianRefresh(Callback):
     """
 
     def __init__(self, every_k: Optional[int] = None, n_samples: int = 1, seed: Optional[int] = None,
-                 mode: str = "rev_rev"):
+                 mode: str = "rev_rev", recompute=None):
         if every_k is not None and (isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1):
             raise ValueError(f"every_k must be an int >= 1 or None, got {every_k!r}")
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
@@ -123,7 +129,13 @@ class HessianRefresh(Callback):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         if mode not in HESSIAN_MODES:
             raise ValueError(f"mode must be one of {HESSIAN_MODES}, got {mode!r}")
+        if recompute is not None and mode != "fwd_rev":
+            raise ValueError(
+                f"HessianRefresh(recompute={recompute!r}) needs mode='fwd_rev' (reverse over reverse "
+                "keeps the step's whole create_graph graph, recomputed or not)"
+            )
         self.every_k, self.n_samples, self.seed, self.mode = every_k, n_samples, seed, mode
+        self.recompute = recompute
         self._batch = None
         #: Number of refreshes done.
         self.refreshes = 0
@@ -222,7 +234,7 @@ class HessianRefresh(Callback):
             optimizer.update_hessian(lambda: pl_module.hessian_loss(batch), n_samples=self.n_samples,
                                      generator=self._probe_generator(optimizer),
                                      weight=_grad_weight(pl_module),
-                                     mode="fwd_rev", module=pl_module)
+                                     mode="fwd_rev", module=pl_module, recompute=self.recompute)
         if cuda:
             torch.cuda.synchronize()
         self._batch = None
@@ -268,6 +280,10 @@ class LanguageModel(LightningModule):
         hessian_mode: how the added :class:`HessianRefresh` takes its Hessian-vector
             products: ``"rev_rev"`` (through the step's ``create_graph`` graph) or
             ``"fwd_rev"`` (forward over reverse, less memory; :mod:`ttt_flash.hessian`).
+        hessian_recompute: with ``hessian_mode="fwd_rev"``, recompute each transformer block
+            in the refresh's products (``HessianRefresh(recompute="model.blocks")``): the
+            refresh keeps only the blocks' inputs and their tangents (docs/forward-mode.md,
+            "Memory").
         context_parallel: ranks per sequence under DDP (1: off). The W processes form W / P
             context-parallel groups of P consecutive ranks, data parallel across groups;
             each group trains on its first rank's batch, each rank on a block of its tokens
@@ -291,6 +307,7 @@ class LanguageModel(LightningModule):
         schedule: Literal["cosine", "constant"] = "cosine",
         hessian_mode: Literal["rev_rev", "fwd_rev"] = "rev_rev",
         context_parallel: int = 1,
+        hessian_recompute: bool = False,
     ):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -301,6 +318,11 @@ class LanguageModel(LightningModule):
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if hessian_mode not in HESSIAN_MODES:
             raise ValueError(f"hessian_mode must be one of {HESSIAN_MODES}, got {hessian_mode!r}")
+        if hessian_recompute and hessian_mode != "fwd_rev":
+            raise ValueError(
+                "hessian_recompute=True needs hessian_mode='fwd_rev' (reverse over reverse keeps "
+                "the step's whole create_graph graph)"
+            )
         if schedule not in ("cosine", "constant"):
             raise ValueError(f"schedule must be 'cosine' or 'constant', got {schedule!r}")
         if not lr > 0:
@@ -376,7 +398,8 @@ class LanguageModel(LightningModule):
         trainer = self._trainer
         if trainer is not None and any(isinstance(c, HessianRefresh) for c in trainer.callbacks):
             return []  # the user's own HessianRefresh (e.g. a different every_k) stays
-        return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"))]
+        recompute = "model.blocks" if self.hparams.get("hessian_recompute", False) else None
+        return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"), recompute=recompute)]
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self.hessian_refresh_pending:

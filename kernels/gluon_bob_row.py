@@ -11,8 +11,8 @@ Same inputs and outputs as the Triton passes they stand in for (bob.py,
 ``_bob_direct_kernel`` and ``_bob_stats_kernel``; bob-math.md): from Q, K, V, dO, the
 cotangents U_Q, U_K, U_V, the forward's L and D = rowsum(dO∘O),
 
-- :func:`gluon_bob_stats` writes α = rowsum(P∘G) and E + αD = rowsum(P∘(G∘dP + B)) − αD of
-  every query row;
+- :func:`gluon_bob_stats` writes α = rowsum(P∘G) and E + αD = rowsum(P∘(G∘dP + B)) − αD
+  of every query row;
 - :func:`gluon_bob_direct` (α, E + αD known) writes Q̄ and dŌ of every query row.
 
 One program owns one query tile (BLOCK_M queries of one (batch, head)): Q, dO, U_Q come to

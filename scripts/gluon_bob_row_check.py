@@ -173,7 +173,8 @@ def big(causal, variants):
     x, lse, delta, al_t, ee_t, qb_t, dob_t, s_ms, d_ms = BIG[causal]
     for var in variants:
         def one_direct(var=var):
-            f = lambda: gluon_bob_direct(*x, lse, delta, al_t, ee_t, **kw_of(var, causal))  # noqa: E731
+            def f():
+                return gluon_bob_direct(*x, lse, delta, al_t, ee_t, **kw_of(var, causal))
             qb_g, dob_g = f()
             torch.cuda.synchronize()
             r = max(rel(qb_g, qb_t), rel(dob_g, dob_t))
@@ -183,7 +184,8 @@ def big(causal, variants):
                     f"max rel diff {r:.2e}")
 
         def one_stats(var=var):
-            f = lambda: gluon_bob_stats(*x, lse, delta, **kw_of(var, causal))  # noqa: E731
+            def f():
+                return gluon_bob_stats(*x, lse, delta, **kw_of(var, causal))
             al_g, ee_g = f()
             torch.cuda.synchronize()
             r = max(rel(al_g, al_t), rel(ee_g, ee_t))

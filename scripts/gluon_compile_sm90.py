@@ -177,7 +177,8 @@ BOB_COL_VARIANTS = [
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernel", default="bob_col", choices=["bob_col", "dkdv", "bob_direct", "bob_stats"])
+    p.add_argument("--kernel", default="bob_col",
+                   choices=["bob_col", "dkdv", "bob_direct", "bob_stats"])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--variant", action="append", default=[],

@@ -7,7 +7,9 @@ error must be at most 2x the Triton pass's own error plus one bf16 rounding unit
 output's scale (the bound tests/test_kernels_gpu.py uses). K̄ and V̄ of the Gluon BoB column
 pass (fed α and E + αD computed in float64) meet the same bound against float64 double
 backward, and agree with the Triton column pass (``attn_bob`` with the Gluon passes off) to
-four bf16 units. The library chain (``flash_attention`` forward, ``autograd.grad(...,
+four bf16 units. Q̄ and dŌ of the Gluon BoB direct pass (fed float64 α, E + αD), and the
+Gluon statistics pass feeding it, meet the same bounds against the Triton statistics and
+direct passes and float64 double backward. The library chain (``flash_attention`` forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
 ``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
 within the float64 bound, the two within a few bf16 units of each other. Skipped where
@@ -144,7 +146,11 @@ def test_gluon_bob_col_rejects_unsupported_inputs():
 
 from ttt_flash import flash_attention  # noqa: E402
 from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
+from ttt_flash.kernels import gluon_bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
+
+#: the Gluon launches of one in-scope chain, in order
+GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
 
 CHAIN_NAMES = ("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob")
 
@@ -175,7 +181,9 @@ def _gluon_at_test_lengths(monkeypatch):
 def gluon_calls(monkeypatch):
     """Names of the Gluon passes the library calls during the test."""
     calls = []
-    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col")):
+    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col"),
+                      (gluon_bob_row_mod, "gluon_bob_stats"),
+                      (gluon_bob_row_mod, "gluon_bob_direct")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -194,10 +202,10 @@ def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
     x = [torch.randn(b, h, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)  # the same call, first with the table's choice
-    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]
+    assert gluon_calls == GLUON_CHAIN
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]  # no Gluon call when off
+    assert gluon_calls == GLUON_CHAIN  # no Gluon call when off
     for name in CHAIN_NAMES:
         r = ref[name].double()
         ulp = r.abs().max().item() * 2.0 ** -8
@@ -234,7 +242,7 @@ def test_chain_outside_gluon_scope_runs_triton(case, gluon_calls):
 
 
 # --------------------------------------------------------------------------- BoB row passes
-# (experimental, not wired: kernels/gluon_bob_row.py)
+# (kernels/gluon_bob_row.py; the chain tests above see them through attn_bob)
 
 from ttt_flash.kernels import bob as bob_mod  # noqa: E402
 from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats  # noqa: E402

@@ -29,6 +29,10 @@ that by logit-sized terms (H = P∘(G−α) no longer sums to 0 over a row). The
 measures each row's sum of the recomputed P and every pass uses P·ρ, ρ = 1 / rowsum(P): the
 row passes scale their accumulators by ρ at the end, the key-tile passes scale P per tile.
 
+On sm_90 the statistics, direct and column passes run as Gluon kernels where
+``configs.use_gluon`` selects them (gluon_bob_row.py, gluon_bob_col.py: same inputs and
+outputs); the Triton kernels here are the portable path.
+
 No N×N tensor touches HBM; the extra memory is the row vectors α, E + αD, ρ. A missing
 cotangent removes its products at compile time (constexpr flags), and the key-tile pass is
 skipped when neither K̄ nor V̄ is needed.
@@ -822,7 +826,21 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     def row_grid(cfg):
         return (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
 
+    all_u = uq is not None and uk is not None and uv is not None
+
     def stats_pass():
+        gcfg = use_gluon("bob_stats", lay, q.dtype, q.device, window=flags["WINDOW"],
+                         rowsum=rowsum, tensors=(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee),
+                         complete=precise and all_u)
+        if gcfg is not None:  # sm_90: the Gluon pass (configs.use_gluon, gluon_bob_row.py)
+            from . import gluon_bob_row
+
+            gluon_bob_row.gluon_bob_stats(
+                q, k, v, do, uq, uk, uv, lse, delta, scale=scale, causal=causal,
+                block_n=gcfg.block_n, block_m=gcfg.block_m, num_warps=gcfg.num_warps,
+                stages=gcfg.stages, warp_specialize=gcfg.warp_specialize,
+                maxnreg=gcfg.maxnreg, out=(alpha, ee))
+            return
         cfg = get_config("bob_stats", bd, q.dtype, q.device)
         _bob_stats_kernel[row_grid(cfg)](
             q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,
@@ -831,6 +849,22 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             NEED_E=need_e, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
 
     def direct_pass(stats_first):
+        gcfg = use_gluon("bob_direct", lay, q.dtype, q.device, window=flags["WINDOW"],
+                         rowsum=rowsum,
+                         tensors=(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, qb, dob),
+                         complete=(precise and all_u and need_qb and need_dob
+                                   and not (half and split_row)))
+        if gcfg is not None:  # sm_90: the Gluon pass (configs.use_gluon, gluon_bob_row.py)
+            from . import gluon_bob_row
+
+            if stats_first:  # the Gluon direct pass reads α, E + αD from HBM
+                stats_pass()
+            gluon_bob_row.gluon_bob_direct(
+                q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale=scale, causal=causal,
+                block_n=gcfg.block_n, block_m=gcfg.block_m, num_warps=gcfg.num_warps,
+                stages=gcfg.stages, warp_specialize=gcfg.warp_specialize,
+                maxnreg=gcfg.maxnreg, out=(qb, dob))
+            return
         cfg = get_config("bob_direct", bd, q.dtype, q.device)
         _bob_direct_kernel[row_grid(cfg)](
             q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,

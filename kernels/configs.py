@@ -23,8 +23,9 @@ Kernels and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 - ``bob_fused``  ``deterministic=False`` only: BoB key-tile pass with K̄, V̄ in registers and
   Q̄, dŌ added to float32 buffers by atomics (replaces ``bob_direct`` + ``bob_col``).
 
-On Hopper (sm_90) two passes have Gluon versions (TMA, async ``warpgroup_mma``;
-``gluon_dkdv.py``, ``gluon_bob_col.py``): :data:`GLUON` lists their tiles and
+On Hopper (sm_90) four passes have Gluon versions (TMA, async ``warpgroup_mma``;
+``gluon_dkdv.py``, ``gluon_bob_col.py``, ``gluon_bob_row.py`` for ``bob_stats`` and
+``bob_direct``): :data:`GLUON` lists their tiles and
 :func:`use_gluon` decides, per call, whether a pass takes the Gluon kernel or the Triton one
 (the portable path: interpreter, other GPUs, and every input outside the Gluon kernel's
 scope). :func:`use_gluon_passes` switches the Gluon passes off for comparison.
@@ -277,13 +278,17 @@ def _table_config(kind: str, block_d: int, dtype: torch.dtype, index) -> TileCon
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """Launch parameters of a Gluon pass (``gluon_dkdv`` / ``gluon_bob_col`` keywords)."""
+    """Launch parameters of a Gluon pass (``gluon_dkdv`` / ``gluon_bob_col`` /
+    ``gluon_bob_stats`` / ``gluon_bob_direct`` keywords). The key-tile passes (``bwd_dkdv``,
+    ``bob_col``) own ``block_n`` keys per program and step over ``block_m`` queries; the row
+    passes (``bob_stats``, ``bob_direct``) own ``block_m`` queries (16 per warp) and step
+    over ``block_n`` keys."""
 
-    block_n: int  #: keys per program (16 per warp: block_n == 16·num_warps)
-    block_m: int  #: queries per step of the program's query loop (divides block_n)
+    block_n: int  #: keys per program (key-tile passes: block_n == 16·num_warps) or per step
+    block_m: int  #: queries per step (key-tile passes) or per program (row passes)
     num_warps: int
-    stages: int = 2  #: ring slots of the streamed query tiles (``bob_col`` only)
-    warp_specialize: bool = False  #: one-warp TMA producer partition (``bob_col`` only)
+    stages: int = 2  #: ring slots of the streamed tiles (not ``bwd_dkdv``)
+    warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
     #: shortest sequence for which the Gluon pass is chosen (host time of the TMA
     #: descriptors against the pass's own time)
@@ -294,12 +299,16 @@ class GluonConfig:
 #: (docs/benchmarks.md, "Gluon (item 2)"): dK/dV 3.29 vs 3.60 ms, BoB column pass 5.72 vs
 #: 7.05 ms at N = 16,384, H = 12, bf16 (Triton pass of the table in each case). In the
 #: chain (both passes) on / off: 16,384 and 65,536 tokens 1.07-1.11x faster, 4,096 tokens
-#: 2-5 % slower (host-bound there): hence ``min_keys``. d = 128 compiles but was not
-#: measured: Triton there.
+#: 2-5 % slower (host-bound there): hence ``min_keys``. The BoB row passes (64 queries x 64
+#: keys / 4 warps, single partition, 2 slots): statistics 4.03 vs 4.42 ms (causal 2.05 vs
+#: 2.20), direct 5.84 vs 6.32 ms (causal 3.20 vs 3.51) at the same shape, started at the same
+#: ``min_keys``. d = 128 compiles but was not measured: Triton there.
 GLUON = {
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),
+    ("bob_stats", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
+    ("bob_direct", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
 }
 
 #: triton versions (major, minor), inclusive, whose Gluon API the Gluon modules were
@@ -334,15 +343,16 @@ def gluon_passes_enabled() -> bool:
 def use_gluon(kind: str, lay, dtype: torch.dtype, device: torch.device, *, window: bool,
               rowsum: bool, tensors: Sequence[Optional[torch.Tensor]],
               complete: bool = True) -> Optional[GluonConfig]:
-    """The Gluon launch parameters for this call of pass ``kind`` ("bwd_dkdv" or "bob_col"),
-    or None: take the Triton kernel.
+    """The Gluon launch parameters for this call of pass ``kind`` ("bwd_dkdv", "bob_col",
+    "bob_stats" or "bob_direct"), or None: take the Triton kernel.
 
     ``lay`` is the call's ``common.Layout``; ``window``: a causal sliding window is in use;
     ``rowsum``: the ρ row-sum correction is on; ``tensors``: the (B, H, N, d) tiles and
     (B, H, N) row vectors the pass reads and writes (each must be contiguous: no hidden
     copies); ``complete``: the caller's own conditions hold (``bwd_dkdv``: the atomic-free
     pass; ``bob_col``: precise mode, all three cotangents, both K̄ and V̄ wanted, no
-    hi + lo split). Gluon is chosen only with all of: the passes on
+    hi + lo split; ``bob_stats``: all three cotangents; ``bob_direct``: those, both Q̄ and
+    dŌ wanted, no hi + lo split). Gluon is chosen only with all of: the passes on
     (:func:`use_gluon_passes`), no tile override for ``kind`` (:func:`tile_overrides`
     selects the Triton kernel), a CUDA device of capability 9.0 outside the interpreter,
     triton within :data:`GLUON_TRITON` and its Gluon Hopper API importable, bf16 / fp16,
@@ -387,6 +397,8 @@ def _gluon_importable(kind: str) -> bool:
         return False
     if kind == "bwd_dkdv":
         from . import gluon_dkdv as mod
-    else:
+    elif kind == "bob_col":
         from . import gluon_bob_col as mod
+    else:  # bob_stats, bob_direct
+        from . import gluon_bob_row as mod
     return bool(mod.HAVE_GLUON)

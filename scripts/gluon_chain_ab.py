@@ -26,11 +26,12 @@ import torch
 
 
 def _counter():
-    """Wrap the two Gluon entry points; return the list their calls append to."""
-    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+    """Wrap the Gluon entry points; return the list their calls append to."""
+    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
 
     calls = []
-    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col")):
+    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col"),
+                      (gluon_bob_row, "gluon_bob_stats"), (gluon_bob_row, "gluon_bob_direct")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):

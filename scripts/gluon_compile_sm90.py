@@ -6,7 +6,11 @@ compiled with ``warmup`` on CPU tensors (descriptors are built the way the wrapp
 them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 machine's) and
 3.9; run it with each interpreter to catch API drift before device time is spent::
 
-    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv] [--head-dim 64] [--causal]
+    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats]
+        [--head-dim 64] [--causal]
+
+(``bob_direct`` / ``bob_stats``: kernels/gluon_bob_row.py; their variants read
+block_m (query tile) first: ``qt x kt / warps``.)
 """
 
 from __future__ import annotations
@@ -126,6 +130,38 @@ def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnre
                                          torch.zeros(b * h * n), n, 0.125, 0.18, **meta)
 
 
+def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats):
+    """The row passes of gluon_bob_row.py (ws: 0 single partition, 1 warp-specialised)."""
+    b, h, n = 1, 2, 4 * max(block_n, block_m)
+    x = [torch.zeros(b, h, n, d, dtype=torch.bfloat16) for _ in range(7)]
+    r = [torch.zeros(b, h, n) for _ in range(4)]
+    args, meta, _ = mod._prepare(*x, *r, 0.125, causal, stats, block_n, block_m, warps, stages)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    return mod._gluon_bob_row_kernel.warmup(*args, WS=bool(ws), PRODUCER_REGS=mod.PRODUCER_REGS,
+                                            grid=(1,), **meta)
+
+
+def compile_bob_direct(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg):
+    return compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
+                           False)
+
+
+def compile_bob_stats(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg):
+    return compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
+                           True)
+
+
+# (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the row passes
+BOB_ROW_VARIANTS = [
+    (64, 64, 4, 2, 0, 0),
+    (64, 64, 4, 2, 1, 128),
+    (64, 64, 4, 3, 1, 128),
+    (64, 64, 4, 2, 1, 168),
+    (128, 64, 8, 2, 1, 168),
+    (64, 128, 4, 2, 1, 168),
+]
+
 # (block_n, block_m, num_warps, stages, warp_specialize, maxnreg)
 BOB_COL_VARIANTS = [
     (64, 64, 4, 2, False, None),
@@ -141,7 +177,8 @@ BOB_COL_VARIANTS = [
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernel", default="bob_col", choices=["bob_col", "dkdv"])
+    p.add_argument("--kernel", default="bob_col",
+                   choices=["bob_col", "dkdv", "bob_direct", "bob_stats"])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--variant", action="append", default=[],
@@ -149,15 +186,19 @@ def main() -> int:
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
-    mod = load_module(f"gluon_{a.kernel}")
+    row = a.kernel in ("bob_direct", "bob_stats")
+    mod = load_module("gluon_bob_row" if row else f"gluon_{a.kernel}")
     if not mod.HAVE_GLUON:
         print(f"triton {triton.__version__}: Gluon's Hopper ops are missing")
         return 1
-    variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or (
-        BOB_COL_VARIANTS if a.kernel == "bob_col" else [(128, 64, 8, 1, 0, 0), (64, 64, 4, 1, 0, 0)])
-    fn = compile_bob_col if a.kernel == "bob_col" else compile_dkdv
+    defaults = {"bob_col": BOB_COL_VARIANTS, "bob_direct": BOB_ROW_VARIANTS,
+                "bob_stats": BOB_ROW_VARIANTS,
+                "dkdv": [(128, 64, 8, 1, 0, 0), (64, 64, 4, 1, 0, 0)]}
+    variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or defaults[a.kernel]
+    fn = globals()[f"compile_{a.kernel}"]
     print(f"triton {triton.__version__}, gluon_{a.kernel}, d={a.head_dim}, causal={a.causal}")
-    print(f"{'kt x qt / warps, stages, ws, maxnreg':<40}{'regs':>6}{'stack':>7}"
+    tiles = "qt x kt" if row else "kt x qt"
+    print(f"{tiles + ' / warps, stages, ws, maxnreg':<40}{'regs':>6}{'stack':>7}"
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:

@@ -1,4 +1,5 @@
-"""GPU tests of the Gluon passes (kernels/gluon_dkdv.py, gluon_bob_col.py) on sm_90.
+"""GPU tests of the Gluon passes (kernels/gluon_dkdv.py, gluon_bob_col.py, gluon_bob_row.py)
+on sm_90.
 
 dK and dV of the Gluon pass, fed the Triton forward's LSE and the Triton backward's
 D = rowsum(dO∘O), are compared with float64 autograd through ``naive_attention``: the max
@@ -6,7 +7,9 @@ error must be at most 2x the Triton pass's own error plus one bf16 rounding unit
 output's scale (the bound tests/test_kernels_gpu.py uses). K̄ and V̄ of the Gluon BoB column
 pass (fed α and E + αD computed in float64) meet the same bound against float64 double
 backward, and agree with the Triton column pass (``attn_bob`` with the Gluon passes off) to
-four bf16 units. The library chain (``flash_attention`` forward, ``autograd.grad(...,
+four bf16 units. Q̄ and dŌ of the Gluon BoB direct pass (fed float64 α, E + αD), and the
+Gluon statistics pass feeding it, meet the same bounds against the Triton statistics and
+direct passes and float64 double backward. The library chain (``flash_attention`` forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
 ``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
 within the float64 bound, the two within a few bf16 units of each other. Skipped where
@@ -143,7 +146,11 @@ def test_gluon_bob_col_rejects_unsupported_inputs():
 
 from ttt_flash import flash_attention  # noqa: E402
 from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
+from ttt_flash.kernels import gluon_bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
+
+#: the Gluon launches of one in-scope chain, in order
+GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
 
 CHAIN_NAMES = ("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob")
 
@@ -174,7 +181,9 @@ def _gluon_at_test_lengths(monkeypatch):
 def gluon_calls(monkeypatch):
     """Names of the Gluon passes the library calls during the test."""
     calls = []
-    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col")):
+    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col"),
+                      (gluon_bob_row_mod, "gluon_bob_stats"),
+                      (gluon_bob_row_mod, "gluon_bob_direct")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -193,10 +202,10 @@ def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
     x = [torch.randn(b, h, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)  # the same call, first with the table's choice
-    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]
+    assert gluon_calls == GLUON_CHAIN
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == ["gluon_dkdv", "gluon_bob_col"]  # no Gluon call when off
+    assert gluon_calls == GLUON_CHAIN  # no Gluon call when off
     for name in CHAIN_NAMES:
         r = ref[name].double()
         ulp = r.abs().max().item() * 2.0 ** -8
@@ -230,3 +239,100 @@ def test_chain_outside_gluon_scope_runs_triton(case, gluon_calls):
     torch.cuda.synchronize()
     assert all(torch.isfinite(t).all() for t in outs)
     assert gluon_calls == []
+
+
+# --------------------------------------------------------------------------- BoB row passes
+# (kernels/gluon_bob_row.py; the chain tests above see them through attn_bob)
+
+from ttt_flash.kernels import bob as bob_mod  # noqa: E402
+from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats  # noqa: E402
+
+
+def _float64_row(x, causal):
+    """Q̄ and dŌ of float64 double backward through naive attention."""
+    q64, k64, v64, do64 = (t.double().requires_grad_() for t in x[:4])
+    o64 = naive_attention(q64, k64, v64, causal=causal)
+    dq, dk, dv = torch.autograd.grad(o64, (q64, k64, v64), do64, create_graph=True)
+    inner = sum((a * u.double()).sum() for a, u in zip((dq, dk, dv), x[4:]))
+    qb64, dob64 = torch.autograd.grad(inner, (q64, do64))
+    return qb64, dob64
+
+
+def _triton_row(x, o, lse, delta, causal, monkeypatch):
+    """Q̄, dŌ of the Triton statistics + direct passes (``attn_bob`` with the Gluon passes
+    off, atomic-free, K̄ wanted so that α, E + αD go through HBM) and the α, E + αD they
+    passed between them."""
+    made = []
+    real = bob_mod.new_rowvec
+
+    def capture(lay, device):  # α, E + αD are the composer's first two row vectors
+        made.append(real(lay, device))
+        return made[-1]
+
+    monkeypatch.setattr(bob_mod, "new_rowvec", capture)
+    with configs.use_gluon_passes(False):
+        qb, _, _, dob = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None,
+                                 causal=causal, window=None, needs=(True, True, False, True),
+                                 deterministic=True)
+    return qb, dob, made[0], made[1]
+
+
+ROW_VARIANTS = [(64, 64, 4, 2, 0, None), (64, 64, 4, 2, 1, 168), (128, 64, 8, 2, 1, 168)]
+ROW_IDS = ["qt64-kt64-w4", "ws-qt64-kt64-w4", "ws-qt128-kt64-w8"]
+
+
+def _row_kw(variant, causal):
+    bm, bn, w, st, ws, mr = variant
+    return dict(causal=causal, block_m=bm, block_n=bn, num_warps=w, stages=st,
+                warp_specialize=bool(ws), maxnreg=mr)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", ROW_VARIANTS, ids=ROW_IDS)
+def test_gluon_bob_direct_matches_triton_and_float64(causal, variant, monkeypatch):
+    x, o, lse, delta, alpha, ee = _bob_inputs(causal)
+    qb_t, dob_t, _, _ = _triton_row(x, o, lse, delta, causal, monkeypatch)
+    qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha, ee, **_row_kw(variant, causal))
+    qb64, dob64 = _float64_row(x, causal)
+    for name, got, tri, ref in (("qb", qb_g, qb_t, qb64), ("dob", dob_g, dob_t, dob64)):
+        err = (got.double() - ref).abs().max().item()
+        tri_err = (tri.double() - ref).abs().max().item()
+        ulp = ref.abs().max().item() * 2.0 ** -8
+        assert err <= 2 * tri_err + ulp, (name, err, tri_err, ulp)
+        diff = (got.float() - tri.float()).abs().max().item()
+        assert diff <= 4 * ulp, (name, diff, ulp)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("variant", ROW_VARIANTS[:2], ids=ROW_IDS[:2])
+def test_gluon_bob_stats_then_direct_match_triton_and_float64(causal, variant, monkeypatch):
+    x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal)
+    qb_t, dob_t, alpha_t, ee_t = _triton_row(x, o, lse, delta, causal, monkeypatch)
+    alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, **_row_kw(variant, causal))
+    for name, got, tri, ref in (("alpha", alpha_g, alpha_t, alpha64),
+                                ("ee", ee_g, ee_t, ee64)):
+        err = (got.double() - ref.double()).abs().max().item()
+        tri_err = (tri.double() - ref.double()).abs().max().item()
+        floor = ref.abs().max().item() * 2.0 ** -16
+        assert err <= 2 * tri_err + floor, (name, err, tri_err, floor)
+    # the Gluon statistics feeding the Gluon direct pass: as accurate as the Triton pair
+    qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha_g, ee_g, **_row_kw(variant, causal))
+    qb64, dob64 = _float64_row(x, causal)
+    for name, got, tri, ref in (("qb", qb_g, qb_t, qb64), ("dob", dob_g, dob_t, dob64)):
+        err = (got.double() - ref).abs().max().item()
+        tri_err = (tri.double() - ref).abs().max().item()
+        ulp = ref.abs().max().item() * 2.0 ** -8
+        assert err <= 2 * tri_err + ulp, (name, err, tri_err, ulp)
+
+
+def test_gluon_bob_row_rejects_unsupported_inputs():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256, device="cuda")
+    with pytest.raises(ValueError, match="uk is None"):
+        gluon_bob_direct(q, q, q, q, q, None, q, r, r, r, r)
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        gluon_bob_stats(*(q[:, :, :200],) * 7, *(r[:, :, :200],) * 2)
+    with pytest.raises(ValueError, match="alpha must be contiguous float32"):
+        gluon_bob_direct(*(q,) * 7, r, r, r.double(), r)
+    with pytest.raises(ValueError, match="block_m == 16"):
+        gluon_bob_direct(*(q,) * 7, r, r, r, r, block_m=128, num_warps=4)

@@ -45,7 +45,7 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
                              tensors=tensors, complete=complete)
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536)],
                          ids=["N16K", "N64K-H12-B2"])
@@ -58,6 +58,9 @@ def test_table_tiles_are_the_measured_ones():
     col = configs.GLUON[("bob_col", 64)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
     assert col.warp_specialize and col.maxnreg == 128
+    for kind in ("bob_stats", "bob_direct"):  # 64 queries x 64 keys, single partition
+        assert configs.GLUON[(kind, 64)] == configs.GluonConfig(64, 64, 4, stages=2,
+                                                                 min_keys=16384)
     assert {d for _, d in configs.GLUON} == {64}  # d = 128 not measured: Triton there
 
 
@@ -87,7 +90,7 @@ OUT_OF_SCOPE = {
 }
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
 @pytest.mark.parametrize("case", list(OUT_OF_SCOPE))
 def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     spec = dict(OUT_OF_SCOPE[case])
@@ -100,7 +103,7 @@ def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     assert _select(kind, **spec) is None
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col"])
+@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
 def test_switch_and_tile_override_select_triton(sm90, kind):
     assert configs.gluon_passes_enabled()
     with configs.use_gluon_passes(False):
@@ -112,7 +115,7 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
     assert _select(kind) is not None
     with configs.tile_overrides({kind: configs.TileConfig(64, 64, 4, 2, True)}):
         assert _select(kind) is None  # an explicit Triton tile for this kind
-    other = "bob_col" if kind == "bwd_dkdv" else "bwd_dkdv"
+    other = "bob_col" if kind != "bob_col" else "bwd_dkdv"
     with configs.tile_overrides({other: configs.TileConfig(64, 64, 4, 2, True)}):
         assert _select(kind) is not None
     with pytest.raises(RuntimeError), configs.use_gluon_passes(False):
@@ -123,28 +126,31 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
 def test_unmocked_cpu_and_interpreter_never_select_gluon():
     assert configs.interpreting()  # tests/conftest.py on a machine without CUDA
     for device in (torch.device("cpu"), CUDA0):
-        for kind in ("bwd_dkdv", "bob_col"):
+        for kind in ("bwd_dkdv", "bob_col", "bob_stats", "bob_direct"):
             assert _select(kind, device=device) is None
 
 
 @pytest.mark.parametrize("version,ok", [((3, 5), False), ((3, 6), True), ((3, 9), True),
                                         ((3, 10), False), ((4, 0), False)])
 def test_triton_version_range(monkeypatch, version, ok):
-    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
 
     monkeypatch.setattr(configs, "_triton_version", lambda: version)
     configs._gluon_importable.cache_clear()
     try:
         assert configs._gluon_importable("bwd_dkdv") is (ok and gluon_dkdv.HAVE_GLUON)
         assert configs._gluon_importable("bob_col") is (ok and gluon_bob_col.HAVE_GLUON)
+        for kind in ("bob_stats", "bob_direct"):
+            assert configs._gluon_importable(kind) is (ok and gluon_bob_row.HAVE_GLUON)
     finally:
         configs._gluon_importable.cache_clear()
 
 
 def test_gluon_modules_import_without_gpu():
-    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
 
     assert not gluon_dkdv.available() and not gluon_bob_col.available()
+    assert not gluon_bob_row.available()
     with pytest.raises(RuntimeError, match="sm_90"):
         gluon_dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
                               torch.empty(1, 1, 64), torch.empty(1, 1, 64))
@@ -187,6 +193,47 @@ def _fake_bob_col(calls):
     return fake
 
 
+def _row_products(q, k, v, do, uq, uk, uv, lse, delta, scale, causal):
+    """P, G (unshifted), dP − D and B of the whole (B, H, N, N) problem in float64."""
+    q, k, v, do, uq, uk, uv = (x.double() for x in (q, k, v, do, uq, uk, uv))
+    tr = lambda x: x.transpose(-1, -2)  # noqa: E731
+    p = _probs(q, k, lse, scale, causal)
+    g = scale * (q @ tr(uk) + uq @ tr(k))
+    return p, g, do @ tr(v) - delta.double()[..., None], do @ tr(uv)
+
+
+def _fake_bob_stats(calls):
+    """gluon_bob_stats's documented result (α, E + αD) in float64, into ``out``."""
+
+    def fake(q, k, v, do, uq, uk, uv, lse, delta, *, scale, causal, out, **tiles):
+        calls.append(("bob_stats", tiles))
+        p, g, dpc, bm = _row_products(q, k, v, do, uq, uk, uv, lse, delta, scale, causal)
+        alpha = (p * g).sum(-1)
+        out[0].copy_(alpha)
+        out[1].copy_((p * (g * (dpc + delta.double()[..., None]) + bm)).sum(-1)
+                     - alpha * delta.double())
+        return out
+
+    return fake
+
+
+def _fake_bob_direct(calls):
+    """gluon_bob_direct's documented result (Q̄, dŌ from α and E + αD) in float64, into
+    ``out``."""
+
+    def fake(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale, causal, out, **tiles):
+        calls.append(("bob_direct", tiles))
+        p, g, dpc, bm = _row_products(q, k, v, do, uq, uk, uv, lse, delta, scale, causal)
+        g = g - alpha.double()[..., None]
+        ds = p * dpc
+        r = g * ds + p * (bm - ee.double()[..., None])
+        out[0].copy_(scale * (r @ k.double() + ds @ uk.double()))
+        out[1].copy_((p * g) @ v.double() + p @ uv.double())
+        return out
+
+    return fake
+
+
 def _probs(q, k, lse, scale, causal):
     s = scale * q @ k.transpose(-1, -2)
     if causal:
@@ -199,7 +246,7 @@ def _probs(q, k, lse, scale, causal):
 def _gluon_on_cpu(monkeypatch, calls):
     """The real selection, told the CPU tensors sit on an sm_90 GPU, with d = 16 / 32-wide
     tiles in the table (interpreter-sized), and the float64 stand-ins for the kernels."""
-    from ttt_flash.kernels import bob, gluon_bob_col, gluon_dkdv
+    from ttt_flash.kernels import bob, gluon_bob_col, gluon_bob_row, gluon_dkdv
 
     real = configs.use_gluon
 
@@ -213,11 +260,15 @@ def _gluon_on_cpu(monkeypatch, calls):
     monkeypatch.setattr(configs, "GLUON", {
         ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
-                                             maxnreg=128)})
+                                             maxnreg=128),
+        ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
+        ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
     monkeypatch.setattr(attn_bwd_mod, "use_gluon", select)
     monkeypatch.setattr(bob, "use_gluon", select)
     monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", _fake_dkdv(calls))
     monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", _fake_bob_col(calls))
+    monkeypatch.setattr(gluon_bob_row, "gluon_bob_stats", _fake_bob_stats(calls))
+    monkeypatch.setattr(gluon_bob_row, "gluon_bob_direct", _fake_bob_direct(calls))
     yield
 
 
@@ -244,9 +295,13 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     calls = []
     with _gluon_on_cpu(monkeypatch, calls):
         got = _chain(ts, kw)
-    assert [c[0] for c in calls] == ["bwd_dkdv", "bob_col"]
+    assert [c[0] for c in calls] == ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
     assert calls[0][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
-    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
+    assert calls[1][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
+                               warp_specialize=False, maxnreg=None)
+    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
+                               warp_specialize=True, maxnreg=None)
+    assert calls[3][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, maxnreg=128)
     for name, x in want.items():
         y = got[name]
@@ -257,21 +312,28 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
 
 
 @pytest.mark.parametrize("case", [
-    "gqa", "window", "split_col", "affine", "uq-missing", "kb-not-wanted", "n-not-tiled",
-    "switched-off"])
+    "gqa", "window", "split_col", "split_row", "affine", "uq-missing", "kb-not-wanted",
+    "dob-not-wanted", "n-not-tiled", "switched-off"])
 def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
     ts = _inputs(h_kv=1 if case == "gqa" else 2, n=48 if case == "n-not-tiled" else 64)
     kw = dict(scale=None, causal=True, window=16 if case == "window" else None)
-    bob_kw = {"split_col": dict(split_col=True), "affine": dict(precise=False),
-              "kb-not-wanted": dict(needs=(True, False, True, True))}.get(case, {})
+    bob_kw = {"split_col": dict(split_col=True), "split_row": dict(split_row=True),
+              "affine": dict(precise=False),
+              "kb-not-wanted": dict(needs=(True, False, True, True)),
+              "dob-not-wanted": dict(needs=(True, True, True, False))}.get(case, {})
     if case == "uq-missing":
         ts[4] = None
     calls = []
     with _gluon_on_cpu(monkeypatch, calls), (
             configs.use_gluon_passes(False) if case == "switched-off" else contextlib.nullcontext()):
         _chain(ts, kw, **bob_kw)
-    expect = {"split_col": ["bwd_dkdv"], "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
-              "kb-not-wanted": ["bwd_dkdv"]}.get(case, [])
+    row = ["bob_stats", "bob_direct"]
+    # the row passes without the Gluon direct pass: one Triton launch (statistics sweep
+    # first, the keys being below FUSED_ROW_MAX_KEYS), so no Gluon statistics pass either
+    expect = {"split_col": ["bwd_dkdv", *row], "split_row": ["bwd_dkdv", "bob_col"],
+              "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
+              "kb-not-wanted": ["bwd_dkdv", *row],
+              "dob-not-wanted": ["bwd_dkdv", "bob_col"]}.get(case, [])
     assert [c[0] for c in calls] == expect
 
 
@@ -284,11 +346,13 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     import json
     import pathlib
 
-    from ttt_flash.kernels import gluon_bob_col, gluon_dkdv
+    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
 
-    # the script wraps the two entry points to count launches: put them back afterwards
+    # the script wraps the entry points to count launches: put them back afterwards
     monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", gluon_dkdv.gluon_dkdv)
     monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", gluon_bob_col.gluon_bob_col)
+    monkeypatch.setattr(gluon_bob_row, "gluon_bob_stats", gluon_bob_row.gluon_bob_stats)
+    monkeypatch.setattr(gluon_bob_row, "gluon_bob_direct", gluon_bob_row.gluon_bob_direct)
 
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_chain_ab.py"
     spec = importlib.util.spec_from_file_location("gluon_chain_ab", path)

@@ -1,0 +1,515 @@
+"""Hopper-native BoB row passes in Gluon (TMA key-tile ring + async wgmma, optional warp
+specialisation): the direct pass (Q̄, dŌ) and the statistics pass (α, E + αD).
+
+``attn_bob``'s statistics and direct passes call :func:`gluon_bob_stats` and
+:func:`gluon_bob_direct` instead of the Triton ``_bob_stats_kernel`` / ``_bob_direct_kernel``
+(bob.py) where ``configs.use_gluon("bob_stats" / "bob_direct", ...)`` selects them: sm_90,
+inputs in the scope below, tiles from ``configs.GLUON`` (64 queries x 64 keys / 4 warps,
+single partition, 2 slots, from 16,384 keys); everywhere else the Triton passes run. Step
+four of issue 15 item 2 (after gluon_dkdv.py and gluon_bob_col.py).
+
+Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), fourth step"): Q̄, dŌ
+as close to float64 double backward as the Triton direct pass's (the same max errors to four
+digits, bf16, full and causal, every variant); α, E + αD within 4e-7 (relative) of the
+Triton statistics pass's. At N = 16K, H = 12, d = 64 the single-partition 64 x 64 / 4 tile
+takes 5.84 ms for the direct pass against the Triton pass's 6.32 ms (causal 3.20 vs 3.51)
+and 4.03 ms for the statistics pass against 4.42 ms (causal 2.05 vs 2.20); the
+warp-specialised 64 x 64 / 4 variant (``maxnreg=168``) was no faster than Triton, the
+warp-specialised 128 x 64 / 8 one 1.04-1.11x.
+
+Same inputs and outputs as the Triton passes they stand in for (bob.py,
+``_bob_direct_kernel`` and ``_bob_stats_kernel``; bob-math.md): from Q, K, V, dO, the
+cotangents U_Q, U_K, U_V, the forward's L and D = rowsum(dO∘O),
+
+- :func:`gluon_bob_stats` writes α = rowsum(P∘G) and E + αD = rowsum(P∘(G∘dP + B)) − αD
+  of every query row;
+- :func:`gluon_bob_direct` (α, E + αD known) writes Q̄ and dŌ of every query row.
+
+One program owns one query tile (BLOCK_M queries of one (batch, head)): Q, dO, U_Q come to
+shared memory once by TMA, the key tiles that the queries see stream through a ring of
+``stages`` slots of (K, V, U_K, U_V) tiles, one mbarrier per slot. The row vectors (L·log2e,
+D, α, E + αD) stay in registers (two values per thread per vector). Per key tile, in
+(queries x keys) orientation, with τ = ``scale``, per-query vectors broadcast along keys:
+
+    S = Q Kᵀ                  P = exp2(τ·log2e·S − L·log2e)
+    G = τ (Q U_Kᵀ + U_Q Kᵀ) − α                 H = P∘G
+    dP = dO Vᵀ,  B = dO U_Vᵀ                    dS = P∘(dP − D)
+    R = G∘dS + P∘(B − (E + αD))
+    dŌ += H V + P U_V,   Q̄ += R K + dS U_K      (Q̄ scaled by τ at the end)
+
+Nine ``warpgroup_mma`` per tile pair in the direct pass: the four score-shaped products S,
+G (two) and B are issued together asynchronously; S and G are waited for first, so P and H
+are formed while B is on the tensor cores, then dŌ's two products and dP are issued before
+B is waited for. H, P, R and dS enter as register A operands. The statistics pass issues
+the five score-shaped products only and keeps three row sums.
+
+Two program shapes, as in gluon_bob_col.py:
+
+- single partition (``warp_specialize=False``): every warp issues the TMA copies itself;
+- warp-specialised (``warp_specialize=True``): a one-warp producer partition issues the
+  Q/dO/U_Q copy and the ring's key-tile copies, waiting on per-slot "empty" barriers; the
+  ``num_warps`` consumer warps wait on per-slot "ready" barriers, do the products and
+  release each slot once its products are done.
+
+Causal: the query tiles are taken longest row first (program 0 gets the last query tile);
+only the key tiles that reach past the tile's first query are masked.
+
+Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
+H_q == H_kv, N_q == N_k, N a multiple of both tiles, d in {64, 128}, bf16 or fp16, full or
+causal, all three cotangents present, precise mode, no ρ row-sum correction (16-bit inputs
+do not use it). Not covered: GQA, varlen, window, missing cotangents, float32.
+
+Triton versions: as gluon_bob_col.py (``async_copy_global_to_shared`` in 3.6,
+``async_load`` later, both looked up; ``gl.warp_specialize`` with the 3.6 / 3.9 list form).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves between versions
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # triton 3.6 names the TMA copies async_copy_*; later versions async_load / async_store
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    HAVE_GLUON = hasattr(gl, "warp_specialize")
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    HAVE_GLUON = False
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 64
+BLOCK_N = 64
+NUM_WARPS = 4
+STAGES = 2
+#: registers per thread of the warp-specialised kernels' producer warp (TMA issue only)
+PRODUCER_REGS = 24
+
+
+def available(device=None) -> bool:
+    """True where Gluon's Hopper ops import and the CUDA device is sm_90 (Hopper)."""
+    if not HAVE_GLUON or not torch.cuda.is_available():
+        return False
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index):
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_tile(N, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """First query row of this program's tile (causal: longest rows first)."""
+        pid = gl.program_id(0)
+        if CAUSAL:
+            pid = N // BLOCK_M - 1 - pid
+        return pid * BLOCK_M
+
+    @gluon.jit
+    def _key_tiles(m0, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   CAUSAL: gl.constexpr):
+        """Number of key tiles [0, n_tiles·BLOCK_N) that query tile [m0, m0 + BLOCK_M) sees."""
+        if CAUSAL:
+            n_tiles = (m0 + BLOCK_M + BLOCK_N - 1) // BLOCK_N
+        else:
+            n_tiles = N // BLOCK_N
+        return n_tiles
+
+    @gluon.jit
+    def _load_query_tiles(q_desc, do_desc, uq_desc, q_smem, do_smem, uq_smem, bar, row):
+        """Q, dO, U_Q rows [row, row + BLOCK_M) to shared memory, completing on ``bar``."""
+        mbarrier.expect(bar, 3 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, 0], bar, q_smem)
+        _tma_load(do_desc, [row, 0], bar, do_smem)
+        _tma_load(uq_desc, [row, 0], bar, uq_smem)
+
+    @gluon.jit
+    def _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring, uv_ring,
+                       bar, slot, row):
+        """K, V, U_K, U_V rows [row, row + BLOCK_N) into ring slot ``slot``, completing on
+        ``bar``."""
+        mbarrier.expect(bar, 4 * k_desc.block_type.nbytes)
+        _tma_load(k_desc, [row, 0], bar, k_ring.index(slot))
+        _tma_load(v_desc, [row, 0], bar, v_ring.index(slot))
+        _tma_load(uk_desc, [row, 0], bar, uk_ring.index(slot))
+        _tma_load(uv_desc, [row, 0], bar, uv_ring.index(slot))
+
+    @gluon.jit
+    def _row_vec(ptr, row0, m0, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """Row vector ``ptr[row0 + m0 : row0 + m0 + BLOCK_M]`` as a [BLOCK_M, 1] column
+        broadcast along the keys of a (queries x keys) tile."""
+        offs = row0 + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        return gl.expand_dims(gl.load(ptr + offs), 1)
+
+    @gluon.jit
+    def _scores(q_s, do_s, uq_s, k_s, v_s, uk_s, uv_s, l2, al, m0, n0, scale, qk_scale2,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                s_layout: gl.constexpr):
+        """Issue S, G, B of key tile [n0, n0 + BLOCK_N); return (P, G − α, B) with B still
+        in flight (one outstanding group)."""
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        kt = k_s.permute((1, 0))
+        st = warpgroup_mma(q_s, kt, s_zero, use_acc=False, is_async=True)
+        gt = warpgroup_mma(q_s, uk_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        gt = warpgroup_mma(uq_s, kt, gt, is_async=True)
+        bt = warpgroup_mma(do_s, uv_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st, gt = warpgroup_mma_wait(num_outstanding=1, deps=(st, gt))  # B in flight
+        p = gl.exp2(st * qk_scale2 - l2)
+        if CAUSAL:
+            if n0 + BLOCK_N > m0:  # only the diagonal tiles hold masked pairs
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                vis = gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0)
+                p = gl.where(vis, p, 0.0)
+        g = gt * scale - al
+        return p, g, bt
+
+    @gluon.jit
+    def _direct_tile(q_s, do_s, uq_s, k_s, v_s, uk_s, uv_s, qb, dob, l2, di, al, ee, m0, n0,
+                     scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     CAUSAL: gl.constexpr, s_layout: gl.constexpr, op_layout: gl.constexpr):
+        """(Q̄, dŌ) after key tile [n0, n0 + BLOCK_N) (its K, V, U_K, U_V tiles in shared
+        memory); every product is complete on return."""
+        dtype: gl.constexpr = q_s.dtype
+        p, g, bt = _scores(q_s, do_s, uq_s, k_s, v_s, uk_s, uv_s, l2, al, m0, n0, scale,
+                           qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        h_op = gl.convert_layout((p * g).to(dtype), op_layout)
+        p_op = gl.convert_layout(p.to(dtype), op_layout)
+        dob = warpgroup_mma(h_op, v_s, dob, is_async=True)
+        dob = warpgroup_mma(p_op, uv_s, dob, is_async=True)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dpt = warpgroup_mma(do_s, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        bt = warpgroup_mma_wait(num_outstanding=3, deps=(bt,))  # dŌ (2), dP in flight
+        tt = p * (bt - ee)  # P∘(B − (E + αD))
+        dob, dpt, h_op, p_op = warpgroup_mma_wait(num_outstanding=0,
+                                                  deps=(dob, dpt, h_op, p_op))
+        ds = p * (dpt - di)  # dS
+        r_op = gl.convert_layout((g * ds + tt).to(dtype), op_layout)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        qb = warpgroup_mma(r_op, k_s, qb, is_async=True)
+        qb = warpgroup_mma(ds_op, uk_s, qb, is_async=True)
+        qb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(qb, r_op, ds_op))
+        return qb, dob
+
+    @gluon.jit
+    def _stats_tile(q_s, do_s, uq_s, k_s, v_s, uk_s, uv_s, r_al, r_e, l2, m0, n0, scale,
+                    qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+        """Row sums (rowsum(P∘G), rowsum(P∘(G∘dP + B))) after key tile [n0, n0 + BLOCK_N)."""
+        p, g, bt = _scores(q_s, do_s, uq_s, k_s, v_s, uk_s, uv_s, l2, 0.0, m0, n0, scale,
+                           qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        dpt = warpgroup_mma(do_s, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        pg = p * g
+        r_al += gl.sum(pg, axis=1)
+        bt = warpgroup_mma_wait(num_outstanding=1, deps=(bt,))  # dP in flight
+        t = p * bt
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+        r_e += gl.sum(pg * dpt + t, axis=1)
+        return r_al, r_e
+
+    @gluon.jit
+    def _direct_epilogue(qb, dob, q_s, do_s, qb_desc, dob_desc, row, scale):
+        """Q̄·τ and dŌ to HBM by TMA, staged through the (no longer read) Q and dO buffers."""
+        dtype: gl.constexpr = q_s.dtype
+        q_s.store((qb * scale).to(dtype))
+        do_s.store(dob.to(dtype))
+        fence_async_shared()
+        _tma_store(qb_desc, [row, 0], q_s)
+        _tma_store(dob_desc, [row, 0], do_s)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _row_consumer(qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s, k_ring,
+                      v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0, N, scale,
+                      qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STATS: gl.constexpr,
+                      STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc, uk_desc,
+                      uv_desc, num_warps: gl.constexpr):
+        """The products of every key tile of one query tile, then the epilogue: Q̄, dŌ by TMA
+        (direct) or α, E + αD to ALPHA, EE (STATS). WS: the ring is filled by the producer
+        partition and each slot released on ``empty``; otherwise this partition issues the
+        copies itself (the next STAGES − 1 tiles in flight while one is consumed)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                      k_width=2)
+        n_tiles = _key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        if not WS:
+            for s in gl.static_range(STAGES - 1):  # fill all slots but one
+                if s < n_tiles:
+                    _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring,
+                                   uv_ring, ready.index(s), s, row0 + s * BLOCK_N)
+        l2 = _row_vec(LSE2, row0, m0, BLOCK_M, s_layout)
+        di = _row_vec(DELTA, row0, m0, BLOCK_M, s_layout)
+        if STATS:
+            r_al = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+            r_e = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        else:
+            al = _row_vec(ALPHA, row0, m0, BLOCK_M, s_layout)
+            ee = _row_vec(EE, row0, m0, BLOCK_M, s_layout)
+            qb = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+            dob = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        mbarrier.wait(q_bar, 0)
+        for i in range(n_tiles):
+            if not WS:  # refill the slot consumed (and waited for) in the previous iteration
+                nxt = i + STAGES - 1
+                if nxt < n_tiles:
+                    ns = nxt % STAGES
+                    _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring,
+                                   uv_ring, ready.index(ns), ns, row0 + nxt * BLOCK_N)
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            if STATS:
+                r_al, r_e = _stats_tile(
+                    q_s, do_s, uq_s, k_ring.index(slot), v_ring.index(slot),
+                    uk_ring.index(slot), uv_ring.index(slot), r_al, r_e, l2, m0,
+                    i * BLOCK_N, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
+            else:
+                qb, dob = _direct_tile(
+                    q_s, do_s, uq_s, k_ring.index(slot), v_ring.index(slot),
+                    uk_ring.index(slot), uv_ring.index(slot), qb, dob, l2, di, al, ee, m0,
+                    i * BLOCK_N, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout,
+                    op_layout)
+            if WS:  # its products are complete: the producer may refill the slot
+                mbarrier.arrive(empty.index(slot), count=1)
+        if STATS:
+            offs = row0 + m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+            gl.store(ALPHA + offs, r_al)
+            gl.store(EE + offs, r_e - r_al * gl.load(DELTA + offs))  # E + αD
+        else:
+            _direct_epilogue(qb, dob, q_s, do_s, qb_desc, dob_desc, row0 + m0, scale)
+
+    @gluon.jit
+    def _row_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, q_s, do_s,
+                      uq_s, k_ring, v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0,
+                      N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """Producer partition (one warp): the query-side copy, then the key tiles into the
+        ring, each slot refilled once the consumers have released it."""
+        _load_query_tiles(q_desc, do_desc, uq_desc, q_s, do_s, uq_s, q_bar, row0 + m0)
+        n_tiles = _key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        for i in range(n_tiles):
+            slot = i % STAGES
+            # a fresh barrier counts as having completed the phase before phase 0, so the
+            # first pass over the ring does not wait
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring, uv_ring,
+                           ready.index(slot), slot, row0 + i * BLOCK_N)
+
+    @gluon.jit
+    def _gluon_bob_row_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                              qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, N, scale, qk_scale2,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                              STATS: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
+                              PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """Query tile ``program_id(0)`` of (batch·head) ``program_id(1)``: Q̄, dŌ (direct) or
+        α, E + αD (STATS). Tile descriptors view (B·H·N, d) tensors; LSE2 (L·log2e), DELTA,
+        ALPHA, EE are flat (B·H·N,) float32 pointers. WS adds the one-warp TMA producer."""
+        row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
+        m0 = _query_tile(N, BLOCK_M, CAUSAL)
+        dtype: gl.constexpr = q_desc.dtype
+        q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+        uq_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], uq_desc.layout)
+        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], uk_desc.layout)
+        uv_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], uv_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+            mbarrier.init(empty.index(s), count=1)
+        if WS:
+            gl.warp_specialize([
+                (_row_consumer, (qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s,
+                                 k_ring, v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0,
+                                 m0, N, scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
+                                 STATS, STAGES, True, k_desc, v_desc, uk_desc, uv_desc,
+                                 num_warps)),
+                (_row_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                                 q_s, do_s, uq_s, k_ring, v_ring, uk_ring, uv_ring, q_bar,
+                                 ready, empty, row0, m0, N, BLOCK_M, BLOCK_N, CAUSAL,
+                                 STAGES)),
+            ], [1], [PRODUCER_REGS])
+        else:
+            _load_query_tiles(q_desc, do_desc, uq_desc, q_s, do_s, uq_s, q_bar, row0 + m0)
+            _row_consumer(qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s, k_ring,
+                          v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0, N, scale,
+                          qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, STAGES, False,
+                          k_desc, v_desc, uk_desc, uv_desc, num_warps)
+
+
+def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stats, block_n,
+             block_m, num_warps, stages, out=None):
+    """Kernel arguments, meta-parameters and the outputs of one launch, no checks, any
+    device (scripts/gluon_compile_sm90.py builds CPU ones). Direct: outputs (qb, dob), flat
+    (B·H·N, d), written into ``out`` if given; ``alpha``, ``ee`` are read. Stats: outputs
+    (alpha, ee), (B·H·N,) float32, written into ``alpha``, ``ee`` (allocated if None)."""
+    b, h, n, d = q.shape
+    flat = [x.contiguous().view(b * h * n, d) for x in (q, do, uq, k, v, uk, uv)]
+    if stats:
+        alpha = torch.empty(b * h * n, dtype=torch.float32, device=q.device) if alpha is None \
+            else alpha
+        ee = torch.empty_like(alpha) if ee is None else ee
+        outs = (alpha.view(-1), ee.view(-1))
+        tile_out = (flat[0], flat[1])  # not written
+    else:
+        if out is None:
+            outs = (torch.empty_like(flat[0]), torch.empty_like(flat[1]))
+        else:
+            outs = tuple(x.view(b * h * n, d) for x in out)
+        tile_out = outs
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
+    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
+    tiles = [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
+             for x in flat[:3]]
+    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
+              for x in flat[3:]]
+    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
+              for x in tile_out]
+    lse2 = lse.reshape(-1) * LOG2E  # log2 units; rows that see no key: +inf, so P = 0
+    lse2 = torch.where(lse2 == float("-inf"), float("inf"), lse2)
+    if stats:
+        vecs = (lse2, delta.reshape(-1), *outs)
+    else:
+        vecs = (lse2, delta.reshape(-1), alpha.reshape(-1), ee.reshape(-1))
+    args = (*tiles, *vecs, n, scale, scale * LOG2E)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
+                STATS=bool(stats), STAGES=stages, num_warps=num_warps)
+    return args, meta, outs
+
+
+def _check(fn, name, x, like):
+    if x is None:
+        raise ValueError(f"{fn}: {name} is None; this pass needs all three cotangents "
+                         "(use attn_bob for the others)")
+    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"{fn}: {name} must match q in shape, dtype and device "
+                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); GQA and varlen are "
+                         "not supported here")
+
+
+def _check_common(fn, q, k, v, do, uq, uk, uv, vecs, block_n, block_m, num_warps, stages):
+    if not available(q.device):
+        raise RuntimeError(f"{fn}: needs triton.experimental.gluon and an sm_90 GPU; "
+                           "use attn_bob elsewhere")
+    if q.dim() != 4:
+        raise ValueError(f"{fn}: q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{fn}: q must be bf16 or fp16, got {q.dtype}")
+    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
+        _check(fn, name, x, q)
+    b, h, n, d = q.shape
+    if d not in (64, 128):
+        raise ValueError(f"{fn}: head dim must be 64 or 128, got {d}")
+    if num_warps not in (4, 8) or block_m != 16 * num_warps:
+        raise ValueError(f"{fn}: need num_warps in (4, 8) and block_m == 16*num_warps, "
+                         f"got block_m={block_m}, num_warps={num_warps}")
+    if block_n not in (32, 64, 128):
+        raise ValueError(f"{fn}: block_n must be 32, 64 or 128, got {block_n}")
+    if stages not in (2, 3, 4):
+        raise ValueError(f"{fn}: stages must be 2, 3 or 4, got {stages}")
+    if n % block_n or n % block_m:
+        raise ValueError(f"{fn}: sequence length must be a multiple of block_m={block_m} and "
+                         f"block_n={block_n}, got {n}")
+    for name, x in vecs:
+        if x is None or x.shape != (b, h, n) or x.dtype != torch.float32 or \
+                x.device != q.device or not x.is_contiguous():
+            got = "None" if x is None else f"{x.dtype} {tuple(x.shape)} on {x.device}"
+            raise ValueError(f"{fn}: {name} must be contiguous float32 of shape {(b, h, n)} "
+                             f"on {q.device}, got {got}")
+    if b * h * n >= 2 ** 31:
+        raise ValueError(f"{fn}: B*H*N must be < 2**31 (int32 TMA coordinates), "
+                         f"got {b * h * n}")
+    return b, h, n, d
+
+
+def _launch(args, meta, grid, warp_specialize, maxnreg):
+    if maxnreg is not None:
+        meta["maxnreg"] = int(maxnreg)
+    _gluon_bob_row_kernel[grid](*args, WS=bool(warp_specialize), PRODUCER_REGS=PRODUCER_REGS,
+                                **meta)
+
+
+def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=None,
+                     causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
+                     stages=STAGES, warp_specialize=False, maxnreg=None, out=None):
+    """Q̄, dŌ of the BoB (bob-math.md) for every query tile: the Triton direct pass's results.
+
+    q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
+    cotangents present); lse (natural log, as ``attn_fwd`` returns it), delta = rowsum(dO∘O),
+    alpha and ee = E + αD (the statistics pass's outputs): (B, H, N) float32, contiguous.
+    Returns (qb, dob), each (B, H, N, d) in q's dtype. Tile inputs that are not contiguous
+    are copied.
+
+    ``block_m`` queries per program (16 per warp: block_m == 16·num_warps, num_warps 4 or
+    8), ``block_n`` keys per step, ``stages`` ring slots (2 to 4), ``warp_specialize`` adds
+    a one-warp TMA producer partition, ``maxnreg`` caps ptxas's registers per thread.
+    ``out``: optional (qb, dob) pair of contiguous tensors like q to write into.
+    """
+    fn = "gluon_bob_direct"
+    b, h, n, d = _check_common(fn, q, k, v, do, uq, uk, uv,
+                               (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee)),
+                               block_n, block_m, num_warps, stages)
+    if out is not None:
+        for name, x in zip(("out[0]", "out[1]"), out):
+            _check(fn, name, x, q)
+            if not x.is_contiguous():
+                raise ValueError(f"{fn}: {name} must be contiguous")
+    scale = d ** -0.5 if scale is None else float(scale)
+    args, meta, (qb, dob) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale,
+                                     causal, False, block_n, block_m, num_warps, stages, out)
+    _launch(args, meta, (n // block_m, b * h), warp_specialize, maxnreg)
+    return qb.view(b, h, n, d), dob.view(b, h, n, d)
+
+
+def gluon_bob_stats(q, k, v, do, uq, uk, uv, lse, delta, *, scale=None, causal=False,
+                    block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS, stages=STAGES,
+                    warp_specialize=False, maxnreg=None, out=None):
+    """α and E + αD of the BoB (bob-math.md) for every query row: the Triton statistics
+    pass's results without the ρ row-sum correction (16-bit inputs do not use it).
+
+    Inputs as :func:`gluon_bob_direct` (without alpha, ee). Returns (alpha, ee), each
+    (B, H, N) float32. ``out``: optional (alpha, ee) pair of contiguous (B, H, N) float32
+    tensors to write into.
+    """
+    fn = "gluon_bob_stats"
+    b, h, n, d = _check_common(fn, q, k, v, do, uq, uk, uv,
+                               (("lse", lse), ("delta", delta)),
+                               block_n, block_m, num_warps, stages)
+    if out is None:
+        out = tuple(torch.empty(b, h, n, dtype=torch.float32, device=q.device)
+                    for _ in range(2))
+    for name, x in zip(("out[0]", "out[1]"), out):
+        if x.shape != (b, h, n) or x.dtype != torch.float32 or x.device != q.device or \
+                not x.is_contiguous():
+            raise ValueError(f"{fn}: {name} must be contiguous float32 of shape {(b, h, n)} "
+                             f"on {q.device}")
+    scale = d ** -0.5 if scale is None else float(scale)
+    args, meta, _ = _prepare(q, k, v, do, uq, uk, uv, lse, delta, out[0], out[1], scale,
+                             causal, True, block_n, block_m, num_warps, stages)
+    _launch(args, meta, (n // block_m, b * h), warp_specialize, maxnreg)
+    return out

@@ -201,6 +201,7 @@ class MAML(LightningModule):
         opt.step()
         self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
+        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
         return sums["loss_post"] / tasks
 
     def _evaluate(self, batch: MetaBatch, stage: str) -> None:

@@ -99,11 +99,7 @@ RUNS: List[Run] = [
     Run("memlayer", "memlayer", "method", 1, [], "inner_steps 1"),
     Run("memlayer_base", "memlayer", "baseline", 0, OFF, "inner_steps 0"),
     Run("memlayer_c32", "memlayer", "variant", 1,
-        ["--model.init_args.chunk_size=32", "--model.init_args.inner_lr=4.0", "--model.init_args.memory_slots=16"],
-        "chunks of 32, 16 slots"),
-    Run("memlayer_c64", "memlayer", "variant", 0,
-        ["--model.init_args.chunk_size=64", "--model.init_args.inner_lr=8.0", "--model.init_args.memory_slots=32"],
-        "chunks of 64, 32 slots"),
+        ["--model.init_args.chunk_size=32", "--model.init_args.memory_slots=16"], "chunks of 32, 16 slots"),
 ]
 
 

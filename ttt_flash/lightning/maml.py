@@ -18,7 +18,8 @@ second-order graph is needed to score them).
 
 Logged per stage (``train``, ``val``, ``test``): ``{stage}/loss_pre``, ``{stage}/loss_post``
 and, for ``loss="cross_entropy"``, ``{stage}/acc_pre``, ``{stage}/acc_post``. Training also
-logs ``train/step_time_s`` (wall clock of one outer step) and, on CUDA,
+logs ``train/step_time_s`` (wall clock of one outer step), ``train/seq_len`` (the tasks'
+sequence length: a data ``curriculum`` grows it) and, on CUDA,
 ``train/peak_mem_gib`` (peak allocated memory of that step).
 """
 

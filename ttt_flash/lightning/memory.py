@@ -20,7 +20,8 @@ Each module scores the queries of a batch twice and logs, per stage (``train``, 
 
 Training also logs ``train/step_time_s`` (wall clock of one optimizer step: forward, inner
 loops, backward, update), ``train/tokens_per_s`` (context and query tokens of the batch per
-second) and, on CUDA, ``train/peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the
+second), ``train/context_len`` (the batch's context length: a ``curriculum`` grows it) and,
+on CUDA, ``train/peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the
 step). Validation/test run the inner loops with gradients enabled (outside
 ``inference_mode``) and keep no outer graph.
 """

@@ -10,7 +10,8 @@ meta-batches are fresh every epoch (epoch ``e`` uses indices ``e·train_batches 
 
 from __future__ import annotations
 
-from typing import Any, Dict
+import dataclasses
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 
 from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
+from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 
 __all__ = ["SinusoidDataModule", "InContextRegressionDataModule"]
@@ -26,15 +28,18 @@ _SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
 class _MetaBatches(Dataset):
-    """Index ``i`` -> the ``i``-th meta-batch of a split (any non-negative ``i``)."""
+    """Index ``i`` -> the ``i``-th meta-batch of a split (any non-negative ``i``); with
+    ``staged``, from the curriculum stage's tasks of meta-batch ``i``."""
 
-    def __init__(self, tasks, meta_batch_size: int, seed: int, split: str):
+    def __init__(self, tasks, meta_batch_size: int, seed: int, split: str, staged: Optional[StagedTasks] = None):
         self.tasks, self.meta_batch_size, self.seed, self.split = tasks, meta_batch_size, seed, _SPLITS[split]
+        self.staged = staged
 
     def __getitem__(self, i: int) -> MetaBatch:
         state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
         g = torch.Generator().manual_seed(int(state) & (2**63 - 1))
-        return self.tasks.sample(self.meta_batch_size, generator=g)
+        tasks = self.tasks if self.staged is None else self.staged.at(int(i))
+        return tasks.sample(self.meta_batch_size, generator=g)
 
 
 def _check_positive(**kwargs) -> None:
@@ -55,11 +60,12 @@ class _MetaDataModule(LightningDataModule):
         self.meta_batch_size, self.seed, self.num_workers = meta_batch_size, seed, num_workers
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
         self._train_sampler = EpochSampler(train_batches, fresh=True)
+        self.staged: Optional[StagedTasks] = None  # a length curriculum of the training split
 
     def _loader(self, split: str) -> DataLoader:
         sampler = self._train_sampler if split == "train" else EpochSampler(self.batches[split], fresh=False)
         return ResumableLoader(
-            _MetaBatches(self.tasks, self.meta_batch_size, self.seed, split),
+            _MetaBatches(self.tasks, self.meta_batch_size, self.seed, split, self.staged if split == "train" else None),
             batch_size=None,
             sampler=sampler,
             num_workers=self.num_workers,
@@ -121,16 +127,21 @@ class InContextRegressionDataModule(_MetaDataModule):
         noise_std: label noise standard deviation.
         meta_batch_size, train_batches, val_batches, test_batches, seed, num_workers: as in
             :class:`SinusoidDataModule`.
+        curriculum: training sequence lengths ``[[first_step, seq_len], ...]``
+            (:mod:`ttt_flash.lightning.curriculum`: short first; each stage's length even);
+            validation and test tasks keep ``seq_len``. None: every task has ``seq_len``.
     """
 
     def __init__(self, dim: int = 4, seq_len: int = 64, support_size: int = 4, query_size: int = 4,
                  noise_std: float = 0.0, meta_batch_size: int = 4, train_batches: int = 200,
-                 val_batches: int = 5, test_batches: int = 20, seed: int = 0, num_workers: int = 0):
+                 val_batches: int = 5, test_batches: int = 20, seed: int = 0, num_workers: int = 0,
+                 curriculum: Optional[List[List[int]]] = None):
         super().__init__(
             InContextRegressionTasks(dim=dim, seq_len=seq_len, support_size=support_size,
                                      query_size=query_size, noise_std=noise_std),
             meta_batch_size, train_batches, val_batches, test_batches, seed, num_workers,
         )
+        self.staged = staged(curriculum, lambda n: dataclasses.replace(self.tasks, seq_len=n))
         self.save_hyperparameters()
 
     @property

@@ -18,7 +18,8 @@ second-order graph is needed to score them).
 
 Logged per stage (``train``, ``val``, ``test``): ``{stage}/loss_pre``, ``{stage}/loss_post``
 and, for ``loss="cross_entropy"``, ``{stage}/acc_pre``, ``{stage}/acc_post``. Training also
-logs ``train/step_time_s`` (wall clock of one outer step) and, on CUDA,
+logs ``train/step_time_s`` (wall clock of one outer step), ``train/seq_len`` (the tasks'
+sequence length: a data ``curriculum`` grows it) and, on CUDA,
 ``train/peak_mem_gib`` (peak allocated memory of that step).
 """
 
@@ -201,6 +202,7 @@ class MAML(LightningModule):
         opt.step()
         self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
+        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
         return sums["loss_post"] / tasks
 
     def _evaluate(self, batch: MetaBatch, stage: str) -> None:

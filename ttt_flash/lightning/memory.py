@@ -20,13 +20,15 @@ Each module scores the queries of a batch twice and logs, per stage (``train``, 
 
 Training also logs ``train/step_time_s`` (wall clock of one optimizer step: forward, inner
 loops, backward, update), ``train/tokens_per_s`` (context and query tokens of the batch per
-second) and, on CUDA, ``train/peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the
+second), ``train/context_len`` (the batch's context length: a ``curriculum`` grows it) and,
+on CUDA, ``train/peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the
 step). Validation/test run the inner loops with gradients enabled (outside
 ``inference_mode``) and keep no outer graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -39,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ._step import LocalGradients, StepTimer
 from .context_parallel import ContextParallelPlan
+from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 from ..impls import AttentionName
 from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
@@ -54,14 +57,18 @@ _SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
 class _RecallBatches(Dataset):
-    """Index ``i`` → the ``i``-th batch of a split, from a generator seeded by (seed, split, i)."""
+    """Index ``i`` → the ``i``-th batch of a split, from a generator seeded by (seed, split, i)
+    (with ``staged``: from the curriculum stage's tasks of batch ``i``)."""
 
-    def __init__(self, tasks: AssociativeRecallTasks, batch_size: int, seed: int, split: str):
+    def __init__(self, tasks: AssociativeRecallTasks, batch_size: int, seed: int, split: str,
+                 staged: Optional[StagedTasks] = None):
         self.tasks, self.batch_size, self.seed, self.split = tasks, batch_size, seed, _SPLITS[split]
+        self.staged = staged
 
     def __getitem__(self, i: int) -> RecallBatch:
         state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
-        return self.tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
+        tasks = self.tasks if self.staged is None else self.staged.at(int(i))
+        return tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
 
 
 class AssociativeRecallDataModule(LightningDataModule):
@@ -83,6 +90,10 @@ class AssociativeRecallDataModule(LightningDataModule):
         test_batches: batches of the test split.
         seed: seed of all sampling.
         num_workers: DataLoader worker processes.
+        curriculum: training context lengths ``[[first_step, context_len], ...]``
+            (:mod:`ttt_flash.lightning.curriculum`: short first; each stage's length is
+            even and >= 2 · num_pairs); validation and test batches keep ``context_len``.
+            None: every batch has ``context_len``.
     """
 
     def __init__(
@@ -98,6 +109,7 @@ class AssociativeRecallDataModule(LightningDataModule):
         test_batches: int = 16,
         seed: int = 0,
         num_workers: int = 0,
+        curriculum: Optional[List[List[int]]] = None,
     ):
         super().__init__()
         for name, value in (("batch_size", batch_size), ("train_batches", train_batches),
@@ -109,6 +121,7 @@ class AssociativeRecallDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
                                             num_queries=num_queries, context_len=context_len)
+        self.staged = staged(curriculum, lambda n: dataclasses.replace(self.tasks, context_len=n))
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
         self._train_indices = EpochSampler(train_batches, fresh=True)
 
@@ -122,7 +135,9 @@ class AssociativeRecallDataModule(LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         indices = self._train_indices if split == "train" else EpochSampler(self.batches[split], fresh=False)
-        return ResumableLoader(_RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split),
+        batches = _RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split,
+                                 self.staged if split == "train" else None)
+        return ResumableLoader(batches,
                                batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
                                persistent_workers=self.hparams.num_workers > 0,
                                generator=torch.Generator().manual_seed(self.hparams.seed))
@@ -148,9 +163,9 @@ class AssociativeRecallDataModule(LightningDataModule):
 # --------------------------------------------------------------------------- shared module logic
 
 
-def _gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint) -> GPT:
+def _gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base=10000.0) -> GPT:
     return GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model,
-                         window=window, attention=attention, checkpoint=checkpoint))
+                         window=window, attention=attention, checkpoint=checkpoint, rope_base=rope_base))
 
 
 class _RecallModule(LightningModule):
@@ -226,6 +241,7 @@ class _RecallModule(LightningModule):
         metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
+        self.log("train/context_len", float(batch.context.shape[1]), batch_size=batch.context.shape[0])
         return metrics["loss_post"]
 
     def _evaluate(self, batch: RecallBatch, stage: str) -> None:
@@ -311,6 +327,8 @@ class GradMemKV(_RecallModule):
             group trains on its first rank's batch, each rank writing its block of the
             ``[memory; context]`` sequence (:class:`ttt_flash.memory.GradMem`,
             docs/distributed.md). Needs ``attention="ttt_flash"`` and ``n_head`` >= P.
+        rope_base: base θ of the GPT's rotary embedding (larger: slower rotation, so that
+            content can address the memory tokens from tens of thousands of positions away).
     """
 
     def __init__(
@@ -330,11 +348,12 @@ class GradMemKV(_RecallModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
+        rope_base: float = 10000.0,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
-        self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
+        self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
                            memory_tokens, inner_steps, inner_lr, first_order=first_order)
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
 
@@ -361,6 +380,8 @@ class TTTE2EMQAR(_RecallModule):
         inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps: as in :class:`GradMemKV`.
         context_parallel: as in :class:`GradMemKV`; each rank runs its block of every chunk's
             sequence (:class:`ttt_flash.memory.FastWeightTTT`).
+        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps, rope_base: as in
+            :class:`GradMemKV`.
     """
 
     def __init__(
@@ -381,11 +402,12 @@ class TTTE2EMQAR(_RecallModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
+        rope_base: float = 10000.0,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
-        self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint),
+        self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
                                  fast_layers, chunk_size, inner_steps, inner_lr, first_order=first_order)
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
 
@@ -414,6 +436,8 @@ class MemoryLayerMQAR(_RecallModule):
         context_parallel: must be 1. The memory layer reads and writes its slots chunk after
             chunk, so a contiguous block of the sequence per rank would leave all but one rank
             idle (docs/distributed.md); use data parallelism.
+        write_gate: every memory layer learns a per-token write gate (with long filler
+            between the pairs, the layers can learn to leave it out of the slots).
     """
 
     def __init__(
@@ -434,6 +458,7 @@ class MemoryLayerMQAR(_RecallModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
+        write_gate: bool = False,
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
@@ -446,7 +471,8 @@ class MemoryLayerMQAR(_RecallModule):
             )
         self.save_hyperparameters()
         self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
-                            attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint)
+                            attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint,
+                            write_gate=write_gate)
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()

@@ -45,7 +45,10 @@ class GradientMemoryAttention(nn.Module):
            ℓ_c(K, V) = (1 / 2C) Σ_{t ∈ c} ‖ softmax(τ k_t Kᵀ) V − v_t ‖²
            (K, V) ← (K, V) − η ∇_{(K, V)} ℓ_c(K, V)
 
-       with η = e^{log η} learned. The write keeps its graph (``create_graph=True``), so
+       with η = e^{log η} learned. With ``write_gate``, token t's term is weighted by a
+       learned gate β_t = 2 σ(w_h · x_t + b_h) ∈ (0, 2) per head (w, b initialised to 0, so
+       β = 1 and the layer is unchanged at initialisation): the layer can learn which tokens
+       to write, e.g. to leave filler out of the memory. The write keeps its graph (``create_graph=True``), so
        the outer loss differentiates through every write (second order: exact through
        :func:`ttt_flash.flash_attention`).
 
@@ -66,6 +69,7 @@ class GradientMemoryAttention(nn.Module):
         first_order: treat the write gradients as constants.
         learn_inner_lr: train log η.
         bias: biases in the projections.
+        write_gate: learn the per-token, per-head write gate β_t (above).
 
     Example::
 
@@ -89,6 +93,7 @@ class GradientMemoryAttention(nn.Module):
         first_order: bool = False,
         learn_inner_lr: bool = True,
         bias: bool = False,
+        write_gate: bool = False,
     ):
         super().__init__()
         check_int("d_model", d_model, 1)
@@ -107,24 +112,35 @@ class GradientMemoryAttention(nn.Module):
         self.slot_k = nn.Parameter(torch.randn(heads, memory_slots, self.head_dim))
         self.slot_v = nn.Parameter(torch.zeros(heads, memory_slots, self.head_dim))
         self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+        self.write_gate: Optional[nn.Linear] = None
+        if write_gate:
+            self.write_gate = nn.Linear(d_model, heads)
+            nn.init.zeros_(self.write_gate.weight)
+            nn.init.zeros_(self.write_gate.bias)
 
     @property
     def inner_lr(self) -> Tensor:
         return self.log_inner_lr.exp()
 
-    def write_loss(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """ℓ_c summed over batch and heads: slots (B, H, S, D), chunk keys/values (B, H, C, D)."""
+    def write_loss(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor,
+                   gate: Optional[Tensor] = None) -> Tensor:
+        """ℓ_c summed over batch and heads: slots (B, H, S, D), chunk keys/values (B, H, C, D),
+        ``gate`` (B, H, C, 1) the tokens' weights β_t (None: 1)."""
         recon = attend(k, slot_k, slot_v, impl=self.attention, causal=False)
-        return 0.5 * (recon - v).square().sum() / k.shape[2]
+        err = (recon - v).square()
+        if gate is not None:
+            err = err * gate
+        return 0.5 * err.sum() / k.shape[2]
 
     def write(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor,
-              first_order: Optional[bool] = None) -> Tuple[Tensor, Tensor]:
-        """The slots after writing one chunk (``inner_steps`` gradient steps)."""
+              first_order: Optional[bool] = None, gate: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """The slots after writing one chunk (``inner_steps`` gradient steps); ``gate``:
+        the tokens' (B, H, C, 1) write weights (None: 1)."""
         first_order = self.first_order if first_order is None else first_order
         track, create_graph = _inner_grad_mode(first_order)
         lr = self.inner_lr
         for _ in range(self.inner_steps):
-            (slot_k, slot_v), _ = inner_step(lambda sk, sv: self.write_loss(sk, sv, k, v), (slot_k, slot_v), lr,
+            (slot_k, slot_v), _ = inner_step(lambda sk, sv: self.write_loss(sk, sv, k, v, gate), (slot_k, slot_v), lr,
                                              track=track, create_graph=create_graph)
         if not track:
             slot_k, slot_v = slot_k.detach(), slot_v.detach()
@@ -144,6 +160,9 @@ class GradientMemoryAttention(nn.Module):
         if n == 0:
             return self.proj(x.new_zeros(batch, 0, self.proj.in_features))
         q, k, v = rearrange(self.qkv(x), "b n (three h d) -> three b h n d", three=3, h=self.heads)
+        gate = None
+        if self.write_gate is not None:
+            gate = rearrange(2 * torch.sigmoid(self.write_gate(x)), "b n h -> b h n 1").to(q.dtype)
         slot_k = self.slot_k.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         slot_v = self.slot_v.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         outs = []
@@ -153,5 +172,6 @@ class GradientMemoryAttention(nn.Module):
             keys, values = torch.cat([slot_k, kc], dim=2), torch.cat([slot_v, vc], dim=2)
             outs.append(attend(qc, keys, values, impl=self.attention, causal=True))
             if write and end < n:
-                slot_k, slot_v = self.write(slot_k, slot_v, kc, vc)
+                slot_k, slot_v = self.write(slot_k, slot_v, kc, vc,
+                                            gate=None if gate is None else gate[:, :, start:end])
         return self.proj(rearrange(torch.cat(outs, dim=2), "b h n d -> b n (h d)"))

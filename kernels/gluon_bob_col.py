@@ -52,7 +52,7 @@ kernel would serve it too), float32.
 
 Triton versions: Gluon's API moves. triton 3.6 names the TMA copies
 ``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later versions
-``async_load`` / ``async_store`` (both looked up below); ``gl.warp_specialize`` takes
+``async_load`` / ``async_store`` (gluon_common.py looks up both); ``gl.warp_specialize`` takes
 ``[(default_fn, args), (worker_fn, args), ...], worker_num_warps, worker_num_regs`` in 3.6
 and 3.9 (3.9 makes the register list optional; earlier releases took the default and worker
 partitions as separate arguments, which this module does not support).
@@ -60,31 +60,29 @@ partitions as separate arguments, which this module does not support).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves between versions
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from . import gluon_common as _gc
+
+if _gc.HAVE_GLUON:
+    from .gluon_common import (  # noqa: F401 - names the kernels below resolve
+        gluon,
+        gl,
         fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
+        TensorDescriptor,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gluon_common import tma_load as _tma_load
+    from .gluon_common import tma_store as _tma_store
 
-    # triton 3.6 names the TMA copies async_copy_*; later versions async_load / async_store
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    HAVE_GLUON = hasattr(gl, "warp_specialize")
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    HAVE_GLUON = False
+#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (gluon_common.py)
+HAVE_GLUON = _gc.HAVE_GLUON and _gc.HAVE_WARP_SPECIALIZE
 
-LOG2E = 1.4426950408889634
+LOG2E = _gc.LOG2E
 BLOCK_N = 64
 BLOCK_M = 64
 NUM_WARPS = 4
@@ -95,15 +93,7 @@ PRODUCER_REGS = 24
 
 def available(device=None) -> bool:
     """True where Gluon's Hopper ops import and the CUDA device is sm_90 (Hopper)."""
-    if not HAVE_GLUON or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index):
-    return tuple(torch.cuda.get_device_capability(index))
+    return HAVE_GLUON and _gc.hopper_device(device)
 
 
 if HAVE_GLUON:

@@ -60,35 +60,33 @@ causal, all three cotangents present, precise mode, no ρ row-sum correction (16
 do not use it). Not covered: GQA, varlen, window, missing cotangents, float32.
 
 Triton versions: as gluon_bob_col.py (``async_copy_global_to_shared`` in 3.6,
-``async_load`` later, both looked up; ``gl.warp_specialize`` with the 3.6 / 3.9 list form).
+``async_load`` later, both looked up in gluon_common.py; ``gl.warp_specialize`` with the 3.6 / 3.9 list form).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-try:  # Gluon and its Hopper ops exist from triton 3.5 on; their API moves between versions
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from . import gluon_common as _gc
+
+if _gc.HAVE_GLUON:
+    from .gluon_common import (  # noqa: F401 - names the kernels below resolve
+        gluon,
+        gl,
         fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
+        TensorDescriptor,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from .gluon_common import tma_load as _tma_load
+    from .gluon_common import tma_store as _tma_store
 
-    # triton 3.6 names the TMA copies async_copy_*; later versions async_load / async_store
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    HAVE_GLUON = hasattr(gl, "warp_specialize")
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    HAVE_GLUON = False
+#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (gluon_common.py)
+HAVE_GLUON = _gc.HAVE_GLUON and _gc.HAVE_WARP_SPECIALIZE
 
-LOG2E = 1.4426950408889634
+LOG2E = _gc.LOG2E
 BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
@@ -99,15 +97,7 @@ PRODUCER_REGS = 24
 
 def available(device=None) -> bool:
     """True where Gluon's Hopper ops import and the CUDA device is sm_90 (Hopper)."""
-    if not HAVE_GLUON or not torch.cuda.is_available():
-        return False
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index):
-    return tuple(torch.cuda.get_device_capability(index))
+    return HAVE_GLUON and _gc.hopper_device(device)
 
 
 if HAVE_GLUON:

@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 os.environ.pop("TRITON_INTERPRET", None)
 
@@ -62,12 +63,14 @@ class _Sm90Stub:
 
 def load_module(name):
     """kernels/<name>.py by path (this script may run under an interpreter where the package
-    is not installed)."""
-    path = os.path.join(HERE, "..", "kernels", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    is not installed), as a module of a bare package over kernels/ (so that its relative
+    import of gluon_common.py resolves; kernels/__init__.py is not run)."""
+    pkg = "_gluon_kernels"
+    if pkg not in sys.modules:
+        package = types.ModuleType(pkg)
+        package.__path__ = [os.path.join(HERE, "..", "kernels")]
+        sys.modules[pkg] = package
+    return importlib.import_module(f"{pkg}.{name}")
 
 
 def _tool(name):

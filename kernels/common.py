@@ -408,3 +408,10 @@ def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
             dummy = _DUMMIES[like.device] = torch.zeros(1, dtype=torch.int32, device=like.device)
         return dummy
     return cu.to(device=like.device, dtype=torch.int32).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index) -> tuple:
+    """(major, minor) compute capability of CUDA device ``index``, cached: the query costs
+    more than a kernel launch's own bookkeeping."""
+    return tuple(torch.cuda.get_device_capability(index))

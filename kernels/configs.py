@@ -42,6 +42,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
+from .common import device_capability as _capability
+
 KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_fused", "bob_row", "bob_col", "bob_stats",
          "bob_direct", "bob_fused")
 
@@ -258,14 +260,14 @@ def use_atomics(op: str, n_k: int, dtype: torch.dtype, device: torch.device) -> 
 
 @functools.lru_cache(maxsize=None)
 def _atomic_from(op: str, dtype: torch.dtype, index):
-    major = torch.cuda.get_device_capability(index)[0]
+    major = _capability(index)[0]
     return ATOMIC_MIN_KEYS.get((op, major, dtype != torch.float32))
 
 
 @functools.lru_cache(maxsize=None)
 def _table_config(kind: str, block_d: int, dtype: torch.dtype, index) -> TileConfig:
     # cached: the capability query costs more than a kernel launch's own bookkeeping
-    major = torch.cuda.get_device_capability(index)[0]
+    major = _capability(index)[0]
     if dtype == torch.float32:
         table = _FP32 if major in (8, 9, 10) else _DEFAULT
     else:
@@ -373,11 +375,6 @@ def use_gluon(kind: str, lay, dtype: torch.dtype, device: torch.device, *, windo
     if _capability(device.index) != (9, 0) or not _gluon_importable(kind):
         return None
     return cfg
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index) -> tuple:
-    return tuple(torch.cuda.get_device_capability(index))
 
 
 def _triton_version() -> tuple:

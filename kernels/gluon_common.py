@@ -16,9 +16,9 @@ are absent; the modules that use them define their kernels under ``if HAVE_GLUON
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from .common import device_capability
 
 try:
     from triton.experimental import gluon
@@ -50,9 +50,4 @@ def hopper_device(device=None) -> bool:
     if not torch.cuda.is_available():
         return False
     dev = torch.device("cuda") if device is None else torch.device(device)
-    return dev.type == "cuda" and _capability(dev.index) == (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index):
-    return tuple(torch.cuda.get_device_capability(index))
+    return dev.type == "cuda" and device_capability(dev.index) == (9, 0)

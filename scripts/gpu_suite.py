@@ -10,7 +10,8 @@ Stages:
   startup  first chain call at N=4096 in a fresh process with an empty Triton cache
   host     host (Python) cost of a chain at N=1024: wall time, kernel count, cProfile
   regs     registers / spills / shared memory of every compiled kernel (Triton metadata)
-  length   one chain at N=1,048,576 (--length: a comma list), causal and non-causal, row spot-check
+  length   one chain at N=1,048,576 (--length: a comma list), causal and non-causal
+           (--length-causal yes/no: one of them), row spot-check
 Prints a short summary table last; details go to --out.
 """
 
@@ -236,16 +237,20 @@ def stage_startup(out: str) -> None:
     SUMMARY.append(("first chain call N=4096, empty cache", f"{r.stdout.strip()} s (target <= 15 s)"))
 
 
-def stage_length(out: str, n: int) -> None:
+def stage_length(out: str, n: int, causal_modes=(True, False)) -> None:
     from ttt_flash import flash_attention
     from ttt_flash.reference import naive_attention
 
-    for causal in (True, False):
+    for causal in causal_modes:
         # warm-up (compilation) on a shorter sequence with the same specialisation: above
-        # FUSED_ROW_MAX_KEYS the BoB row sweeps are separate launches
-        from ttt_flash.kernels.configs import FUSED_ROW_MAX_KEYS
+        # FUSED_ROW_MAX_KEYS the BoB row sweeps are separate launches, and the Hopper (Gluon)
+        # passes run only from their min_keys on (configs.GLUON)
+        from ttt_flash.kernels.configs import FUSED_ROW_MAX_KEYS, GLUON
 
         nw = 4096 if n <= FUSED_ROW_MAX_KEYS else 2 * FUSED_ROW_MAX_KEYS
+        gluon_min = max((c.min_keys for c in GLUON.values()), default=0)
+        if n >= gluon_min:
+            nw = max(nw, min(n, 2 * gluon_min))
         w = [torch.randn(1, 12, nw, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(4)]
         _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), *w, [t.detach() for t in w[:3]])
         del w
@@ -287,6 +292,8 @@ def main() -> int:
     p.add_argument("--stages", default="tests,errors,bench,shapes,startup")
     p.add_argument("--seq-lens", default="1024,4096,16384,65536")
     p.add_argument("--length", default=str(1 << 20), help="comma-separated sequence lengths")
+    p.add_argument("--length-causal", choices=["both", "yes", "no"], default="both",
+                   help="which masks the length stage runs")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -294,13 +301,14 @@ def main() -> int:
     import triton
 
     log(f"triton {triton.__version__}")
+    masks = {"both": (True, False), "yes": (True,), "no": (False,)}[a.length_causal]
     for stage in a.stages.split(","):
         t0 = time.time()
         try:
             {"tests": lambda: stage_tests(a.out), "errors": lambda: stage_errors(a.out),
              "bench": lambda: stage_bench(a.out, a.seq_lens), "shapes": lambda: stage_shapes(a.out),
              "startup": lambda: stage_startup(a.out), "profile": lambda: stage_profile(a.out),
-             "host": lambda: stage_host(a.out), "regs": lambda: stage_regs(a.out), "length": lambda: [stage_length(a.out, int(n)) for n in a.length.split(",")]}[stage]()
+             "host": lambda: stage_host(a.out), "regs": lambda: stage_regs(a.out), "length": lambda: [stage_length(a.out, int(n), masks) for n in a.length.split(",")]}[stage]()
         except Exception as e:  # noqa: BLE001 - report and go on to the next stage
             import traceback
 

@@ -5,6 +5,7 @@ docs/long-context.md.
     python3 scripts/long_context_runs.py --out DIR                 # all runs on 2 GPUs (~8 minutes)
     python3 scripts/long_context_runs.py --out DIR --tiny          # the same plan on the CPU, tiny shapes, one at a time
     python3 scripts/long_context_runs.py --out DIR --summarize-only  # table and PNGs from DIR/runs again
+    python3 scripts/long_context_runs.py --out DIR --only memlayer,memlayer_base  # a subset of the runs, at once
 
 Every run is ``ttt-flash fit --config recipes/<recipe>_long.yaml`` with its CSV log under
 ``DIR/runs/<name>/`` plus the run's own overrides: the baselines switch the method's update
@@ -98,8 +99,8 @@ RUNS: List[Run] = [
     Run("gradmem_base", "gradmem", "baseline", 0, OFF, "inner_steps 0"),
     Run("memlayer", "memlayer", "method", 1, [], "inner_steps 1"),
     Run("memlayer_base", "memlayer", "baseline", 0, OFF, "inner_steps 0"),
-    Run("memlayer_c32", "memlayer", "variant", 1,
-        ["--model.init_args.chunk_size=32", "--model.init_args.memory_slots=16"], "chunks of 32, 16 slots"),
+    Run("memlayer_grad", "memlayer", "variant", 1,
+        ["--model.init_args.write_rule=gradient"], "plain gradient write"),
 ]
 
 

@@ -195,3 +195,68 @@ def test_run_script_verdicts(tmp_path, monkeypatch):
     assert met == {"ttt": True, "gradmem": False, "memlayer": False, "maml": True}
     text = s.table(summary)
     assert "TTT-E2E MQAR: method 0.9 vs baseline 0.02" in text and text.count("NOT MET") == 2
+
+
+def _write_256_chunks(layer, x):
+    """The slots after writing every chunk of ``x`` in turn (no outer graph)."""
+    q, k, v = layer.qkv(x).view(x.shape[0], -1, 3, layer.heads, layer.head_dim).permute(2, 0, 3, 1, 4)
+    slot_k = layer.slot_k.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+    slot_v = layer.slot_v.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+    c = layer.chunk_size
+    for start in range(0, x.shape[1], c):
+        slot_k, slot_v = layer.write(slot_k, slot_v, k[:, :, start:start + c], v[:, :, start:start + c])
+    return slot_k, slot_v, v
+
+
+def test_slot_normalized_write_stays_bounded_where_the_gradient_write_diverges():
+    """256 writes with large projections and inputs (the 32,768-token recipe's count): the plain
+    gradient write at the step the long recipe used (16) overflows; the slot-normalised write
+    (its largest step, 1) keeps every slot finite and within the range of the values written."""
+    torch.manual_seed(0)
+    x = 3 * torch.randn(2, 256 * 8, 32)
+    slots = {}
+    for rule, lr in (("gradient", 16.0), ("slot_normalized", 1.0)):
+        torch.manual_seed(0)
+        layer = GradientMemoryAttention(32, 2, memory_slots=8, chunk_size=8, inner_lr=lr, attention="math",
+                                        write_rule=rule)
+        with torch.no_grad():
+            layer.qkv.weight.mul_(30)  # grown projections: sharp addresses, large values
+            slots[rule] = _write_256_chunks(layer, x)
+    assert not torch.isfinite(slots["gradient"][1]).all()
+    _, written, v = slots["slot_normalized"]
+    assert torch.isfinite(written).all()
+    assert written.abs().max() <= v.abs().max()
+
+
+def test_slot_normalized_write_is_exact_for_a_lone_token_and_second_order():
+    torch.manual_seed(0)
+    layer = GradientMemoryAttention(8, 1, memory_slots=3, chunk_size=1, attention="math",
+                                    write_rule="slot_normalized").double()
+    with torch.no_grad():  # slot 0's key far ahead: a one-hot address
+        layer.slot_k.zero_()
+        layer.slot_k[0, 0, 0] = 1e3
+    k = torch.zeros(1, 1, 1, 8, dtype=torch.float64)
+    k[..., 0] = 1.0
+    v = torch.randn(1, 1, 1, 8, dtype=torch.float64)
+    slot_k = layer.slot_k.unsqueeze(0)
+    _, slot_v = layer.write(slot_k, layer.slot_v.unsqueeze(0), k, v)
+    torch.testing.assert_close(slot_v[0, 0, 0], v[0, 0, 0])  # η = 1, mass 1: v written exactly
+    torch.testing.assert_close(slot_v[0, 0, 1:], torch.zeros(2, 8, dtype=torch.float64))  # others untouched
+    # 64 tokens at one address: the slot takes their mean, not 64 steps' worth
+    vs = torch.randn(1, 1, 64, 8, dtype=torch.float64)
+    _, slot_v = layer.write(slot_k, layer.slot_v.unsqueeze(0), k.expand(1, 1, 64, 8), vs)
+    torch.testing.assert_close(slot_v[0, 0, 0], vs[0, 0].mean(0))
+    # the outer gradient goes through the write (second order) to the gate, keys and values
+    gated = GradientMemoryAttention(16, 2, memory_slots=4, chunk_size=4, attention="math", write_gate=True,
+                                    write_rule="slot_normalized").double()
+    out = gated(torch.randn(2, 12, 16, dtype=torch.float64))
+    out.square().sum().backward()
+    assert gated.write_gate.weight.grad.abs().sum() > 0 and gated.slot_k.grad.abs().sum() > 0
+    assert gated.log_inner_lr.grad is not None
+
+
+def test_slot_normalized_write_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"write_rule must be one of \('gradient', 'slot_normalized'\)"):
+        GradientMemoryAttention(16, 2, write_rule="normalized")
+    with pytest.raises(ValueError, match=r"inner_lr=4.0.*inner_lr <= 1"):
+        GradientMemoryAttention(16, 2, inner_lr=4.0, write_rule="slot_normalized")

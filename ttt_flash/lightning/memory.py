@@ -45,6 +45,7 @@ from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 from ..impls import AttentionName
 from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
+from ..memory.attention_layer import WriteRule
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
@@ -438,6 +439,10 @@ class MemoryLayerMQAR(_RecallModule):
             idle (docs/distributed.md); use data parallelism.
         write_gate: every memory layer learns a per-token write gate (with long filler
             between the pairs, the layers can learn to leave it out of the slots).
+        write_rule: every memory layer's write step: ``"gradient"`` (keys and values by
+            η ∇ℓ) or ``"slot_normalized"`` (values only, each slot's step divided by the
+            attention mass it receives: stable for any number of writes; ``inner_lr`` <= 1).
+            See :class:`ttt_flash.memory.GradientMemoryAttention`.
     """
 
     def __init__(
@@ -459,6 +464,7 @@ class MemoryLayerMQAR(_RecallModule):
         warmup_steps: int = 50,
         context_parallel: int = 1,
         write_gate: bool = False,
+        write_rule: WriteRule = "gradient",
     ):
         super().__init__()
         _check_common(lr, weight_decay, warmup_steps)
@@ -472,7 +478,7 @@ class MemoryLayerMQAR(_RecallModule):
         self.save_hyperparameters()
         self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
                             attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint,
-                            write_gate=write_gate)
+                            write_gate=write_gate, write_rule=write_rule)
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()

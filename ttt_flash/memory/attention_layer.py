@@ -17,7 +17,7 @@ from .._checks import check_int
 from ..impls import attend, check_attention
 from ._common import _inner_grad_mode, _log_lr, inner_step
 
-__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "GradientMemoryAttention"]
+__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "GradientMemoryAttention"]
 
 #: Accepted values of the ``attention`` argument of :class:`GradientMemoryAttention`: the
 #: implementations of :mod:`ttt_flash.impls` with a double backward on every device (SDPA's
@@ -26,6 +26,12 @@ MEMORY_ATTENTION_IMPLS = ("ttt_flash", "math")
 
 #: The type of the ``attention`` argument of :class:`GradientMemoryAttention` (and its recipes).
 MemoryAttentionName = Literal["ttt_flash", "math"]
+
+#: Accepted values of the ``write_rule`` argument of :class:`GradientMemoryAttention`.
+WRITE_RULES = ("gradient", "slot_normalized")
+
+#: The type of the ``write_rule`` argument of :class:`GradientMemoryAttention` (and its recipes).
+WriteRule = Literal["gradient", "slot_normalized"]
 
 
 class GradientMemoryAttention(nn.Module):
@@ -52,6 +58,28 @@ class GradientMemoryAttention(nn.Module):
        the outer loss differentiates through every write (second order: exact through
        :func:`ttt_flash.flash_attention`).
 
+    ``write_rule`` picks the write step:
+
+    * ``"gradient"`` (above): keys and values stepped by η ∇ℓ_c. Its step is stable only
+      while η times the curvature of ℓ_c stays below 2, and the curvature of the key step
+      grows with the norms of the keys and values: with long contexts (hundreds of writes)
+      and growing projections the slots can diverge.
+    * ``"slot_normalized"``: a normalised step on the values only (the slot keys stay the
+      learned K_0, so addressing is by content against fixed keys). With the summed loss
+      L_c(V) = ½ Σ_t β_t ‖a_t V − v_t‖², a_t = softmax(τ k_t K_0ᵀ) ∈ R^S, each slot's step
+      is divided by the (gated) attention mass it receives, m_s = Σ_t β_t a_{t,s}:
+
+          V_s ← V_s − min(η, 1) · ∂L_c/∂V_s / max(1, m_s)
+
+      A slot addressed by one token alone (m_s ≤ 1) takes the plain gradient step of that
+      token (η = 1 with a one-hot address writes v_t exactly); a slot that many tokens
+      address takes the step of their weighted mean error, whatever the chunk length. The
+      step is scale-free: the preconditioned Hessian diag(max(1, m))⁻¹ Aᵀ diag(β) A has
+      row sums m_s / max(1, m_s) ≤ 1 (Gershgorin), so every write contracts for any keys,
+      values, chunk length and number of writes (the slots stay bounded by the values
+      written). ∂L_c/∂V goes through the attention implementation with its graph kept, so
+      training stays exact second order through every write.
+
     Output: ``proj(o)``. Each sequence and head has its own slots; no positions are used
     (order enters through the causal mask and the chunk order), so RoPE tables passed by a
     host model (e.g. :class:`~ttt_flash.models.Block` calls ``attn(x, cos, sin)``) are
@@ -70,6 +98,8 @@ class GradientMemoryAttention(nn.Module):
         learn_inner_lr: train log η.
         bias: biases in the projections.
         write_gate: learn the per-token, per-head write gate β_t (above).
+        write_rule: ``"gradient"`` or ``"slot_normalized"`` (above). With
+            ``"slot_normalized"``, ``inner_lr`` must be <= 1 (the step is min(η, 1)).
 
     Example::
 
@@ -94,6 +124,7 @@ class GradientMemoryAttention(nn.Module):
         learn_inner_lr: bool = True,
         bias: bool = False,
         write_gate: bool = False,
+        write_rule: str = "gradient",
     ):
         super().__init__()
         check_int("d_model", d_model, 1)
@@ -104,6 +135,14 @@ class GradientMemoryAttention(nn.Module):
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         check_attention(attention, MEMORY_ATTENTION_IMPLS)
+        if write_rule not in WRITE_RULES:
+            raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
+        if write_rule == "slot_normalized" and isinstance(inner_lr, (int, float)) and inner_lr > 1:
+            raise ValueError(
+                f"write_rule='slot_normalized' takes a step of min(inner_lr, 1) per slot; got inner_lr={inner_lr}. "
+                "Pass inner_lr <= 1 (1 writes a lone token's value exactly)"
+            )
+        self.write_rule = write_rule
         self.heads, self.head_dim = heads, d_model // heads
         self.inner_steps, self.chunk_size = inner_steps, chunk_size
         self.attention, self.first_order = attention, bool(first_order)
@@ -120,7 +159,9 @@ class GradientMemoryAttention(nn.Module):
 
     @property
     def inner_lr(self) -> Tensor:
-        return self.log_inner_lr.exp()
+        """The step size η the writes use: e^{log η} (``"slot_normalized"``: min(e^{log η}, 1))."""
+        lr = self.log_inner_lr.exp()
+        return lr.clamp(max=1.0) if self.write_rule == "slot_normalized" else lr
 
     def write_loss(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor,
                    gate: Optional[Tensor] = None) -> Tensor:
@@ -132,13 +173,29 @@ class GradientMemoryAttention(nn.Module):
             err = err * gate
         return 0.5 * err.sum() / k.shape[2]
 
+    def slot_mass(self, slot_k: Tensor, k: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+        """m_s = Σ_t β_t softmax(τ k_t Kᵀ)_s: the (gated) attention mass each slot receives from
+        a chunk. ``slot_k`` (B, H, S, D), ``k`` (B, H, C, D), ``gate`` (B, H, C, 1) or None →
+        (B, H, S). Materialised (C × S per head: small); differentiable to any order."""
+        addr = torch.softmax((k @ slot_k.transpose(-1, -2)) * self.head_dim ** -0.5, dim=-1)
+        if gate is not None:
+            addr = addr * gate
+        return addr.sum(dim=2)
+
     def write(self, slot_k: Tensor, slot_v: Tensor, k: Tensor, v: Tensor,
               first_order: Optional[bool] = None, gate: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-        """The slots after writing one chunk (``inner_steps`` gradient steps); ``gate``:
+        """The slots after writing one chunk (``inner_steps`` steps of ``write_rule``); ``gate``:
         the tokens' (B, H, C, 1) write weights (None: 1)."""
         first_order = self.first_order if first_order is None else first_order
         track, create_graph = _inner_grad_mode(first_order)
         lr = self.inner_lr
+        if self.write_rule == "slot_normalized":
+            # per-slot step min(η, 1) / max(1, m_s) on the summed loss (class docstring)
+            step = (lr / self.slot_mass(slot_k, k, gate).clamp_min(1.0)).unsqueeze(-1)
+            loss_fn = lambda sv: self.write_loss(slot_k, sv, k, v, gate) * k.shape[2]  # noqa: E731
+            for _ in range(self.inner_steps):
+                (slot_v,), _ = inner_step(loss_fn, (slot_v,), step, track=track, create_graph=create_graph)
+            return slot_k, (slot_v if track else slot_v.detach())
         for _ in range(self.inner_steps):
             (slot_k, slot_v), _ = inner_step(lambda sk, sv: self.write_loss(sk, sv, k, v, gate), (slot_k, slot_v), lr,
                                              track=track, create_graph=create_graph)

@@ -41,12 +41,14 @@ class _ShortConv(nn.Module):
 
 class _MemoryBlock(nn.Module):
     def __init__(self, d_model: int, heads: int, memory_slots: int, inner_steps: int, inner_lr: float,
-                 chunk_size: int, attention: str, conv: int, first_order: bool, write_gate: bool = False):
+                 chunk_size: int, attention: str, conv: int, first_order: bool, write_gate: bool = False,
+                 write_rule: str = "gradient"):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
         self.conv = _ShortConv(d_model, conv) if conv > 1 else nn.Identity()
         self.attn = GradientMemoryAttention(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size,
-                                            attention=attention, first_order=first_order, write_gate=write_gate)
+                                            attention=attention, first_order=first_order, write_gate=write_gate,
+                                            write_rule=write_rule)
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, 64 * math.ceil(8 * d_model / 3 / 64))
 
@@ -72,6 +74,8 @@ class MemoryLM(nn.Module):
         checkpoint: activation checkpointing of each block (non-reentrant).
         write_gate: every layer learns a per-token write gate
             (:class:`GradientMemoryAttention`'s ``write_gate``).
+        write_rule: every layer's write step, ``"gradient"`` or ``"slot_normalized"``
+            (:class:`GradientMemoryAttention`'s ``write_rule``).
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class MemoryLM(nn.Module):
         first_order: bool = False,
         checkpoint: bool = False,
         write_gate: bool = False,
+        write_rule: str = "gradient",
     ):
         super().__init__()
         check_int("vocab_size", vocab_size, 1)
@@ -99,7 +104,7 @@ class MemoryLM(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             _MemoryBlock(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size, attention, conv, first_order,
-                         write_gate)
+                         write_gate, write_rule)
             for _ in range(n_layer)
         )
         self.norm = RMSNorm(d_model)

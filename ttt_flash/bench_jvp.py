@@ -20,8 +20,10 @@ on CUDA, of a wall-clock loop on the CPU):
 
 Flop counts per attending (query, key) pair, per unit of head dim (causal halves them):
 forward 4, tangent forward 12 (S, Q̇Kᵀ, QK̇ᵀ, PV, (P∘Ṡ)V, PV̇), first backward 10,
-BoB 38, chain 52, jvp-then-backward 4 + 12 + 10 + 10 + 38 = 74 (the autograd forward,
-the tangent forward, the first backward for Ō and for Ō̇, the BoB with U = ẋ).
+BoB 38, chain 52, jvp-then-backward 4 + 10 + 10 + 10 + 30 = 64 (the autograd forward, the
+tangent of that forward from its saved L (no PV), the first backward for Ō and for Ō̇, the
+BoB with U = ẋ given its row statistics α = L̇ and E + αD = rowsum(Ō̇∘Ȯ): no statistics
+pass and no dŌ; docs/forward-mode.md).
 
 With ``--hvp``: one Hessian-vector product of a GPT-2-small-shaped model (12 layers,
 d_model 768, 12 heads; ``--hvp-seq-len`` 2048, ``--hvp-batch`` 8 on CUDA), forward over
@@ -64,7 +66,7 @@ from .reference import naive_attention
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
 
 #: Flops per attending (query, key) pair per unit of head dim, by row kind.
-FLOPS_PER_PAIR_PER_D = {"tangent_fwd": 12, "jvp": 16, "jvp_bwd": 74, "chain": 52,
+FLOPS_PER_PAIR_PER_D = {"tangent_fwd": 12, "jvp": 16, "jvp_bwd": 64, "chain": 52,
                         "sdpa_fwd": 4, "sdpa_fwd_bwd": 14, "jvp_flash_attention": 12}
 PROVIDERS = tuple(FLOPS_PER_PAIR_PER_D)
 #: Providers of other packages, run only where the package is installed.

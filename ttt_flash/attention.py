@@ -9,9 +9,10 @@ style so that ``torch.func`` transforms compose with them):
 * ``_AttentionBoB``: the closed-form backward-over-backward (bob-math.md), returning the
   gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
   third-order derivatives are not supported.
-* ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇), the tangent of the forward
-  (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the first backward
-  (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v): reverse mode through a jvp.
+* ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇, ρ), the tangent of the
+  computed forward (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the
+  first backward (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v), given its row
+  statistics α = l̇, E + αD = rowsum(Ō̇∘ȯ): reverse mode through a jvp.
   ``_AttentionBackward.jvp`` (forward-over-reverse) is the first backward with dO = dȮ plus
   the BoB's (q̄, k̄, v̄) with U = ẋ. Other forward-mode compositions raise.
 

@@ -7,8 +7,8 @@ Imports torch and triton only.
 
 from .attn_bwd import attn_bwd
 from .attn_fwd import attn_fwd
-from .attn_jvp import attn_jvp
+from .attn_jvp import attn_jvp, attn_tangent
 from .bob import attn_bob
 from .common import MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
 
-__all__ = ["attn_fwd", "attn_bwd", "attn_bob", "attn_jvp", "MAX_HEAD_DIM", "SUPPORTED_HEAD_DIMS"]
+__all__ = ["attn_fwd", "attn_bwd", "attn_bob", "attn_jvp", "attn_tangent", "MAX_HEAD_DIM", "SUPPORTED_HEAD_DIMS"]

@@ -30,7 +30,9 @@ import triton.language as tl
 from .common import (
     _NO_SPECIALIZE,
     _key_tile_range,
+    _load_rowvec,
     _load_tile,
+    _lse_log2,
     _row_tile_id,
     _rows,
     _seq_info,
@@ -50,7 +52,7 @@ from .common import (
 )
 from . import configs
 
-__all__ = ["attn_jvp"]
+__all__ = ["attn_jvp", "attn_tangent"]
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -173,6 +175,117 @@ def _attn_jvp_kernel(
     tl.store(LSED + l_off + offs_m, lsed, mask=m_ok)
 
 
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _attn_tangent_kernel(
+    Q, K, V, QD, KD, VD, O, LSE, OD, LSED, RHO, CU_Q, CU_K,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_qdb, stride_qdh, stride_qdn,
+    stride_kdb, stride_kdh, stride_kdn,
+    stride_vdb, stride_vdh, stride_vdn,
+    stride_ob, stride_oh, stride_on,
+    stride_odb, stride_odh, stride_odn,
+    stride_lb, stride_lh,
+    N_Q, N_K, GROUPS, scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
+):
+    """Tangent of a computed forward: Ȯ, L̇ and ρ of one query tile from the forward's O and L.
+    P = exp(S − L) needs no online softmax and no P V: one tile x d accumulator of
+    (P∘(Ṡ − c)) V + P V̇, the row sums of P∘(Ṡ − c) and of P (ρ = 1 / rowsum(P) normalises the
+    recomputed rows, as in the backward passes)."""
+    pid_m = _row_tile_id(CAUSAL)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    hk64 = (h // GROUPS).to(tl.int64)
+    q_start64 = q_start.to(tl.int64)
+    k_start64 = k_start.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
+    qd_base = QD + b64 * stride_qdb + h64 * stride_qdh + q_start64 * stride_qdn
+    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
+    od_base = OD + b64 * stride_odb + h64 * stride_odh + q_start64 * stride_odn
+    l_off = b64 * stride_lb + h64 * stride_lh + q_start64
+    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
+    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    kd_base = KD + b64 * stride_kdb + hk64 * stride_kdh + k_start64 * stride_kdn
+    vd_base = VD + b64 * stride_vdb + hk64 * stride_vdh + k_start64 * stride_vdn
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    rows_m = _rows(offs_m, LONG)
+    q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    if HAS_QD:
+        qd = _load_tile(qd_base, rows_m, stride_qdn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    lse2 = _lse_log2(_load_rowvec(LSE + l_off, offs_m, m_ok, True))
+
+    acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # Σ (P∘(Ṡ − c)) V + P V̇
+    sbar = tl.zeros([BLOCK_M], dtype=tl.float32)            # Σ P∘(Ṡ − c)
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)             # Σ P
+    ref = tl.zeros([BLOCK_M], dtype=tl.float32)             # c (fixed at the first tile with mass)
+    has_ref = tl.zeros([BLOCK_M], dtype=tl.float32)          # 1 once c is fixed
+    qk_scale = scale * 1.4426950408889634
+
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < n_k
+        rows = _rows(offs_n, LONG)
+        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
+        if (start_n < mid_lo) | (start_n >= mid_hi):
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
+                           CAUSAL, WINDOW)
+            p = tl.where(vis, p, 0.0)
+        p_sum = tl.sum(p, 1)
+        r_p += p_sum
+        if HAS_QD or HAS_KD:
+            if HAS_QD:
+                sd = tl.dot(qd, tl.trans(k), input_precision=PREC)
+                if HAS_KD:
+                    kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                    sd = tl.dot(q, tl.trans(kd), sd, input_precision=PREC)
+            else:
+                kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+                sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
+            psd = p * (sd * scale)
+            first = (has_ref == 0.0) & (p_sum > 0.0)
+            ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
+            has_ref = tl.where(first, 1.0, has_ref)
+            psd = psd - p * ref[:, None]
+            sbar += tl.sum(psd, 1)
+            v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            acc_t = tl.dot(psd.to(v.dtype), v, acc_t, input_precision=PREC)
+        if HAS_VD:
+            vd = _load_tile(vd_base, rows, stride_vdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            acc_t = tl.dot(p.to(vd.dtype), vd, acc_t, input_precision=PREC)
+
+    # rows that see no key: P = 0 -> Ȯ = 0, L̇ = 0, ρ = 1
+    empty = r_p == 0.0
+    rho = 1.0 / tl.where(empty, 1.0, r_p)
+    sbar = sbar * rho
+    o = _load_tile(o_base, rows_m, stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
+    od = acc_t * rho[:, None] - sbar[:, None] * o
+    lsed = tl.where(empty, 0.0, sbar + ref)
+    _store_tile(od_base, rows_m, stride_odn, od.to(OD.dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+                EVEN_D)
+    tl.store(LSED + l_off + offs_m, lsed, mask=m_ok)
+    tl.store(RHO + l_off + offs_m, rho, mask=m_ok)
+
+
 # --------------------------------------------------------------------------- tiles
 #
 # Two tile x d accumulators and two query-side tiles (Q, Q̇): about twice the forward's
@@ -255,3 +368,50 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse, od, lsed
+
+
+@on_input_device
+def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None,
+                 cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    """Tangent of a computed forward: returns ``(od, lsed, rho)`` from the forward's ``o`` and
+    ``lse`` (as :func:`attn_fwd` returns them) in direction ``(qd, kd, vd)`` (any of them None).
+
+    P = exp(S − L) is recomputed from ``lse``, so the pass has no online softmax and no P V:
+    10·d flops per (query, key) pair with every tangent, against 12·d for :func:`attn_jvp`
+    (which also forms O and L). ``od`` is contiguous in the input dtype; ``lsed`` and ``rho``
+    = 1 / rowsum(exp(S − L)) (the row-sum correction of the backward passes, 1 on rows that
+    see no key) are float32 row vectors in ``lse``'s layout. Rows that see no key get od = 0,
+    lsed = 0.
+    """
+    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    q, k, v, o = prep(q), prep(k), prep(v), prep(o)
+    qd, kd, vd = prep(qd), prep(kd), prep(vd)
+    lse = lse.contiguous()
+    scale = lay.head_dim ** -0.5 if scale is None else float(scale)
+    causal_, use_window = bool(causal), bool(causal) and window is not None
+    od = new_empty(q.shape, q.dtype, q.device)
+    lsed = new_rowvec(lay, q.device)
+    rho = new_rowvec(lay, q.device)
+    if od.numel() == 0 or lay.n_q == 0:
+        if lsed.numel():
+            lsed.zero_()
+            rho.fill_(1.0)
+        return od.zero_(), lsed, rho
+    bd = block_d(lay.head_dim)
+    cfg = _tiles(bd, q.dtype, q.device)
+    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    _attn_tangent_kernel[grid](
+        q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,
+        o, lse, od, lsed, rho, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),
+        *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
+        *strides(q if qd is None else qd, lay.varlen), *strides(k if kd is None else kd, lay.varlen),
+        *strides(v if vd is None else vd, lay.varlen),
+        *strides(o, lay.varlen), *strides(od, lay.varlen), *rowvec_strides(lay),
+        lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
+        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+        EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
+        LONG=long_rows(lay, q, k, v, o, qd, kd, vd, od), PREC=dot_precision(q.dtype),
+        HAS_QD=qd is not None, HAS_KD=kd is not None, HAS_VD=vd is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return od, lsed, rho

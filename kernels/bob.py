@@ -756,7 +756,7 @@ def _bob_fused_kernel(
 def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
              needs=(True, True, True, True), precise=True, deterministic=False,
-             split_row=False, split_col=False):
+             split_row=False, split_col=False, stats=None):
     """BoB composer (contract: docs/architecture.md). Returns (qb, kb, vb, dob).
 
     ``uq``, ``uk``, ``uv`` are the cotangents of (dq, dk, dv), any of them None (zero,
@@ -776,6 +776,12 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     ``split_row`` / ``split_col`` (16-bit inputs, precise only): the direct row pass / the
     column pass enter R and H as hi + lo pairs of 16-bit tiles (two more tile products per
     tile): bf16 errors ~2.4e-3 -> ~1.9e-3 (docs/benchmarks.md).
+
+    ``stats`` (precise only): None, or ``(alpha, ee, rho)``, float32 row vectors in ``lse``'s
+    layout known to the caller: α = rowsum(P∘G), E + αD and ρ = 1 / rowsum(exp(S − L)) (None
+    where unknown). The statistics pass is then skipped (where the row-sum correction is on,
+    only if ``rho`` is given). With U = the tangent ẋ of a jvp they are the tangent forward's
+    L̇, rowsum(dO∘Ȯ) and ρ (docs/forward-mode.md; ``attn_tangent``).
     """
     if uq is None and uk is None and uv is None:
         return None, None, None, None
@@ -801,9 +807,15 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     half = q.dtype != torch.float32
     rowsum = ROWSUM_CORRECTION[q.dtype]
     with_stats = run_col or precise  # α, E go through HBM
-    alpha = new_rowvec(lay, q.device) if with_stats else lse
-    ee = new_rowvec(lay, q.device) if with_stats else lse
-    rho = new_rowvec(lay, q.device) if with_stats and rowsum else lse
+    given = (precise and stats is not None and stats[0] is not None and stats[1] is not None
+             and (not rowsum or stats[2] is not None))  # the statistics pass is skipped
+    if given:
+        alpha, ee = stats[0].contiguous(), stats[1].contiguous()
+        rho = stats[2].contiguous() if rowsum else lse
+    else:
+        alpha = new_rowvec(lay, q.device) if with_stats else lse
+        ee = new_rowvec(lay, q.device) if with_stats else lse
+        rho = new_rowvec(lay, q.device) if with_stats and rowsum else lse
 
     bd = block_d(lay.head_dim)
     varlen = lay.varlen
@@ -945,11 +957,14 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         return qb, kb, vb, dob
     direct = need_qb or need_dob
     if direct and not deterministic and use_atomics("bob", lay.n_k, q.dtype, q.device):
-        if rows_work:
+        if rows_work and not given:
             stats_pass()
         fused_pass()
         return qb, kb, vb, dob
-    if rows_work and (direct or run_col):
+    if given:
+        if rows_work and direct:
+            direct_pass(stats_first=False)
+    elif rows_work and (direct or run_col):
         if direct and fuse_row_sweeps(lay.n_k, bd, q.dtype, q.device):
             direct_pass(stats_first=True)  # one launch: statistics sweep, then direct sweep
         else:

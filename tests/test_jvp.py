@@ -375,3 +375,99 @@ def test_tangent_kernel_strided_tangents_interpreter(one_thread):
     t = [torch.randn(1, a.shape[2], a.shape[1], 16).transpose(1, 2) for a in x]
     assert not t[0].is_contiguous()
     _check_kernel(x, t, dict(scale=0.25, causal=True, window=None), 2e-5, 2e-5)
+
+
+def _check_tangent_kernel(x, t, kw, tol):
+    """kernels.attn_tangent (from the kernels' own forward) against reference.attn_tangent in
+    float64 and against the one-pass kernel attn_jvp."""
+    from ttt_flash import kernels
+
+    up = lambda a: None if a is None else a.double()  # noqa: E731
+    o, lse = kernels.attn_fwd(*x, **kw)
+    kernels.common.POISON_OUTPUTS = True
+    try:
+        got = kernels.attn_tangent(*x, o, lse, *t, **kw)
+    finally:
+        kernels.common.POISON_OUTPUTS = False
+    ref = reference.attn_tangent(*(up(a) for a in x), up(o), lse.double(), *(up(a) for a in t), **kw)
+    one_pass = kernels.attn_jvp(*x, *t, **kw)
+    for name, g, r, j in zip(("od", "lsed", "rho"), got, ref, (one_pass[2], one_pass[3], None)):
+        assert not torch.isnan(g).any(), f"{name} has NaN (unwritten element)"
+        assert (g.double() - r).abs().max().item() <= tol, f"{name} differs from the reference"
+        if j is not None:
+            assert (g.double() - j.double()).abs().max().item() <= tol, f"{name} differs from attn_jvp"
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_tangent_from_saved_forward_kernel_fp32_interpreter(case, one_thread):
+    """attn_tangent (P = exp(S − L) from the forward's L, no online softmax) = the reference
+    and the one-pass tangent kernel; rows that see no key get Ȯ = L̇ = 0, ρ = 1."""
+    b, hq, hkv, nq, nk, d, causal, window, present = case
+    x, t = _kernel_inputs(b, hq, hkv, nq, nk, d, torch.float32, present)
+    _check_tangent_kernel(x, t, dict(scale=d ** -0.5, causal=causal, window=window), 2e-5)
+
+
+def test_tangent_from_saved_forward_kernel_varlen_fp32_interpreter(one_thread):
+    cq = torch.tensor([0, 20, 20, 29, 40], dtype=torch.int32)
+    ck = torch.tensor([0, 33, 38, 38, 45], dtype=torch.int32)  # an empty key sequence
+    x, t = _kernel_inputs(None, 2, 1, None, None, 16, torch.float32, (1, 1, 1), varlen=(40, 45))
+    kw = dict(scale=0.25, causal=True, window=None, cu_seqlens_q=cq, cu_seqlens_k=ck,
+              max_seqlen_q=20, max_seqlen_k=33)
+    _check_tangent_kernel(x, t, kw, 2e-5)
+
+
+def test_tangent_from_saved_forward_cancels_a_shared_key_tangent(one_thread):
+    """As the one-pass kernel: the per-row reference c keeps the fp16 Ȯ at rounding level."""
+    from ttt_flash import kernels
+
+    q, k, v = (torch.randn(1, 1, 33, 16, dtype=torch.float16) * 3 for _ in range(3))
+    kd = (torch.randn(1, 1, 1, 16) * 50).expand(1, 1, 33, 16).to(torch.float16)
+    kw = dict(scale=0.25, causal=False, window=None)
+    o, lse = kernels.attn_fwd(q, k, v, **kw)
+    od, lsed, _ = kernels.attn_tangent(q, k, v, o, lse, None, kd, None, **kw)
+    assert od.abs().max().item() < 0.05 * o.abs().max().item()
+    expect = 0.25 * (q.double() @ kd[0, 0, 0].double())
+    torch.testing.assert_close(lsed.double(), expect, rtol=1e-3, atol=1e-2)
+
+
+# (B, H_q, H_kv, N_q, N_k, D, causal, window, tangents present (q, k, v)), varlen or not
+BOB_STATS_CASES = [
+    pytest.param((1, 2, 1, 37, 45, 16, True, None, (1, 1, 1)), id="Nq37-Nk45-d16-causal-mqa"),
+    pytest.param((1, 2, 2, 40, 23, 24, True, 7, (1, 1, 1)), id="Nq40-Nk23-d24-window7-rows-without-keys"),
+    pytest.param((2, 2, 1, 33, 33, 16, False, None, (0, 1, 0)), id="N33-d16-only-kd"),
+    pytest.param((1, 2, 2, 17, 17, 40, True, None, (0, 0, 1)), id="N17-d40-causal-only-vd"),
+]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["direct+column", "fused"])
+@pytest.mark.parametrize("case", BOB_STATS_CASES)
+def test_bob_with_the_tangent_statistics_interpreter(case, deterministic, one_thread):
+    """The BoB with U = ẋ and its row statistics from the tangent forward (α = L̇,
+    E + αD = rowsum(dO∘Ȯ), ρ; no statistics pass) = the BoB that forms them (fp32, with the
+    row-sum correction on)."""
+    from ttt_flash import kernels
+
+    b, hq, hkv, nq, nk, d, causal, window, present = case
+    x, t = _kernel_inputs(b, hq, hkv, nq, nk, d, torch.float32, present)
+    kw = dict(scale=d ** -0.5, causal=causal, window=window)
+    o, lse = kernels.attn_fwd(*x, **kw)
+    do = torch.randn_like(o)
+    _, _, _, delta = kernels.attn_bwd(*x, o, lse, do, **kw)
+    od, lsed, rho = kernels.attn_tangent(*x, o, lse, *t, **kw)
+    ee = (do.double() * od.double()).sum(-1).float()
+    needs = (True, True, True, False)
+    plain = kernels.attn_bob(*x, o, lse, do, delta, *t, needs=needs, deterministic=deterministic, **kw)
+    kernels.common.POISON_OUTPUTS = True
+    try:
+        given = kernels.attn_bob(*x, o, lse, do, delta, *t, needs=needs, deterministic=deterministic,
+                                 stats=(lsed, ee, rho), **kw)
+    finally:
+        kernels.common.POISON_OUTPUTS = False
+    for name, g, p in zip(("qb", "kb", "vb"), given, plain):
+        assert not torch.isnan(g).any(), f"{name} has NaN (unwritten element)"
+        scale = max(p.abs().max().item(), 1.0)
+        assert (g - p).abs().max().item() <= 1e-4 * scale, f"{name} differs"
+    # the given statistics are the ones used (no statistics pass of its own)
+    off = kernels.attn_bob(*x, o, lse, do, delta, *t, needs=needs, deterministic=deterministic,
+                           stats=(lsed, ee + 1.0, rho), **kw)
+    assert (off[0] - plain[0]).abs().max().item() > 1e-2 * max(plain[0].abs().max().item(), 1.0)

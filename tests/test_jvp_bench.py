@@ -36,6 +36,19 @@ def test_bench_jvp_help_describes_every_option(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for opt in ("--seq-lens", "--batch", "--heads", "--head-dim", "--dtype", "--causal", "--providers",
                 "--device", "--warmup-ms", "--rep-ms", "--hvp-seq-len", "--hvp-batch", "--hvp-layers",
-                "--hvp-d-model", "--hvp-vocab", "--out"):
+                "--hvp-d-model", "--hvp-vocab", "--profile", "--out"):
         assert opt in text
     assert text.count("(default:") >= 16  # every option ends with its default
+
+
+def test_bench_jvp_profile_on_cpu(tmp_path, one_thread, capsys):
+    """--profile: time per kernel (CPU: per operator) of one jvp_bwd and one chain call."""
+    rc = bench_main(["--jvp", "--device", "cpu", "--seq-lens", "16", "--dtype", "float32", "--heads", "2",
+                     "--head-dim", "8", "--rep-ms", "1", "--warmup-ms", "1", "--providers", "jvp_bwd,chain",
+                     "--no-check", "--profile", "--out", str(tmp_path)])
+    assert rc == 0
+    prof = json.loads((tmp_path / "bench_jvp.json").read_text())["profile"]["16"]
+    assert set(prof) == {"jvp_bwd", "chain"}
+    assert "_AttentionTangent" in prof["jvp_bwd"] and "_AttentionTangent" not in prof["chain"]
+    assert all(ms > 0 for times in prof.values() for ms in times.values())
+    assert "profile N=16 jvp_bwd" in capsys.readouterr().out

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.func import grad, jvp
 
 pytestmark = pytest.mark.gpu
@@ -133,3 +134,76 @@ def test_autograd_modes_gpu(case, dt):
     names = ["od"] + [f"through_{n}" for n in ("q", "k", "v", "qd", "kd", "vd")] + ["hvp_q", "hvp_k", "hvp_v"]
     for name, a, m, e in zip(names, mine, math, exact):
         _rule(name, a, m, e, dtype)
+
+
+@pytest.mark.parametrize("dt", list(DTYPES))
+@pytest.mark.parametrize("case", ["Nq250-Nk150-d64-causal-emptyrows", "Nq180-Nk160-d64-window40-mqa4",
+                                  "N257-d128-causal", "varlen-d16-noncausal"])
+def test_tangent_from_saved_forward_gpu(case, dt):
+    """``attn_tangent`` (Ȯ, L̇ from the forward's O and L, the path of ``_Attention.jvp``)."""
+    from ttt_flash.kernels import attn_fwd, attn_tangent
+
+    dtype = DTYPES[dt]
+    x, t, kern, _, naive = _make(case, dtype)
+    exact = jvp(naive, tuple(x), tuple(t))
+    low = [a.to(dtype) for a in x]
+    lowt = [a.to(dtype) for a in t]
+    math = jvp(naive, tuple(low), tuple(lowt))
+    o, lse = attn_fwd(*low, **kern)
+    common.POISON_OUTPUTS = True
+    try:
+        od, lsed, rho = attn_tangent(*low, o, lse, *lowt, **kern)
+    finally:
+        common.POISON_OUTPUTS = False
+    assert not torch.isnan(od).any() and not torch.isnan(lsed).any() and not torch.isnan(rho).any()
+    _rule("od", od, math[1], exact[1], dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_jvp_then_backward_gluon_passes_gpu(causal, monkeypatch):
+    """Backward through (o, ȯ) where the Gluon passes run (sm_90; their shortest-sequence
+    threshold lifted): the BoB takes the tangent forward's statistics (no statistics pass)
+    and the Gluon column pass; within the float64 bound, and within a few bf16 units of the
+    Triton-only path."""
+    import dataclasses
+
+    from ttt_flash.kernels import configs, gluon_bob_col, gluon_bob_row, gluon_dkdv
+
+    if not gluon_dkdv.available():
+        pytest.skip("needs triton.experimental.gluon and an sm_90 GPU")
+    monkeypatch.setattr(configs, "GLUON", {key: dataclasses.replace(c, min_keys=0)
+                                           for key, c in configs.GLUON.items()})
+    calls = []
+    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col"),
+                      (gluon_bob_row, "gluon_bob_stats"), (gluon_bob_row, "gluon_bob_direct")):
+        real = getattr(mod, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls.append(_name)
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(mod, name, counted)
+    g = torch.Generator(device=DEV).manual_seed(3)
+    x = [torch.randn(1, 4, 1024, 64, device=DEV, dtype=torch.float64, generator=g) for _ in range(8)]
+
+    def step(attn, dtype):  # as ``ttt-flash bench --jvp``'s jvp_bwd row
+        leaves = [a.to(dtype).requires_grad_() for a in x[:6]]
+        with fwAD.dual_level():
+            dual = attn(*(fwAD.make_dual(a, d) for a, d in zip(leaves[:3], leaves[3:])), causal=causal)
+            o, od = fwAD.unpack_dual(dual)
+        return torch.autograd.grad((o, od), leaves, (x[6].to(dtype), x[7].to(dtype)))
+
+    def loss(q, k, v, a, b, c):  # float64 reference through torch.func
+        o, od = jvp(lambda q, k, v: naive_attention(q, k, v, causal=causal), (q, k, v), (a, b, c))
+        return (o * x[6]).sum() + (od * x[7]).sum()
+
+    exact = grad(loss, argnums=tuple(range(6)))(*x[:6])
+    on = step(flash_attention, torch.bfloat16)
+    assert calls == ["gluon_dkdv", "gluon_bob_col", "gluon_dkdv"]
+    with configs.use_gluon_passes(False):
+        off = step(flash_attention, torch.bfloat16)
+    for name, a, b, e in zip(("q", "k", "v", "qd", "kd", "vd"), on, off, exact):
+        ulp = e.abs().max().item() * 2.0 ** -8
+        err_on, err_off = _err(a, e), _err(b, e)
+        assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)
+        assert (a.float() - b.float()).abs().max().item() <= 4 * ulp, name

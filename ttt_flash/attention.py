@@ -9,9 +9,10 @@ style so that ``torch.func`` transforms compose with them):
 * ``_AttentionBoB``: the closed-form backward-over-backward (bob-math.md), returning the
   gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
   third-order derivatives are not supported.
-* ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇), the tangent of the forward
-  (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the first backward
-  (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v): reverse mode through a jvp.
+* ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇, ρ), the tangent of the
+  computed forward (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the
+  first backward (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v), given its row
+  statistics α = l̇, E + αD = rowsum(Ō̇∘ȯ): reverse mode through a jvp.
   ``_AttentionBackward.jvp`` (forward-over-reverse) is the first backward with dO = dȮ plus
   the BoB's (q̄, k̄, v̄) with U = ẋ. Other forward-mode compositions raise.
 
@@ -298,7 +299,7 @@ class _Attention(_Function):
         q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
         if qd is None and kd is None and vd is None:
             return None, None
-        od, _ = _AttentionTangent.fast_apply(q, k, v, o, lse, qd, kd, vd, ctx.spec, cu_q, cu_k)
+        od = _AttentionTangent.fast_apply(q, k, v, o, lse, qd, kd, vd, ctx.spec, cu_q, cu_k)[0]
         return od, None
 
     @staticmethod
@@ -351,8 +352,8 @@ class _AttentionBackward(_Function):
         if dod is not None:
             out = list(_AttentionBackward.fast_apply(q, k, v, o, lse, dod, ctx.spec, cu_q, cu_k)[:3])
         if qd is not None or kd is not None or vd is not None:
-            bob = _AttentionBoB.fast_apply(q, k, v, o, lse, do, delta, qd, kd, vd, ctx.spec, cu_q, cu_k,
-                                           (True, True, True, False))
+            bob = _AttentionBoB.fast_apply(q, k, v, o, lse, do, delta, qd, kd, vd, None, None, None,
+                                           ctx.spec, cu_q, cu_k, (True, True, True, False))
             out = [b if a is None else (a if b is None else a + b) for a, b in zip(out, bob[:3])]
         return out[0], out[1], out[2], None
 
@@ -367,7 +368,7 @@ class _AttentionBackward(_Function):
             ctx.needs_input_grad[2],
             ctx.needs_input_grad[5],
         )
-        args = (q, k, v, o, lse, do, delta, uq, uk, uv, ctx.spec, cu_q, cu_k, needs)
+        args = (q, k, v, o, lse, do, delta, uq, uk, uv, None, None, None, ctx.spec, cu_q, cu_k, needs)
         if _plain_backward():  # the usual second backward (create_graph=False): run the composer
             qb, kb, vb, dob = _AttentionBoB.forward(*_primals(args))
         else:  # a graph is recorded: the Function node raises on a third derivative
@@ -376,19 +377,24 @@ class _AttentionBackward(_Function):
 
 
 class _AttentionBoB(_Function):
-    """Backward-over-backward. Differentiating it once more is not supported."""
+    """Backward-over-backward. Differentiating it once more is not supported. ``alpha``,
+    ``ee``, ``rho``: the row statistics when the caller knows them (None: the composer forms
+    them; ``attn_bob``'s ``stats``)."""
 
-    _KINDS = ("tensor",) * 4 + ("row", "tensor", "row") + ("tensor",) * 3 + ("static", "cu", "cu", "static")
+    _KINDS = (("tensor",) * 4 + ("row", "tensor", "row") + ("tensor",) * 3 + ("row",) * 3
+              + ("static", "cu", "cu", "static"))
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return _vmap_rule(_AttentionBoB.apply, info, in_dims, args, _AttentionBoB._KINDS, ("tensor",) * 4)
 
     @staticmethod
-    def forward(q, k, v, o, lse, do, delta, uq, uk, uv, spec: _Spec, cu_q, cu_k, needs):
+    def forward(q, k, v, o, lse, do, delta, uq, uk, uv, alpha, ee, rho, spec: _Spec, cu_q, cu_k,
+                needs):
+        stats = None if alpha is None else (alpha, ee, rho)
         out = _impl(spec.backend).attn_bob(
             q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
-            **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
+            stats=stats, **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
         )
         return tuple(out)
 
@@ -409,47 +415,60 @@ class _AttentionBoB(_Function):
         _unsupported_forward("a jvp of a second derivative (third order)")
 
 
+def _row_dot(a: Tensor, b: Tensor, like: Tensor, varlen: bool) -> Tensor:
+    """rowsum(a∘b) of two (B, H, N, D) (varlen: (T, H, D)) tensors, in the dtype and layout of
+    the row vector ``like`` ((B, H, N); varlen (H, T))."""
+    r = (a.to(like.dtype) * b.to(like.dtype)).sum(-1)
+    return (r.transpose(0, 1) if varlen else r).contiguous()
+
+
 class _AttentionTangent(_Function):
-    """(q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇): the tangent of the forward (q̇, k̇, v̇ may be
-    None). Backward with cotangent Ō̇ of ȯ: x̄ = BoB_x(dO = Ō̇, U = ẋ), ẋ̄ = bwd(dO = Ō̇); o and
-    lse get none (the total derivative goes to q, k, v)."""
+    """(q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇, ρ): the tangent of the computed forward (o, lse)
+    (q̇, k̇, v̇ may be None; ``attn_tangent``), ρ the row-sum correction of the recomputed P.
+    Backward with cotangent Ō̇ of ȯ: x̄ = BoB_x(dO = Ō̇, U = ẋ), ẋ̄ = bwd(dO = Ō̇); o and lse
+    get none (the total derivative goes to q, k, v). The BoB's row statistics are known
+    (docs/forward-mode.md): with U = ẋ, G = Ṡ, so α = L̇ and E + αD = rowsum(Ō̇∘Ȯ); its
+    statistics pass is skipped."""
 
     _KINDS = ("tensor",) * 4 + ("row",) + ("tensor",) * 3 + ("static", "cu", "cu")
 
     @staticmethod
     def vmap(info, in_dims, *args):
         return _vmap_rule(_AttentionTangent.apply, info, in_dims, args, _AttentionTangent._KINDS,
-                          ("tensor", "row"))
+                          ("tensor", "row", "row"))
 
     @staticmethod
     def forward(q, k, v, o, lse, qd, kd, vd, spec: _Spec, cu_q, cu_k):
-        _, _, od, lsed = _impl(spec.backend).attn_jvp(q, k, v, qd, kd, vd, **spec.kwargs(cu_q, cu_k))
-        return od, lsed
+        od, lsed, rho = _impl(spec.backend).attn_tangent(q, k, v, o, lse, qd, kd, vd,
+                                                          **spec.kwargs(cu_q, cu_k))
+        return od, lsed, rho
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, o, lse, qd, kd, vd, spec, cu_q, cu_k = inputs
-        ctx.save_for_backward(q, k, v, o, lse, qd, kd, vd, cu_q, cu_k)
+        ctx.save_for_backward(q, k, v, o, lse, qd, kd, vd, cu_q, cu_k, *output)
         ctx.spec = spec
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(output[1], output[2])
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, god, _glsed):
+    def backward(ctx, god, _glsed, _grho):
         if god is None:
             return (None,) * 11
-        q, k, v, o, lse, qd, kd, vd, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, o, lse, qd, kd, vd, cu_q, cu_k, od, lsed, rho = ctx.saved_tensors
         need = ctx.needs_input_grad
         grads = [None] * 11
         plain = _plain_backward()
         if plain:
-            q, k, v, o, lse, qd, kd, vd, god = _primals((q, k, v, o, lse, qd, kd, vd, god))
+            q, k, v, o, lse, qd, kd, vd, god, od, lsed, rho = _primals(
+                (q, k, v, o, lse, qd, kd, vd, god, od, lsed, rho))
         fn = _AttentionBackward.forward if plain else _AttentionBackward.fast_apply
         dq, dk, dv, delta = fn(q, k, v, o, lse, god, ctx.spec, cu_q, cu_k)
         grads[5], grads[6], grads[7] = (dq if need[5] else None, dk if need[6] else None,
                                         dv if need[7] else None)
         if (need[0] or need[1] or need[2]) and (qd is not None or kd is not None or vd is not None):
-            args = (q, k, v, o, lse, god, delta, qd, kd, vd, ctx.spec, cu_q, cu_k,
+            ee = _row_dot(god, od, lsed, cu_q is not None)  # E + αD = rowsum(Ō̇∘Ȯ)
+            args = (q, k, v, o, lse, god, delta, qd, kd, vd, lsed, ee, rho, ctx.spec, cu_q, cu_k,
                     (need[0], need[1], need[2], False))
             fn = _AttentionBoB.forward if plain else _AttentionBoB.fast_apply
             grads[0], grads[1], grads[2], _ = fn(*args)

@@ -20,8 +20,10 @@ on CUDA, of a wall-clock loop on the CPU):
 
 Flop counts per attending (query, key) pair, per unit of head dim (causal halves them):
 forward 4, tangent forward 12 (S, Q̇Kᵀ, QK̇ᵀ, PV, (P∘Ṡ)V, PV̇), first backward 10,
-BoB 38, chain 52, jvp-then-backward 4 + 12 + 10 + 10 + 38 = 74 (the autograd forward,
-the tangent forward, the first backward for Ō and for Ō̇, the BoB with U = ẋ).
+BoB 38, chain 52, jvp-then-backward 4 + 10 + 10 + 10 + 30 = 64 (the autograd forward, the
+tangent of that forward from its saved L (no PV), the first backward for Ō and for Ō̇, the
+BoB with U = ẋ given its row statistics α = L̇ and E + αD = rowsum(Ō̇∘Ȯ): no statistics
+pass and no dŌ; docs/forward-mode.md).
 
 With ``--hvp``: one Hessian-vector product of a GPT-2-small-shaped model (12 layers,
 d_model 768, 12 heads; ``--hvp-seq-len`` 2048, ``--hvp-batch`` 8 on CUDA), forward over
@@ -37,6 +39,7 @@ Usage::
 
     ttt-flash bench --jvp --seq-lens 16384,65536 --hvp                       # H200, bf16
     ttt-flash bench --jvp --device cpu --seq-lens 32 --dtype float32 --hvp   # CPU smoke test
+    ttt-flash bench --jvp --seq-lens 16384,65536 --profile    # + device time per kernel
 
 Writes ``bench_jvp.json`` into ``--out`` and prints a table.
 """
@@ -64,7 +67,7 @@ from .reference import naive_attention
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
 
 #: Flops per attending (query, key) pair per unit of head dim, by row kind.
-FLOPS_PER_PAIR_PER_D = {"tangent_fwd": 12, "jvp": 16, "jvp_bwd": 74, "chain": 52,
+FLOPS_PER_PAIR_PER_D = {"tangent_fwd": 12, "jvp": 16, "jvp_bwd": 64, "chain": 52,
                         "sdpa_fwd": 4, "sdpa_fwd_bwd": 14, "jvp_flash_attention": 12}
 PROVIDERS = tuple(FLOPS_PER_PAIR_PER_D)
 #: Providers of other packages, run only where the package is installed.
@@ -99,6 +102,7 @@ class JvpBenchConfig:
     hvp_d_model: int = 768
     hvp_vocab: int = 50304
     hvp_chunk: int = 2048  #: tokens per chunk of the recomputed vocabulary head
+    profile: bool = False  #: also the device time per kernel of jvp_bwd and chain (torch.profiler)
 
     def __post_init__(self):
         if self.dtype not in _FLOOR:
@@ -422,6 +426,42 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- kernel profile
+
+
+def kernel_profile(cfg: JvpBenchConfig, n: int, providers: Sequence[str] = ("jvp_bwd", "chain")) -> dict:
+    """Device milliseconds per kernel name (summed over its launches) of one warm call of each
+    provider at N, from ``torch.profiler`` (CUDA kernels; on the CPU the self time of each
+    operator): ``{provider: {name: ms}}``, names cut to 80 characters, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = cfg.device.startswith("cuda")
+    out = {}
+    for provider in providers:
+        fn = _make(cfg, provider, n)
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        times = {}
+        for e in prof.key_averages():
+            if cuda:
+                if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                    continue
+                us = getattr(e, "self_device_time_total", None)
+                us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
+            else:
+                us = e.self_cpu_time_total
+            if us > 0:
+                name = e.key[:80]
+                times[name] = times.get(name, 0.0) + us / 1000.0
+        out[provider] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+    return out
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -447,6 +487,13 @@ def run_jvp_bench(cfg: JvpBenchConfig) -> dict:
             if r["provider"] in ("tangent_fwd", "jvp", "jvp_bwd", "jvp_flash_attention") and "ms" in r \
                     and by.get((unit, r["N"])):
                 r[col] = r["ms"] / by[(unit, r["N"])]
+    if cfg.profile:
+        result["profile"] = {}
+        for n in cfg.seq_lens:
+            try:
+                result["profile"][str(n)] = kernel_profile(cfg, n)
+            except Exception as e:  # noqa: BLE001 - a profiler failure is reported, not fatal
+                result["profile"][str(n)] = {"error": error_text(e)}
     if cfg.hvp:
         result["hvp"] = hvp_memory(cfg)
     return result
@@ -478,6 +525,14 @@ def format_jvp_table(result: dict) -> str:
         rate = f"{r['tflops'] / rate_div:.{3 if rate_div < 1 else 1}f}"
         lines.append(f"{r['provider']:<20}{r['N']:>8}{r['ms']:>11.3f}{rate:>9}{peak:>10}"
                      f"{cols[0]:>10}{cols[1]:>9}{cols[2]:>8}")
+    for n, per in result.get("profile", {}).items():
+        for provider, times in per.items():
+            if provider == "error":
+                lines.append(f"profile N={n}: {times}")
+                continue
+            total = sum(times.values())
+            top = ", ".join(f"{k} {v:.2f}" for k, v in list(times.items())[:8])
+            lines.append(f"profile N={n} {provider} ({total:.2f} ms in kernels): {top}")
     for r in result.get("hvp", []):
         if "error" in r:
             lines.append(f"{r['provider']:<29} N={r['N']} batch={r['batch']}: {r['error']}")
@@ -533,6 +588,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--hvp-vocab", type=int, default=50304 if cuda else 256, help="--hvp: vocabulary size")
     p.add_argument("--hvp-chunk", type=int, default=2048 if cuda else 8,
                    help="--hvp: tokens per chunk of the recomputed vocabulary head (the recompute rows)")
+    p.add_argument("--profile", action="store_true",
+                   help="also the device time per kernel of one jvp_bwd and one chain call per N "
+                        "(torch.profiler)")
     p.add_argument("--out", default="bench_out", help="folder for bench_jvp.json ('' to skip)")
     a = p.parse_args(argv)
     cfg = JvpBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, head_dim=a.head_dim,
@@ -540,7 +598,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          device=a.device, warmup_ms=a.warmup_ms, rep_ms=a.rep_ms, check=not a.no_check,
                          hvp=a.hvp, hvp_seq_len=a.hvp_seq_len, hvp_batch=a.hvp_batch,
                          hvp_layers=a.hvp_layers, hvp_d_model=a.hvp_d_model, hvp_vocab=a.hvp_vocab,
-                         hvp_chunk=a.hvp_chunk)
+                         hvp_chunk=a.hvp_chunk, profile=a.profile)
     result = run_jvp_bench(cfg)
     print(format_jvp_table(result))
     if a.out:

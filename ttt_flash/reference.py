@@ -26,6 +26,7 @@ __all__ = [
     "attn_bwd",
     "attn_bob",
     "attn_jvp",
+    "attn_tangent",
     "naive_attention",
     "naive_attention_varlen",
     "attention_mask",
@@ -231,8 +232,9 @@ def _bwd_dense(q, k, v, o, lse, do, scale, causal, window, chunk):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta.to(rd)
 
 
-def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk):
-    """Closed-form backward-over-backward (bob-math.md), query rows in chunks."""
+def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk, stats=None):
+    """Closed-form backward-over-backward (bob-math.md), query rows in chunks. ``stats``:
+    the row statistics (α, E + αD) given instead of formed here."""
     cd = _compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
@@ -263,7 +265,10 @@ def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, ch
         dob_c = torch.zeros_like(doc)
         if g is not None:
             g = g * scale
-            alpha = (p * g).sum(-1, keepdim=True)
+            if stats is None:
+                alpha = (p * g).sum(-1, keepdim=True)
+            else:
+                alpha = stats[0][:, :, r0:r1].to(cd).unsqueeze(-1)
             hmat = p * (g - alpha)  # cotangent reaching dP
             pbar = g * dp_minus_d - alpha * dp
             dob_c = dob_c + torch.matmul(hmat, vf)
@@ -271,7 +276,12 @@ def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, ch
         if uvf is not None:
             pbar = pbar + torch.matmul(doc, uvf.transpose(-1, -2))  # B = dO U_Vᵀ
             dob_c = dob_c + torch.matmul(p, uvf)
-        e = (p * pbar).sum(-1, keepdim=True)
+        if stats is None:
+            e = (p * pbar).sum(-1, keepdim=True)
+        else:  # E = (E + αD) − αD
+            e = stats[1][:, :, r0:r1].to(cd).unsqueeze(-1)
+            if g is not None:
+                e = e - alpha * deltaf[:, :, r0:r1].unsqueeze(-1)
         r = p * (pbar - e)  # cotangent reaching S
         qb_c = qb_c + torch.matmul(r, kf)
         kb += torch.matmul(r.transpose(-1, -2), qc)
@@ -401,15 +411,23 @@ def attn_bob(
     max_seqlen_k: Optional[int] = None,
     needs: Sequence[bool] = (True, True, True, True),
     precise: bool = False,
+    stats: Optional[Sequence[Optional[Tensor]]] = None,
     chunk: int = DEFAULT_CHUNK,
 ):
     """Backward-over-backward: returns ``(q̄, k̄, v̄, dŌ)`` for cotangents ``(uq, uk, uv)``
     of ``(dq, dk, dv)``. The reference always computes all four (``needs`` and ``precise``
-    are accepted for the shared contract; the reference forms R and H directly); all are None when every cotangent is None."""
+    are accepted for the shared contract; the reference forms R and H directly); all are None when every cotangent is None.
+
+    ``stats``: None, or ``(alpha, ee, rho)``, the row statistics α = rowsum(P∘G) and
+    E + αD (``lse``'s layout) known to the caller, used instead of forming them (``rho``, the
+    kernels' row-sum correction, is not read here). With U = the tangent ẋ of a jvp they are
+    the tangent forward's L̇ and rowsum(dO∘Ȯ) (docs/forward-mode.md)."""
     if uq is None and uk is None and uv is None:
         return None, None, None, None
+    if stats is not None:
+        stats = (stats[0], stats[1])
     if cu_seqlens_q is None:
-        return _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk)
+        return _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk, stats)
     qb = torch.zeros_like(q, memory_format=torch.contiguous_format)
     kb = torch.zeros_like(k, memory_format=torch.contiguous_format)
     vb = torch.zeros_like(v, memory_format=torch.contiguous_format)
@@ -424,6 +442,7 @@ def attn_bob(
             None if uk is None else _seq(uk, ks, ke),
             None if uv is None else _seq(uv, ks, ke),
             scale, causal, window, chunk,
+            None if stats is None else tuple(_row(x, qs, qe) for x in stats),
         )
         qb[qs:qe] = _unseq(r[0])
         kb[ks:ke] = _unseq(r[1])
@@ -515,3 +534,84 @@ def attn_jvp(
         o[qs:qe], od[qs:qe] = _unseq(r[0]), _unseq(r[2])
         lse[:, qs:qe], lsed[:, qs:qe] = r[1][0], r[3][0]
     return o, lse, od, lsed
+
+
+def _tangent_dense(q, k, v, o, lse, qd, kd, vd, scale, causal, window, chunk):
+    """Ȯ, L̇ and ρ = 1 / rowsum(P) from the forward's O and L, P = exp(S − L), query rows in
+    chunks (what :func:`ttt_flash.kernels.attn_tangent` computes)."""
+    cd = _compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+    of, lsef = o.to(cd), lse.to(cd)
+    qdf = None if qd is None else qd.to(cd)
+    kdf = None if kd is None else _expand_kv(kd.to(cd), groups)
+    vdf = None if vd is None else _expand_kv(vd.to(cd), groups)
+    n_q = q.shape[2]
+    od = torch.empty_like(of)
+    lsed = torch.empty_like(lsef)
+    rho = torch.empty_like(lsef)
+    for r0, r1 in _chunks(n_q, chunk):
+        p = _probs(_scores(qf[:, :, r0:r1], kf, scale, n_q, causal, window, r0, r1), lsef[:, :, r0:r1])
+        rs = p.sum(-1)
+        inv = 1.0 / torch.where(rs > 0, rs, torch.ones_like(rs))
+        sd = None
+        if qdf is not None:
+            sd = torch.matmul(qdf[:, :, r0:r1], kf.transpose(-1, -2))
+        if kdf is not None:
+            t = torch.matmul(qf[:, :, r0:r1], kdf.transpose(-1, -2))
+            sd = t if sd is None else sd + t
+        odc = torch.zeros_like(of[:, :, r0:r1])
+        ldc = inv * 0
+        if sd is not None:
+            psd = p * (sd * scale)
+            ldc = psd.sum(-1) * inv
+            odc = torch.matmul(psd, vf) * inv.unsqueeze(-1) - ldc.unsqueeze(-1) * of[:, :, r0:r1]
+        if vdf is not None:
+            odc = odc + torch.matmul(p, vdf) * inv.unsqueeze(-1)
+        od[:, :, r0:r1], lsed[:, :, r0:r1], rho[:, :, r0:r1] = odc, ldc, inv
+    return od.to(q.dtype), lsed, rho
+
+
+def attn_tangent(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    qd: Optional[Tensor],
+    kd: Optional[Tensor],
+    vd: Optional[Tensor],
+    *,
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_k: Optional[int] = None,
+    chunk: int = DEFAULT_CHUNK,
+):
+    """Tangent of a computed forward: returns ``(od, lsed, rho)`` from the forward's ``o`` and
+    ``lse`` in direction ``(qd, kd, vd)`` (any of them None): Ȯ and L̇ as :func:`attn_jvp`
+    returns them, and ρ = 1 / rowsum(exp(S − L)) (1 on rows that see no key), in ``lse``'s
+    layout."""
+    rd = _row_dtype(q.dtype)
+    if cu_seqlens_q is None:
+        od, lsed, rho = _tangent_dense(q, k, v, o, lse, qd, kd, vd, scale, causal, window, chunk)
+        return od, lsed.to(rd), rho.to(rd)
+    od = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    lsed = torch.zeros((q.shape[1], q.shape[0]), dtype=rd, device=q.device)
+    rho = torch.ones_like(lsed)
+    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
+        if qe == qs:
+            continue
+        r = _tangent_dense(
+            _seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke), _seq(o, qs, qe), _row(lse, qs, qe),
+            None if qd is None else _seq(qd, qs, qe),
+            None if kd is None else _seq(kd, ks, ke),
+            None if vd is None else _seq(vd, ks, ke),
+            scale, causal, window, chunk,
+        )
+        od[qs:qe] = _unseq(r[0])
+        lsed[:, qs:qe], rho[:, qs:qe] = r[1][0], r[2][0]
+    return od, lsed, rho

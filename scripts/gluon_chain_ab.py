@@ -10,7 +10,10 @@ rounds (one call of each per round, CUDA events), so drifts of the machine hit a
 Prints one line per measurement, then a table: medians, the ratios chain / SDPA, the on / off
 speed-up and how many Gluon launches one chain made (0: the table chose Triton). ``--device
 cpu`` runs the same code on the CPU (reference path, PyTorch's SDPA; no Gluon) as a smoke test.
-Writes ``gluon_chain_ab.json`` into ``--out``.
+``--kv-heads`` sets H_kv for GQA (default: ``--heads``). ``--profile`` adds, per (N, causal),
+the CUDA time of every kernel in one chain with the passes on and one with them off
+(``torch.profiler``; lines ``K on|off N=... name ms xcount``, and ``kernels_on`` /
+``kernels_off`` in the JSON). Writes ``gluon_chain_ab.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ def measure(n, causal, a, calls):
 
     cuda = a.device.startswith("cuda")
     sdpa = "sdpa_flash" if cuda else "sdpa"
-    cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, head_dim=a.head_dim,
-                            dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
+    cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+                            head_dim=a.head_dim, dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
                             device=a.device, check=False, out=None)
     chain, _ = bench._make(cfg, "ttt_flash", n)
     first, _ = bench._make(cfg, sdpa, n)
@@ -102,10 +105,28 @@ def measure(n, causal, a, calls):
     row["speedup"] = row["off_ms"] / row["on_ms"]
     print(f"ROW N={n} causal={int(causal)} on {row['on_ms']:.3f} off {row['off_ms']:.3f} "
           f"sdpa {row['sdpa_ms']:.3f} ms (reps {reps}, gluon launches {launches})", flush=True)
+    if a.profile and cuda:
+        for k in ("on", "off"):
+            row[f"kernels_{k}"] = kernel_times(fns[k])
+            for name, ms, count in row[f"kernels_{k}"]:
+                print(f"K {k:<3} N={n} causal={int(causal)} {name[:60]:<60} {ms:8.3f} ms "
+                      f"x{count}", flush=True)
     del chain, first, fns
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def kernel_times(fn):
+    """[(kernel name, CUDA ms, launches)] of one call of ``fn``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_time_total > 0]
+    evs.sort(key=lambda e: -e.device_time_total)
+    return [(e.key, e.device_time_total / 1e3, e.count) for e in evs[:16]]
 
 
 def format_table(rows):
@@ -124,12 +145,15 @@ def build_parser():
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=None, help="H_kv (GQA); default: --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=10, help="timed rounds below N = 32,768")
     p.add_argument("--reps-long", type=int, default=3, help="timed rounds from N = 32,768")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="folder for gluon_chain_ab.json")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel CUDA times of one chain, Gluon on and off")
     return p
 
 

@@ -317,7 +317,7 @@ GLUON = {
     ("bwd_dkdv", 128): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 128): GluonConfig(128, 32, 8, stages=2, warp_specialize=True, maxnreg=168,
                                   min_keys=16384),
-    ("bob_stats", 128): GluonConfig(32, 64, 4, stages=2, min_keys=16384),
+    ("bob_stats", 128): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
     ("bob_direct", 128): GluonConfig(32, 64, 4, stages=2, min_keys=16384),
 }
 

@@ -153,8 +153,15 @@ from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
 from ttt_flash.kernels import gluon_bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
 
-#: the Gluon launches of one in-scope chain, in order
+#: the Gluon launches of one in-scope chain, in order, and their table kinds
 GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
+GLUON_KINDS = ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+
+
+def _expected_chain(d):
+    """The Gluon launches of an in-scope chain at head dim ``d``: the passes the table
+    lists there."""
+    return [name for name, kind in zip(GLUON_CHAIN, GLUON_KINDS) if (kind, d) in configs.GLUON]
 
 CHAIN_NAMES = ("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob")
 
@@ -209,10 +216,11 @@ def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
          for hh in (h, hk, hk, h, h, hk, hk)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)  # the same call, first with the table's choice
-    assert gluon_calls == GLUON_CHAIN
+    expected = _expected_chain(d)
+    assert gluon_calls == expected and "gluon_bob_col" in expected
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == GLUON_CHAIN  # no Gluon call when off
+    assert gluon_calls == expected  # no Gluon call when off
     for name in CHAIN_NAMES:
         r = ref[name].double()
         ulp = r.abs().max().item() * 2.0 ** -8
@@ -362,12 +370,13 @@ def _table_kw(kind, d):
 
 
 def _variants(kind, d):
-    """The table's tiles (``bob_row``: the direct pass's; the statistics pass's are checked
-    to be the same)."""
-    if kind == "bob_row":
-        assert _table_kw("bob_stats", d) == _table_kw("bob_direct", d)
-        return [_table_kw("bob_direct", d)]
+    """The table's tiles for ``kind`` at head dim ``d``."""
     return [_table_kw(kind, d)]
+
+
+#: d = 128 statistics-pass tiles besides the table's (no accumulators: wide tiles fit)
+STATS_D128 = [dict(block_m=128, block_n=64, num_warps=8, stages=2, warp_specialize=False,
+                   maxnreg=None)]
 
 
 def _close(name, got, tri, ref, units=4):
@@ -424,7 +433,8 @@ def test_gluon_bob_row_passes_gqa_d128(causal, case, monkeypatch):
     x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal, heads=heads, d=d)
     qb_t, dob_t, alpha_t, ee_t = _triton_row(x, o, lse, delta, causal, monkeypatch)
     qb64, dob64 = _float64_row(x, causal)
-    for tiles in _variants("bob_row", d):
+    stats_tiles = _variants("bob_stats", d) + (STATS_D128 if d == 128 else [])
+    for tiles in stats_tiles:
         alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, causal=causal, **tiles)
         for name, got, tri, ref in (("alpha", alpha_g, alpha_t, alpha64),
                                     ("ee", ee_g, ee_t, ee64)):
@@ -432,6 +442,9 @@ def test_gluon_bob_row_passes_gqa_d128(causal, case, monkeypatch):
             tri_err = (tri.double() - ref.double()).abs().max().item()
             floor = ref.abs().max().item() * 2.0 ** -16
             assert err <= 2 * tri_err + floor, (name, tiles, err, tri_err, floor)
+    for tiles in _variants("bob_direct", d):  # fed the table's statistics pass
+        alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, causal=causal,
+                                        **_variants("bob_stats", d)[0])
         qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha_g, ee_g, causal=causal, **tiles)
         assert qb_g.shape == x[0].shape
         _close(f"qb {tiles}", qb_g, qb_t, qb64)
@@ -451,3 +464,26 @@ def test_gluon_passes_reject_bad_head_counts():
     k1 = k[:, :1]
     with pytest.raises(ValueError, match="uk must have shape"):
         gluon_bob_direct(q, k1, k1, q, q, q, k1, r, r, r, r)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monkeypatch):
+    """The Gluon statistics pass feeding the Triton direct pass (a table without a Gluon
+    direct entry), GQA 4 / 1 at d = 128: every output within the float64 bound."""
+    table = dict(configs.GLUON)
+    table.pop(("bob_direct", 128), None)
+    monkeypatch.setattr(configs, "GLUON", table)
+    torch.manual_seed(0)
+    x = [torch.randn(1, hh, 512, 128, device="cuda", dtype=torch.bfloat16)
+         for hh in (4, 1, 1, 4, 4, 1, 1)]
+    ref = _chain(x, causal, torch.float64)
+    base = _chain(x, causal, torch.bfloat16)
+    assert gluon_calls == ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_col"]
+    with configs.use_gluon_passes(False):
+        off = _chain(x, causal, torch.bfloat16)
+    for name in CHAIN_NAMES:
+        r = ref[name].double()
+        ulp = r.abs().max().item() * 2.0 ** -8
+        err_on = (base[name].double() - r).abs().max().item()
+        err_off = (off[name].double() - r).abs().max().item()
+        assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)

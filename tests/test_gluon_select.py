@@ -70,9 +70,11 @@ def test_table_tiles_are_the_measured_ones():
     col = configs.GLUON[("bob_col", 128)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (128, 32, 8, 2)
     assert col.warp_specialize and col.maxnreg == 168 and col.min_keys == 16384
-    for kind in ("bob_stats", "bob_direct"):  # 64 queries x 32 keys, single partition
-        assert configs.GLUON[(kind, 128)] == configs.GluonConfig(32, 64, 4, stages=2,
-                                                                  min_keys=16384)
+    # 64 queries x 64 / 32 keys, single partition (the direct pass's two accumulators)
+    assert configs.GLUON[("bob_stats", 128)] == configs.GluonConfig(64, 64, 4, stages=2,
+                                                                     min_keys=16384)
+    assert configs.GLUON[("bob_direct", 128)] == configs.GluonConfig(32, 64, 4, stages=2,
+                                                                      min_keys=16384)
 
 
 OUT_OF_SCOPE = {
@@ -342,6 +344,29 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
         mag = x.double().abs().max().item()
         err = (y.double() - x.double()).abs().max().item()
         assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)  # four fp16 units
+
+
+@pytest.mark.parametrize("drop", ["bob_direct", "bob_stats"])
+def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, drop):
+    """A table with one of the two row passes (the other takes the Triton kernel, reading or
+    writing α, E + αD in HBM): same results as the Triton passes, GQA 4 / 2. The two row
+    sweeps run as separate launches, as they do from FUSED_ROW_MAX_KEYS keys on."""
+    monkeypatch.setattr(configs, "FUSED_ROW_MAX_KEYS", 0)
+    ts = _inputs(4, 2)
+    kw = dict(scale=None, causal=True, window=None)
+    want = _chain(ts, kw)
+    calls = []
+    with _gluon_on_cpu(monkeypatch, calls):
+        table = dict(configs.GLUON)
+        del table[(drop, 16)]
+        monkeypatch.setattr(configs, "GLUON", table)
+        got = _chain(ts, kw)
+    kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
+    assert [c[0] for c in calls] == ["bwd_dkdv", kept, "bob_col"]
+    for name, x in want.items():
+        mag = x.double().abs().max().item()
+        err = (got[name].double() - x.double()).abs().max().item()
+        assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)
 
 
 @pytest.mark.parametrize("case", [

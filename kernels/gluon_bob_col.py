@@ -109,11 +109,26 @@ if HAVE_GLUON:
         return lo, (N - lo) // BLOCK_M
 
     @gluon.jit
-    def _query_row(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr):
+    def _query_row(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
         """(flat row, position in the sequence) of the first query of step ``i`` of the
-        sweep over the query tiles of every head of the group (head i // n_tiles)."""
-        m0 = lo + (i % n_tiles) * BLOCK_M
-        return qrow0 + (i // n_tiles) * N + m0, m0
+        sweep over the query tiles of every head of the group (head i // n_tiles); with one
+        head per group no division."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+            row = qrow0 + m0
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+            row = qrow0 + (i // n_tiles) * N + m0
+        return row, m0
+
+    @gluon.jit
+    def _query_pos(i, lo, n_tiles, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+        """Position in the sequence of the first query of step ``i`` (see ``_query_row``)."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+        return m0
 
     @gluon.jit
     def _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
@@ -208,10 +223,10 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_bob_col_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                              kb_desc, vb_desc, r_desc, N, GROUPS,
+                              kb_desc, vb_desc, r_desc, N,
                               scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                              NVEC: gl.constexpr, STAGES: gl.constexpr,
+                              NVEC: gl.constexpr, STAGES: gl.constexpr, GROUPS: gl.constexpr,
                               num_warps: gl.constexpr):
         """Single partition: K̄, V̄ of key tile ``program_id(0)`` of (batch·kv head)
         ``program_id(1)``, summed over its GROUPS query heads. Tile descriptors view
@@ -248,7 +263,7 @@ if HAVE_GLUON:
         total = GROUPS * n_tiles
         for s in gl.static_range(STAGES - 1):  # fill all slots but one
             if s < total:
-                qrow, _ = _query_row(qrow0, s, lo, n_tiles, N, BLOCK_M)
+                qrow, _ = _query_row(qrow0, s, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
                                  vecs, ready.index(s), s, qrow)
 
@@ -260,7 +275,7 @@ if HAVE_GLUON:
             nxt = i + STAGES - 1
             if nxt < total:
                 ns = nxt % STAGES
-                nrow, _ = _query_row(qrow0, nxt, lo, n_tiles, N, BLOCK_M)
+                nrow, _ = _query_row(qrow0, nxt, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
                                  vecs, ready.index(ns), ns, nrow)
             slot = i % STAGES
@@ -268,9 +283,9 @@ if HAVE_GLUON:
             kb, vb, _, _ = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
                                      do_ring.index(slot), uq_ring.index(slot),
                                      vecs.index(slot), kb, vb, None, None,
-                                     lo + (i % n_tiles) * BLOCK_M, n0, scale, qk_scale2,
-                                     BLOCK_M, BLOCK_N, CAUSAL, NVEC, False, s_layout,
-                                     op_layout)
+                                     _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale,
+                                     qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC, False,
+                                     s_layout, op_layout)
 
         mbarrier.invalidate(kv_bar)
         for s in gl.static_range(STAGES):
@@ -282,8 +297,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
                      k_smem, v_smem, uk_smem, uv_smem, q_ring,
-                     do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, GROUPS,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                     do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
+                     GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                     STAGES: gl.constexpr):
         """Producer partition (one warp): the key-side copy, then the query tiles into the
         ring, each slot refilled once the consumers have released it."""
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
@@ -294,16 +310,17 @@ if HAVE_GLUON:
             # a fresh barrier counts as having completed the phase before phase 0, so the
             # first pass over the ring does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            qrow, _ = _query_row(row0 * GROUPS, i, lo, n_tiles, N, BLOCK_M)
+            qrow, _ = _query_row(row0 * GROUPS, i, lo, n_tiles, N, BLOCK_M, GROUPS)
             _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
                              ready.index(slot), slot, qrow)
 
     @gluon.jit
     def _ws_consumer(kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
-                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, GROUPS, scale,
-                     qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, NVEC: gl.constexpr,
-                     STAGES: gl.constexpr, DEFER: gl.constexpr, num_warps: gl.constexpr):
+                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
+                     GROUPS: gl.constexpr, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                     NVEC: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
+                     num_warps: gl.constexpr):
         """Consumer partition (the default one, ``num_warps`` warps): the products of every
         query tile, each slot released once its products are done, then the epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -327,8 +344,8 @@ if HAVE_GLUON:
                 kb, vb, r_op, ds_op = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, r_op, ds_op,
-                    lo + (i % n_tiles) * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N,
-                    CAUSAL, NVEC, True, s_layout, op_layout)
+                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    BLOCK_N, CAUSAL, NVEC, True, s_layout, op_layout)
                 # the previous tile's products are complete (retired inside _col_tile)
                 fence_async_shared()
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
@@ -340,8 +357,8 @@ if HAVE_GLUON:
                 kb, vb, _, _ = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, None, None,
-                    lo + (i % n_tiles) * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N,
-                    CAUSAL, NVEC, False, s_layout, op_layout)
+                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    BLOCK_N, CAUSAL, NVEC, False, s_layout, op_layout)
                 # its products are complete; order this partition's reads of the row vectors
                 # (generic proxy) before the producer's next TMA write of the slot (async)
                 fence_async_shared()
@@ -350,11 +367,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _gluon_bob_col_ws_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                                 kb_desc, vb_desc, r_desc, N, GROUPS,
+                                 kb_desc, vb_desc, r_desc, N,
                                  scale, qk_scale2, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                  CAUSAL: gl.constexpr, NVEC: gl.constexpr,
-                                 STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 STAGES: gl.constexpr, GROUPS: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr,
                                  DEFER: gl.constexpr, num_warps: gl.constexpr):
         """Warp-specialised: as ``_gluon_bob_col_kernel``, with a one-warp TMA producer
         partition and ``num_warps`` consumer warps."""
@@ -416,9 +434,9 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     nvec = rows.shape[0]
     lay_r = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     vecs = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [nvec, block_m], lay_r)
-    args = (*tiles, vecs, n, h // hk, scale, scale * LOG2E)
+    args = (*tiles, vecs, n, scale, scale * LOG2E)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                NVEC=nvec, STAGES=stages, num_warps=num_warps)
+                NVEC=nvec, STAGES=stages, GROUPS=h // hk, num_warps=num_warps)
     return args, meta, (kb, vb)
 
 

@@ -64,10 +64,23 @@ def available(device=None) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
+    def _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+        """(flat row of the first query, its position in the sequence) of step ``i`` of the
+        sweep over the query tiles of every head of the group (head i // n_tiles); with one
+        head per group no division."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+            row = qrow0 + m0
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+            row = qrow0 + (i // n_tiles) * N + m0
+        return row, m0
+
+    @gluon.jit
     def _gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
-                           N, GROUPS, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                           N, scale, qk_scale2, BLOCK_M: gl.constexpr,
                            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           GROUPS: gl.constexpr, num_warps: gl.constexpr):
         """dK, dV of key tile ``program_id(0)`` of (batch·kv head) ``program_id(1)``, summed
         over its GROUPS query heads (b·H_kv + j serves query heads (b·H_kv + j)·GROUPS + g);
         the descriptors view (B·H·N, d) tensors (H = H_q for Q / dO, H_kv for K / V / dK /
@@ -122,12 +135,11 @@ if HAVE_GLUON:
 
         for i in range(total):
             slot = i % 2
-            m0 = lo + (i % n_tiles) * BLOCK_M
-            qrow = qrow0 + (i // n_tiles) * N
+            qrow, m0 = _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M, GROUPS)
+            qrow = qrow - m0  # the head's first row
             if i + 1 < total:  # prefetch the next tile into the other slot
                 nxt = 1 - slot
-                j = i + 1
-                nrow = qrow0 + (j // n_tiles) * N + lo + (j % n_tiles) * BLOCK_M
+                nrow, _ = _query_tile(qrow0, i + 1, lo, n_tiles, N, BLOCK_M, GROUPS)
                 mbarrier.expect(ld_bar.index(nxt), tile_bytes)
                 _tma_load(q_desc, [nrow, 0], ld_bar.index(nxt), q_smem.index(nxt))
                 _tma_load(do_desc, [nrow, 0], ld_bar.index(nxt), do_smem.index(nxt))
@@ -247,7 +259,7 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
     grid = (n // block_n, b * hk)
     _gluon_dkdv_kernel[grid](
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse.contiguous(),
-        delta.contiguous(), n, h // hk, scale, scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=d, CAUSAL=bool(causal), num_warps=num_warps,
+        delta.contiguous(), n, scale, scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=d, CAUSAL=bool(causal), GROUPS=h // hk, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
     return dk.view(b, hk, n, d), dv.view(b, hk, n, d)

@@ -136,14 +136,13 @@ def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnre
     qd, dod = (td(t, list(t.shape), list(t.stride()), [block_m, d], lm) for t in (x[0], x[3]))
     kd, vd, dkd, dvd = (td(t, list(t.shape), list(t.stride()), [block_n, d], ln)
                         for t in (x[1], x[2], x[4], x[5]))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, num_warps=warps,
-                grid=(1,))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, GROUPS=groups,
+                num_warps=warps, grid=(1,))
     if maxnreg:
         meta["maxnreg"] = maxnreg
     return mod._gluon_dkdv_kernel.warmup(qd, kd, vd, dod, dkd, dvd,
                                          torch.zeros(b * h * groups * n),
-                                         torch.zeros(b * h * groups * n), n, groups, 0.125, 0.18,
-                                         **meta)
+                                         torch.zeros(b * h * groups * n), n, 0.125, 0.18, **meta)
 
 
 def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats,

@@ -375,7 +375,7 @@ def _variants(kind, d):
 
 
 #: d = 128 statistics-pass tiles besides the table's (no accumulators: wide tiles fit)
-STATS_D128 = [dict(block_m=128, block_n=64, num_warps=8, stages=2, warp_specialize=False,
+STATS_D128 = [dict(block_m=64, block_n=64, num_warps=4, stages=2, warp_specialize=False,
                    maxnreg=None)]
 
 

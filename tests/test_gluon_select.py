@@ -70,8 +70,9 @@ def test_table_tiles_are_the_measured_ones():
     col = configs.GLUON[("bob_col", 128)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (128, 32, 8, 2)
     assert col.warp_specialize and col.maxnreg == 168 and col.min_keys == 16384
-    # 64 queries x 64 / 32 keys, single partition (the direct pass's two accumulators)
-    assert configs.GLUON[("bob_stats", 128)] == configs.GluonConfig(64, 64, 4, stages=2,
+    # single partition: statistics 128 queries x 64 keys / 8 warps, direct 64 x 32 / 4 (its
+    # two accumulators)
+    assert configs.GLUON[("bob_stats", 128)] == configs.GluonConfig(64, 128, 8, stages=2,
                                                                      min_keys=16384)
     assert configs.GLUON[("bob_direct", 128)] == configs.GluonConfig(32, 64, 4, stages=2,
                                                                       min_keys=16384)

@@ -306,12 +306,11 @@ class GluonConfig:
 #: 2.20), direct 5.84 vs 6.32 ms (causal 3.20 vs 3.51) at the same shape, started at the same
 #: ``min_keys``. d = 128: the fastest tiles without ptxas spills
 #: (``scripts/gluon_compile_sm90.py``; the direct and column passes need 32-key or 32-query
-#: steps there, their two
-#: (tile x 128) float32 accumulators taking 128 registers per thread; the statistics pass has
-#: none and takes 128 queries x 64 keys / 8 warps) in ``scripts/gluon_pass_sweep.py`` and
-#: ``scripts/gluon_chain_ab.py --variant`` at N = 16,384, H = 8 (docs/benchmarks.md, "Gluon
-#: at d = 128 and GQA"): chain 35.6 -> 30.3 ms. GQA runs the same tiles (the key-tile passes
-#: sweep the query tiles of every head of a kv head).
+#: steps there, their two (tile x 128) float32 accumulators taking 128 registers per
+#: thread; the statistics pass has none and takes 128 queries x 64 keys / 8 warps) in
+#: ``scripts/gluon_pass_sweep.py`` and ``scripts/gluon_chain_ab.py --variant`` at N = 16,384,
+#: H = 8 (docs/benchmarks.md, "Gluon at d = 128 and GQA"): chain 35.6 -> 30.3 ms. GQA runs
+#: the same tiles (the key-tile passes sweep the query tiles of every head of a kv head).
 GLUON = {
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,

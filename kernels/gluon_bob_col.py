@@ -42,7 +42,11 @@ Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), second ste
 matches float64 double backward as closely as the Triton column pass (bf16, full and causal,
 every variant); at N = 16K, H = 12, d = 64 the warp-specialised 64 keys x 64 queries / 4
 warps, 2 slots, ``maxnreg=128`` takes 5.72-5.75 ms against the Triton pass's 7.05 ms (1.23x);
-causal 2.9-3.3 ms against 3.6 ms, varying between runs.
+causal 2.9-3.3 ms against 3.6 ms, varying between runs. At d = 128 (H = 8, N = 16K; the
+32-query step keeps the two 128-wide accumulators in registers) the warp-specialised
+128 keys x 32 queries / 8 warps, ``maxnreg=168``, takes 8.1 ms in the chain against the
+Triton pass's 10.8 ms; GQA (the query heads of a kv head swept in turn) matches the Triton
+pass and float64 the same way (docs/benchmarks.md, "Gluon at d = 128 and GQA").
 
 Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
 H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k, N a multiple of ``block_n``, d in

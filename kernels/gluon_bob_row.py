@@ -15,7 +15,11 @@ Triton statistics pass's. At N = 16K, H = 12, d = 64 the single-partition 64 x 6
 takes 5.84 ms for the direct pass against the Triton pass's 6.32 ms (causal 3.20 vs 3.51)
 and 4.03 ms for the statistics pass against 4.42 ms (causal 2.05 vs 2.20); the
 warp-specialised 64 x 64 / 4 variant (``maxnreg=168``) was no faster than Triton, the
-warp-specialised 128 x 64 / 8 one 1.04-1.11x.
+warp-specialised 128 x 64 / 8 one 1.04-1.11x. At d = 128 (H = 8, N = 16K, in the chain):
+statistics 128 x 64 / 8 4.46 ms against 5.47 ms, direct 64 x 32 / 4 (the 32-key step keeps
+its two 128-wide accumulators in registers) ~7.6 ms against 8.1 ms; GQA reads kv head
+h // G and matches the Triton passes and float64 the same way (docs/benchmarks.md, "Gluon
+at d = 128 and GQA").
 
 Same inputs and outputs as the Triton passes they stand in for (bob.py,
 ``_bob_direct_kernel`` and ``_bob_stats_kernel``; bob-math.md): from Q, K, V, dO, the

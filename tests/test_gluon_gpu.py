@@ -12,7 +12,8 @@ Gluon statistics pass feeding it, meet the same bounds against the Triton statis
 direct passes and float64 double backward. The library chain (``flash_attention`` forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
 ``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
-within the float64 bound, the two within a few bf16 units of each other. Skipped where
+within the float64 bound, the two within a few bf16 units of each other. The same at
+d = 128 and with GQA (H_q a multiple of H_kv), with the table's tiles. Skipped where
 Gluon's Hopper ops or an sm_90 device are missing.
 """
 

@@ -304,13 +304,24 @@ class GluonConfig:
 #: 2-5 % slower (host-bound there): hence ``min_keys``. The BoB row passes (64 queries x 64
 #: keys / 4 warps, single partition, 2 slots): statistics 4.03 vs 4.42 ms (causal 2.05 vs
 #: 2.20), direct 5.84 vs 6.32 ms (causal 3.20 vs 3.51) at the same shape, started at the same
-#: ``min_keys``. d = 128 compiles but was not measured: Triton there.
+#: ``min_keys``. d = 128: the fastest tiles without ptxas spills
+#: (``scripts/gluon_compile_sm90.py``; the direct and column passes need 32-key or 32-query
+#: steps there, their two (tile x 128) float32 accumulators taking 128 registers per
+#: thread; the statistics pass has none and takes 128 queries x 64 keys / 8 warps) in
+#: ``scripts/gluon_pass_sweep.py`` and ``scripts/gluon_chain_ab.py --variant`` at N = 16,384,
+#: H = 8 (docs/benchmarks.md, "Gluon at d = 128 and GQA"): chain 35.6 -> 30.3 ms. GQA runs
+#: the same tiles (the key-tile passes sweep the query tiles of every head of a kv head).
 GLUON = {
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),
     ("bob_stats", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
     ("bob_direct", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
+    ("bwd_dkdv", 128): GluonConfig(64, 64, 4, min_keys=16384),
+    ("bob_col", 128): GluonConfig(128, 32, 8, stages=2, warp_specialize=True, maxnreg=168,
+                                  min_keys=16384),
+    ("bob_stats", 128): GluonConfig(64, 128, 8, stages=2, min_keys=16384),
+    ("bob_direct", 128): GluonConfig(32, 64, 4, stages=2, min_keys=16384),
 }
 
 #: triton versions (major, minor), inclusive, whose Gluon API the Gluon modules were
@@ -358,7 +369,8 @@ def use_gluon(kind: str, lay, dtype: torch.dtype, device: torch.device, *, windo
     (:func:`use_gluon_passes`), no tile override for ``kind`` (:func:`tile_overrides`
     selects the Triton kernel), a CUDA device of capability 9.0 outside the interpreter,
     triton within :data:`GLUON_TRITON` and its Gluon Hopper API importable, bf16 / fp16,
-    dense inputs with H_q == H_kv, N_q == N_k a multiple of the tiles and at least
+    dense inputs with H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k a multiple of the
+    tiles and at least
     ``min_keys``, a head dim in :data:`GLUON`, B·H·N < 2³¹, full or causal attention without
     a window, no ρ."""
     cfg = GLUON.get((kind, lay.head_dim))
@@ -367,7 +379,8 @@ def use_gluon(kind: str, lay, dtype: torch.dtype, device: torch.device, *, windo
             or device.type != "cuda" or interpreting()):
         return None
     n = lay.n_k
-    if (lay.varlen or lay.h_q != lay.h_kv or lay.n_q != n or n < max(cfg.min_keys, 1)
+    if (lay.varlen or lay.h_kv < 1 or lay.h_q % lay.h_kv or lay.n_q != n
+            or n < max(cfg.min_keys, 1)
             or n % cfg.block_n or n % cfg.block_m or lay.batch * lay.h_q * n >= 2 ** 31):
         return None
     if any(t is None or not t.is_contiguous() for t in tensors):

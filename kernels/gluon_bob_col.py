@@ -10,9 +10,10 @@ and outputs as the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K
 forward's L, D = rowsum(dO∘O) and the statistics pass's α and E + αD (and ρ where the
 row-sum correction is on), it writes K̄ and V̄ of every key tile (bob-math.md).
 
-One program owns one key tile (BLOCK_N keys of one (batch, head)): K, V, U_K, U_V come to
-shared memory once by TMA; the query tiles that can see the keys stream through a ring of
-``stages`` slots of (Q, dO, U_Q) tiles, one mbarrier per slot. Per query tile, in
+One program owns one key tile (BLOCK_N keys of one (batch, kv head)): K, V, U_K, U_V come to
+shared memory once by TMA; the query tiles that can see the keys, of every query head that
+reads this kv head (GQA: H_q / H_kv of them, one sweep after the other), stream through a
+ring of ``stages`` slots of (Q, dO, U_Q) tiles, one mbarrier per slot. Per query tile, in
 (keys x queries) orientation, with τ = ``scale``, per-query vectors broadcast along keys:
 
     Sᵀ = K Qᵀ                 Pᵀ = exp2(τ·log2e·Sᵀ − L·log2e)  (·ρ)
@@ -41,14 +42,18 @@ Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), second ste
 matches float64 double backward as closely as the Triton column pass (bf16, full and causal,
 every variant); at N = 16K, H = 12, d = 64 the warp-specialised 64 keys x 64 queries / 4
 warps, 2 slots, ``maxnreg=128`` takes 5.72-5.75 ms against the Triton pass's 7.05 ms (1.23x);
-causal 2.9-3.3 ms against 3.6 ms, varying between runs.
+causal 2.9-3.3 ms against 3.6 ms, varying between runs. At d = 128 (H = 8, N = 16K; the
+32-query step keeps the two 128-wide accumulators in registers) the warp-specialised
+128 keys x 32 queries / 8 warps, ``maxnreg=168``, takes 8.1 ms in the chain against the
+Triton pass's 10.8 ms; GQA (the query heads of a kv head swept in turn) matches the Triton
+pass and float64 the same way (docs/benchmarks.md, "Gluon at d = 128 and GQA").
 
 Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q == H_kv, N_q == N_k, N a multiple of ``block_n``, d in {64, 128}, bf16 or fp16, full or
-causal, all three cotangents present and both K̄ and V̄ wanted, precise mode (α and E + αD
-from the statistics pass). Not covered: GQA, varlen, window, missing cotangents,
-``precise=False``'s affine row pass (its column pass reads the same statistics, so the
-kernel would serve it too), float32.
+H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k, N a multiple of ``block_n``, d in
+{64, 128}, bf16 or fp16, full or causal, all three cotangents present and both K̄ and V̄
+wanted, precise mode (α and E + αD from the statistics pass). Not covered: varlen, window,
+missing cotangents, ``precise=False``'s affine row pass (its column pass reads the same
+statistics, so the kernel would serve it too), float32.
 
 Triton versions: Gluon's API moves. triton 3.6 names the TMA copies
 ``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later versions
@@ -106,6 +111,28 @@ if HAVE_GLUON:
         else:
             lo = n0 * 0
         return lo, (N - lo) // BLOCK_M
+
+    @gluon.jit
+    def _query_row(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+        """(flat row, position in the sequence) of the first query of step ``i`` of the
+        sweep over the query tiles of every head of the group (head i // n_tiles); with one
+        head per group no division."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+            row = qrow0 + m0
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+            row = qrow0 + (i // n_tiles) * N + m0
+        return row, m0
+
+    @gluon.jit
+    def _query_pos(i, lo, n_tiles, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+        """Position in the sequence of the first query of step ``i`` (see ``_query_row``)."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+        return m0
 
     @gluon.jit
     def _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
@@ -203,13 +230,15 @@ if HAVE_GLUON:
                               kb_desc, vb_desc, r_desc, N,
                               scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                              NVEC: gl.constexpr, STAGES: gl.constexpr,
+                              NVEC: gl.constexpr, STAGES: gl.constexpr, GROUPS: gl.constexpr,
                               num_warps: gl.constexpr):
-        """Single partition: K̄, V̄ of key tile ``program_id(0)`` of (batch·head)
-        ``program_id(1)``. Tile descriptors view (B·H·N, d) tensors, row-vector descriptors
-        (B·H·N,) float32 ones (L·log2e, D, α, E + αD, ρ)."""
+        """Single partition: K̄, V̄ of key tile ``program_id(0)`` of (batch·kv head)
+        ``program_id(1)``, summed over its GROUPS query heads. Tile descriptors view
+        (B·H·N, d) tensors (H = H_q for Q, dO, U_Q; H_kv for the key side), the row-vector
+        descriptor the packed (NVEC, B·H_q·N) float32 rows (L·log2e, D, α, E + αD, ρ)."""
         n0 = gl.program_id(0) * BLOCK_N
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
+        qrow0 = row0 * GROUPS  # first query row of the group
         dtype: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
@@ -235,28 +264,32 @@ if HAVE_GLUON:
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
                         kv_bar, row0 + n0)
         lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        total = GROUPS * n_tiles
         for s in gl.static_range(STAGES - 1):  # fill all slots but one
-            if s < n_tiles:
+            if s < total:
+                qrow, _ = _query_row(qrow0, s, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
-                                 vecs, ready.index(s), s, row0 + lo + s * BLOCK_M)
+                                 vecs, ready.index(s), s, qrow)
 
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(kv_bar, 0)
-        for i in range(n_tiles):
+        for i in range(total):
             # refill the slot consumed (and waited for) in the previous iteration
             nxt = i + STAGES - 1
-            if nxt < n_tiles:
+            if nxt < total:
                 ns = nxt % STAGES
+                nrow, _ = _query_row(qrow0, nxt, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
-                                 vecs, ready.index(ns), ns, row0 + lo + nxt * BLOCK_M)
+                                 vecs, ready.index(ns), ns, nrow)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             kb, vb, _, _ = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
                                      do_ring.index(slot), uq_ring.index(slot),
-                                     vecs.index(slot), kb, vb, None, None, lo + i * BLOCK_M,
-                                     n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
-                                     False, s_layout, op_layout)
+                                     vecs.index(slot), kb, vb, None, None,
+                                     _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale,
+                                     qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC, False,
+                                     s_layout, op_layout)
 
         mbarrier.invalidate(kv_bar)
         for s in gl.static_range(STAGES):
@@ -269,26 +302,29 @@ if HAVE_GLUON:
     def _ws_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
                      k_smem, v_smem, uk_smem, uv_smem, q_ring,
                      do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
-                     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+                     GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                     STAGES: gl.constexpr):
         """Producer partition (one warp): the key-side copy, then the query tiles into the
         ring, each slot refilled once the consumers have released it."""
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
                         kv_bar, row0 + n0)
         lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
-        for i in range(n_tiles):
+        for i in range(GROUPS * n_tiles):
             slot = i % STAGES
             # a fresh barrier counts as having completed the phase before phase 0, so the
             # first pass over the ring does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+            qrow, _ = _query_row(row0 * GROUPS, i, lo, n_tiles, N, BLOCK_M, GROUPS)
             _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
-                             ready.index(slot), slot, row0 + lo + i * BLOCK_M)
+                             ready.index(slot), slot, qrow)
 
     @gluon.jit
     def _ws_consumer(kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
-                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale, qk_scale2,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     CAUSAL: gl.constexpr, NVEC: gl.constexpr, STAGES: gl.constexpr,
-                     DEFER: gl.constexpr, num_warps: gl.constexpr):
+                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
+                     GROUPS: gl.constexpr, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                     NVEC: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
+                     num_warps: gl.constexpr):
         """Consumer partition (the default one, ``num_warps`` warps): the products of every
         query tile, each slot released once its products are done, then the epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -298,6 +334,7 @@ if HAVE_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
         lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        total = GROUPS * n_tiles  # the query tiles of every head of the group
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(kv_bar, 0)
@@ -305,27 +342,27 @@ if HAVE_GLUON:
             kb = warpgroup_mma_init(kb)  # carried as a pending accumulator
             r_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
             ds_op = gl.zeros([BLOCK_N, BLOCK_M], q_ring.dtype, op_layout)
-            for i in range(n_tiles):
+            for i in range(total):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 kb, vb, r_op, ds_op = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, r_op, ds_op,
-                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
-                    True, s_layout, op_layout)
+                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    BLOCK_N, CAUSAL, NVEC, True, s_layout, op_layout)
                 # the previous tile's products are complete (retired inside _col_tile)
                 fence_async_shared()
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1, pred=i > 0)
             kb, r_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(kb, r_op, ds_op))
         else:
-            for i in range(n_tiles):
+            for i in range(total):
                 slot = i % STAGES
                 mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
                 kb, vb, _, _ = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, None, None,
-                    lo + i * BLOCK_M, n0, scale, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC,
-                    False, s_layout, op_layout)
+                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    BLOCK_N, CAUSAL, NVEC, False, s_layout, op_layout)
                 # its products are complete; order this partition's reads of the row vectors
                 # (generic proxy) before the producer's next TMA write of the slot (async)
                 fence_async_shared()
@@ -338,7 +375,8 @@ if HAVE_GLUON:
                                  scale, qk_scale2, BLOCK_M: gl.constexpr,
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                  CAUSAL: gl.constexpr, NVEC: gl.constexpr,
-                                 STAGES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                                 STAGES: gl.constexpr, GROUPS: gl.constexpr,
+                                 PRODUCER_REGS: gl.constexpr,
                                  DEFER: gl.constexpr, num_warps: gl.constexpr):
         """Warp-specialised: as ``_gluon_bob_col_kernel``, with a one-warp TMA producer
         partition and ``num_warps`` consumer warps."""
@@ -362,27 +400,28 @@ if HAVE_GLUON:
             mbarrier.init(empty.index(s), count=1)
         gl.warp_specialize([
             (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
-                            do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, scale,
-                            qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
+                            do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, GROUPS,
+                            scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
                             DEFER, num_warps)),
             (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
                             r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring,
-                            vecs, kv_bar, ready, empty, row0, n0, N, BLOCK_M, CAUSAL,
+                            vecs, kv_bar, ready, empty, row0, n0, N, GROUPS, BLOCK_M, CAUSAL,
                             STAGES)),
         ], [1], [PRODUCER_REGS])
 
 
 def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal, block_n,
              block_m, num_warps, stages, out=None):
-    """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H·N, d); ``out``:
-    contiguous (kb, vb) to write into) of one launch; no checks, any device
+    """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H_kv·N, d);
+    ``out``: contiguous (kb, vb) to write into) of one launch; no checks, any device
     (scripts/gluon_compile_sm90.py builds CPU ones)."""
     b, h, n, d = q.shape
-    flat = [x.contiguous().view(b * h * n, d) for x in (q, do, uq, k, v, uk, uv)]
+    hk = k.shape[1]
+    flat = [x.contiguous().view(-1, d) for x in (q, do, uq, k, v, uk, uv)]
     if out is None:
         kb, vb = torch.empty_like(flat[3]), torch.empty_like(flat[4])
     else:
-        kb, vb = (x.view(b * h * n, d) for x in out)
+        kb, vb = (x.view(b * hk * n, d) for x in out)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
@@ -401,15 +440,18 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     vecs = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [nvec, block_m], lay_r)
     args = (*tiles, vecs, n, scale, scale * LOG2E)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                NVEC=nvec, STAGES=stages, num_warps=num_warps)
+                NVEC=nvec, STAGES=stages, GROUPS=h // hk, num_warps=num_warps)
     return args, meta, (kb, vb)
 
 
-def _check(name, x, like):
-    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"gluon_bob_col: {name} must match q in shape, dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); GQA and varlen are "
-                         "not supported here")
+def _check(name, x, like, heads=None):
+    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
+    (default: like's)."""
+    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
+    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"gluon_bob_col: {name} must have shape {want}, q's dtype and device "
+                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
+                         "supported here")
 
 
 def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
@@ -417,11 +459,13 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
                   stages=STAGES, warp_specialize=False, defer=False, maxnreg=None, out=None):
     """K̄, V̄ of the BoB (bob-math.md) for every key tile: the Triton column pass's results.
 
-    q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
-    cotangents present); lse (natural log, as ``attn_fwd`` returns it), delta = rowsum(dO∘O),
-    alpha, ee = E + αD (the statistics pass's outputs) and optional rho (row-sum correction,
-    None: off, as for 16-bit inputs in the library): (B, H, N) float32. Returns (kb, vb),
-    each (B, H, N, d) in q's dtype. Inputs that are not contiguous are copied.
+    q, do, uq: (B, H_q, N, d) and k, v, uk, uv: (B, H_kv, N, d), bf16/fp16 on one sm_90
+    device (all three cotangents present; H_q a multiple of H_kv, query head h reading kv
+    head h // (H_q / H_kv)); lse (natural log, as ``attn_fwd`` returns it),
+    delta = rowsum(dO∘O), alpha, ee = E + αD (the statistics pass's outputs) and optional rho
+    (row-sum correction, None: off, as for 16-bit inputs in the library): (B, H_q, N)
+    float32. Returns (kb, vb), each (B, H_kv, N, d) in q's dtype, summed over the query
+    heads of each kv head. Inputs that are not contiguous are copied.
 
     ``block_n`` keys per program (16 per warp: block_n == 16·num_warps, num_warps 4 or 8),
     ``block_m`` queries per step (dividing block_n), ``stages`` ring slots (2 to 4),
@@ -435,16 +479,20 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     if not available(q.device):
         raise RuntimeError("gluon_bob_col: needs triton.experimental.gluon and an sm_90 GPU; "
                            "use attn_bob elsewhere")
-    if q.dim() != 4:
-        raise ValueError(f"gluon_bob_col: q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"gluon_bob_col: q and k must be (B, H, N, d), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon_bob_col: q must be bf16 or fp16, got {q.dtype}")
+    b, h, n, d = q.shape
+    hk = k.shape[1]
+    if hk < 1 or h % hk:
+        raise ValueError(f"gluon_bob_col: q's heads ({h}) must be a multiple of k's ({hk})")
     for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
         if x is None:
             raise ValueError(f"gluon_bob_col: {name} is None; this pass needs all three "
                              "cotangents (use attn_bob for the others)")
-        _check(name, x, q)
-    b, h, n, d = q.shape
+        _check(name, x, q, hk if name in ("k", "v", "uk", "uv") else None)
     if d not in (64, 128):
         raise ValueError(f"gluon_bob_col: head dim must be 64 or 128, got {d}")
     if num_warps not in (4, 8) or block_n != 16 * num_warps:
@@ -471,7 +519,7 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
                          f"got {b * h * n}")
     if out is not None:
         for name, x in zip(("out[0]", "out[1]"), out):
-            _check(name, x, q)
+            _check(name, x, q, hk)
             if not x.is_contiguous():
                 raise ValueError(f"gluon_bob_col: {name} must be contiguous")
     scale = d ** -0.5 if scale is None else float(scale)
@@ -479,10 +527,10 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
                                     causal, block_n, block_m, num_warps, stages, out)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
-    grid = (n // block_n, b * h)
+    grid = (n // block_n, b * hk)
     if warp_specialize:
         _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
                                        **meta)
     else:
         _gluon_bob_col_kernel[grid](*args, **meta)
-    return kb.view(b, h, n, d), vb.view(b, h, n, d)
+    return kb.view(b, hk, n, d), vb.view(b, hk, n, d)

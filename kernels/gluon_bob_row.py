@@ -15,7 +15,11 @@ Triton statistics pass's. At N = 16K, H = 12, d = 64 the single-partition 64 x 6
 takes 5.84 ms for the direct pass against the Triton pass's 6.32 ms (causal 3.20 vs 3.51)
 and 4.03 ms for the statistics pass against 4.42 ms (causal 2.05 vs 2.20); the
 warp-specialised 64 x 64 / 4 variant (``maxnreg=168``) was no faster than Triton, the
-warp-specialised 128 x 64 / 8 one 1.04-1.11x.
+warp-specialised 128 x 64 / 8 one 1.04-1.11x. At d = 128 (H = 8, N = 16K, in the chain):
+statistics 128 x 64 / 8 4.46 ms against 5.47 ms, direct 64 x 32 / 4 (the 32-key step keeps
+its two 128-wide accumulators in registers) ~7.6 ms against 8.1 ms; GQA reads kv head
+h // G and matches the Triton passes and float64 the same way (docs/benchmarks.md, "Gluon
+at d = 128 and GQA").
 
 Same inputs and outputs as the Triton passes they stand in for (bob.py,
 ``_bob_direct_kernel`` and ``_bob_stats_kernel``; bob-math.md): from Q, K, V, dO, the
@@ -55,9 +59,10 @@ Causal: the query tiles are taken longest row first (program 0 gets the last que
 only the key tiles that reach past the tile's first query are masked.
 
 Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q == H_kv, N_q == N_k, N a multiple of both tiles, d in {64, 128}, bf16 or fp16, full or
-causal, all three cotangents present, precise mode, no ρ row-sum correction (16-bit inputs
-do not use it). Not covered: GQA, varlen, window, missing cotangents, float32.
+H_q a multiple of H_kv (MHA, GQA, MQA: query head h reads kv head h // (H_q / H_kv)),
+N_q == N_k, N a multiple of both tiles, d in {64, 128}, bf16 or fp16, full or causal, all
+three cotangents present, precise mode, no ρ row-sum correction (16-bit inputs do not use
+it). Not covered: varlen, window, missing cotangents, float32.
 
 Triton versions: as gluon_bob_col.py (``async_copy_global_to_shared`` in 3.6,
 ``async_load`` later, both looked up in gluon_common.py; ``gl.warp_specialize`` with the 3.6 / 3.9 list form).
@@ -226,15 +231,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _row_consumer(qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s, k_ring,
-                      v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0, N, scale,
-                      qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, krow0, m0, N,
+                      scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                       HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STATS: gl.constexpr,
                       STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc, uk_desc,
                       uv_desc, num_warps: gl.constexpr):
         """The products of every key tile of one query tile, then the epilogue: Q̄, dŌ by TMA
-        (direct) or α, E + αD to ALPHA, EE (STATS). WS: the ring is filled by the producer
-        partition and each slot released on ``empty``; otherwise this partition issues the
-        copies itself (the next STAGES − 1 tiles in flight while one is consumed)."""
+        (direct) or α, E + αD to ALPHA, EE (STATS); query rows from ``row0``, key rows
+        from ``krow0`` (the kv head of the query head under GQA). WS: the ring is filled by
+        the producer partition and each slot released on ``empty``; otherwise this partition
+        issues the copies itself (the next STAGES − 1 tiles in flight while one is
+        consumed)."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -246,7 +253,7 @@ if HAVE_GLUON:
             for s in gl.static_range(STAGES - 1):  # fill all slots but one
                 if s < n_tiles:
                     _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring,
-                                   uv_ring, ready.index(s), s, row0 + s * BLOCK_N)
+                                   uv_ring, ready.index(s), s, krow0 + s * BLOCK_N)
         l2 = _row_vec(LSE2, row0, m0, BLOCK_M, s_layout)
         di = _row_vec(DELTA, row0, m0, BLOCK_M, s_layout)
         if STATS:
@@ -264,7 +271,7 @@ if HAVE_GLUON:
                 if nxt < n_tiles:
                     ns = nxt % STAGES
                     _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring,
-                                   uv_ring, ready.index(ns), ns, row0 + nxt * BLOCK_N)
+                                   uv_ring, ready.index(ns), ns, krow0 + nxt * BLOCK_N)
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             if STATS:
@@ -289,9 +296,9 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _row_producer(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, q_s, do_s,
-                      uq_s, k_ring, v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0,
-                      N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      uq_s, k_ring, v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0,
+                      krow0, m0, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Producer partition (one warp): the query-side copy, then the key tiles into the
         ring, each slot refilled once the consumers have released it."""
         _load_query_tiles(q_desc, do_desc, uq_desc, q_s, do_s, uq_s, q_bar, row0 + m0)
@@ -302,19 +309,22 @@ if HAVE_GLUON:
             # first pass over the ring does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
             _load_key_tile(k_desc, v_desc, uk_desc, uv_desc, k_ring, v_ring, uk_ring, uv_ring,
-                           ready.index(slot), slot, row0 + i * BLOCK_N)
+                           ready.index(slot), slot, krow0 + i * BLOCK_N)
 
     @gluon.jit
     def _gluon_bob_row_kernel(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                              qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, N, scale, qk_scale2,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                              qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, N, GROUPS, scale,
+                              qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                               STATS: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
                               PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """Query tile ``program_id(0)`` of (batch·head) ``program_id(1)``: Q̄, dŌ (direct) or
-        α, E + αD (STATS). Tile descriptors view (B·H·N, d) tensors; LSE2 (L·log2e), DELTA,
-        ALPHA, EE are flat (B·H·N,) float32 pointers. WS adds the one-warp TMA producer."""
+        """Query tile ``program_id(0)`` of (batch·query head) ``program_id(1)``: Q̄, dŌ
+        (direct) or α, E + αD (STATS). Tile descriptors view (B·H·N, d) tensors (H = H_q
+        for the query side, H_kv for K, V, U_K, U_V; (batch·query head) j reads
+        (batch·kv head) j // GROUPS); LSE2 (L·log2e), DELTA, ALPHA, EE are flat (B·H_q·N,)
+        float32 pointers. WS adds the one-warp TMA producer."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
+        krow0 = (gl.program_id(1) // GROUPS) * N
         m0 = _query_tile(N, BLOCK_M, CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
         q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -335,30 +345,30 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_row_consumer, (qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s,
                                  k_ring, v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0,
-                                 m0, N, scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
-                                 STATS, STAGES, True, k_desc, v_desc, uk_desc, uv_desc,
-                                 num_warps)),
+                                 krow0, m0, N, scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                 CAUSAL, STATS, STAGES, True, k_desc, v_desc, uk_desc,
+                                 uv_desc, num_warps)),
                 (_row_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
                                  q_s, do_s, uq_s, k_ring, v_ring, uk_ring, uv_ring, q_bar,
-                                 ready, empty, row0, m0, N, BLOCK_M, BLOCK_N, CAUSAL,
+                                 ready, empty, row0, krow0, m0, N, BLOCK_M, BLOCK_N, CAUSAL,
                                  STAGES)),
             ], [1], [PRODUCER_REGS])
         else:
             _load_query_tiles(q_desc, do_desc, uq_desc, q_s, do_s, uq_s, q_bar, row0 + m0)
             _row_consumer(qb_desc, dob_desc, LSE2, DELTA, ALPHA, EE, q_s, do_s, uq_s, k_ring,
-                          v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, m0, N, scale,
-                          qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, STAGES, False,
-                          k_desc, v_desc, uk_desc, uv_desc, num_warps)
+                          v_ring, uk_ring, uv_ring, q_bar, ready, empty, row0, krow0, m0, N,
+                          scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, STAGES,
+                          False, k_desc, v_desc, uk_desc, uv_desc, num_warps)
 
 
 def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stats, block_n,
              block_m, num_warps, stages, out=None):
     """Kernel arguments, meta-parameters and the outputs of one launch, no checks, any
     device (scripts/gluon_compile_sm90.py builds CPU ones). Direct: outputs (qb, dob), flat
-    (B·H·N, d), written into ``out`` if given; ``alpha``, ``ee`` are read. Stats: outputs
-    (alpha, ee), (B·H·N,) float32, written into ``alpha``, ``ee`` (allocated if None)."""
+    (B·H_q·N, d), written into ``out`` if given; ``alpha``, ``ee`` are read. Stats: outputs
+    (alpha, ee), (B·H_q·N,) float32, written into ``alpha``, ``ee`` (allocated if None)."""
     b, h, n, d = q.shape
-    flat = [x.contiguous().view(b * h * n, d) for x in (q, do, uq, k, v, uk, uv)]
+    flat = [x.contiguous().view(-1, d) for x in (q, do, uq, k, v, uk, uv)]
     if stats:
         alpha = torch.empty(b * h * n, dtype=torch.float32, device=q.device) if alpha is None \
             else alpha
@@ -386,33 +396,40 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stat
         vecs = (lse2, delta.reshape(-1), *outs)
     else:
         vecs = (lse2, delta.reshape(-1), alpha.reshape(-1), ee.reshape(-1))
-    args = (*tiles, *vecs, n, scale, scale * LOG2E)
+    args = (*tiles, *vecs, n, h // k.shape[1], scale, scale * LOG2E)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
                 STATS=bool(stats), STAGES=stages, num_warps=num_warps)
     return args, meta, outs
 
 
-def _check(fn, name, x, like):
+def _check(fn, name, x, like, heads=None):
+    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
+    (default: like's)."""
     if x is None:
         raise ValueError(f"{fn}: {name} is None; this pass needs all three cotangents "
                          "(use attn_bob for the others)")
-    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"{fn}: {name} must match q in shape, dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); GQA and varlen are "
-                         "not supported here")
+    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
+    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"{fn}: {name} must have shape {want}, q's dtype and device "
+                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
+                         "supported here")
 
 
 def _check_common(fn, q, k, v, do, uq, uk, uv, vecs, block_n, block_m, num_warps, stages):
     if not available(q.device):
         raise RuntimeError(f"{fn}: needs triton.experimental.gluon and an sm_90 GPU; "
                            "use attn_bob elsewhere")
-    if q.dim() != 4:
-        raise ValueError(f"{fn}: q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dim() != 4 or k is None or k.dim() != 4:
+        raise ValueError(f"{fn}: q and k must be (B, H, N, d), got shapes {tuple(q.shape)}, "
+                         f"{None if k is None else tuple(k.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{fn}: q must be bf16 or fp16, got {q.dtype}")
-    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
-        _check(fn, name, x, q)
     b, h, n, d = q.shape
+    hk = k.shape[1]
+    if hk < 1 or h % hk:
+        raise ValueError(f"{fn}: q's heads ({h}) must be a multiple of k's ({hk})")
+    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
+        _check(fn, name, x, q, hk if name in ("k", "v", "uk", "uv") else None)
     if d not in (64, 128):
         raise ValueError(f"{fn}: head dim must be 64 or 128, got {d}")
     if num_warps not in (4, 8) or block_m != 16 * num_warps:
@@ -449,10 +466,11 @@ def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=No
                      stages=STAGES, warp_specialize=False, maxnreg=None, out=None):
     """Q̄, dŌ of the BoB (bob-math.md) for every query tile: the Triton direct pass's results.
 
-    q, k, v, do, uq, uk, uv: (B, H, N, d) bf16/fp16 on one sm_90 device (all three
-    cotangents present); lse (natural log, as ``attn_fwd`` returns it), delta = rowsum(dO∘O),
-    alpha and ee = E + αD (the statistics pass's outputs): (B, H, N) float32, contiguous.
-    Returns (qb, dob), each (B, H, N, d) in q's dtype. Tile inputs that are not contiguous
+    q, do, uq: (B, H_q, N, d) and k, v, uk, uv: (B, H_kv, N, d), bf16/fp16 on one sm_90
+    device (all three cotangents present; H_q a multiple of H_kv); lse (natural log, as
+    ``attn_fwd`` returns it), delta = rowsum(dO∘O), alpha and ee = E + αD (the statistics
+    pass's outputs): (B, H_q, N) float32, contiguous. Returns (qb, dob), each
+    (B, H_q, N, d) in q's dtype. Tile inputs that are not contiguous
     are copied.
 
     ``block_m`` queries per program (16 per warp: block_m == 16·num_warps, num_warps 4 or

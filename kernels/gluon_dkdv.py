@@ -7,11 +7,14 @@ inputs) the Triton pass runs. Measured on an H200 (triton 3.6): matches float64 
 closely as the Triton pass (bf16, full and causal, every tile variant); at N = 16K, H = 12,
 d = 64 its best tile (64 keys x 64 queries, 4 warps) takes 3.29 ms against the Triton pass's
 3.60 ms (causal 1.76 vs 1.85 ms) (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md,
-"Gluon (item 2), first step").
+"Gluon (item 2), first step"). At d = 128 (H = 8, N = 16K) 64 x 64 / 4 takes 3.3 ms in the
+chain against 4.0 ms; with GQA the query heads of a kv head are swept in turn ("Gluon at
+d = 128 and GQA").
 
-One program owns one key tile (BLOCK_N keys of one (batch, head)): K and V come to shared
-memory once by TMA; the query tiles that can see the keys stream through a two-slot ring
-of Q / dO tiles (TMA, one mbarrier per slot, the next tile's copy issued before the current
+One program owns one key tile (BLOCK_N keys of one (batch, kv head)): K and V come to shared
+memory once by TMA; the query tiles that can see the keys, of every query head that reads
+this kv head (GQA: H_q / H_kv of them, one sweep after the other), stream through a two-slot
+ring of Q / dO tiles (TMA, one mbarrier per slot, the next tile's copy issued before the current
 tile's MMAs). Per query tile, in (keys x queries) orientation, with τ = ``scale``:
 
     Sᵀ = K Qᵀ,  Pᵀ = exp2(τ·log2e·Sᵀ − L·log2e),  dPᵀ = V dOᵀ,  dSᵀ = Pᵀ∘(dPᵀ − D)
@@ -21,8 +24,9 @@ The four products are ``warpgroup_mma`` (Sᵀ and dPᵀ issued together asynchro
 dSᵀ as register A operands). No warp specialisation yet (single partition).
 
 Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q == H_kv, N_q == N_k, N a multiple of 128, d in {64, 128}, bf16 or fp16, full or causal
-(no window, no varlen, no ρ row-sum correction, which 16-bit inputs do not use).
+H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k, N a multiple of the key tile, d in
+{64, 128}, bf16 or fp16, full or causal (no window, no varlen, no ρ row-sum correction, which
+16-bit inputs do not use).
 """
 
 from __future__ import annotations
@@ -62,16 +66,32 @@ def available(device=None) -> bool:
 if HAVE_GLUON:
 
     @gluon.jit
+    def _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
+        """(flat row of the first query, its position in the sequence) of step ``i`` of the
+        sweep over the query tiles of every head of the group (head i // n_tiles); with one
+        head per group no division."""
+        if GROUPS == 1:
+            m0 = lo + i * BLOCK_M
+            row = qrow0 + m0
+        else:
+            m0 = lo + (i % n_tiles) * BLOCK_M
+            row = qrow0 + (i // n_tiles) * N + m0
+        return row, m0
+
+    @gluon.jit
     def _gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
-                           N, scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                           num_warps: gl.constexpr):
-        """dK, dV of key tile ``program_id(0)`` of (batch·head) ``program_id(1)``; the
-        descriptors view (B·H·N, d) tensors, LSE / DELTA are contiguous (B·H·N,) float32."""
+                           N, scale, qk_scale2, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                           GROUPS: gl.constexpr, num_warps: gl.constexpr):
+        """dK, dV of key tile ``program_id(0)`` of (batch·kv head) ``program_id(1)``, summed
+        over its GROUPS query heads (b·H_kv + j serves query heads (b·H_kv + j)·GROUPS + g);
+        the descriptors view (B·H·N, d) tensors (H = H_q for Q / dO, H_kv for K / V / dK /
+        dV), LSE / DELTA are contiguous (B·H_q·N,) float32."""
         pid_n = gl.program_id(0)
         bh = gl.program_id(1)
         n0 = pid_n * BLOCK_N
         row0 = bh * N  # TMA coordinates are int32 (checked by the wrapper)
+        qrow0 = bh * GROUPS * N  # first query row of the group
         dtype: gl.constexpr = q_desc.dtype
 
         # keys along M (BLOCK_N rows, 16 per warp), queries / d along N of the instruction
@@ -101,11 +121,13 @@ if HAVE_GLUON:
         else:
             lo = 0
         n_tiles = (N - lo) // BLOCK_M
+        # one sweep over the query tiles of every head of the group (tile i: head
+        # i // n_tiles), so that the ring streams across heads
+        total = GROUPS * n_tiles
         tile_bytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
         mbarrier.expect(ld_bar.index(0), tile_bytes)
-        _tma_load(q_desc, [row0 + lo, 0], ld_bar.index(0), q_smem.index(0))
-        _tma_load(do_desc, [row0 + lo, 0], ld_bar.index(0),
-                                        do_smem.index(0))
+        _tma_load(q_desc, [qrow0 + lo, 0], ld_bar.index(0), q_smem.index(0))
+        _tma_load(do_desc, [qrow0 + lo, 0], ld_bar.index(0), do_smem.index(0))
 
         dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -113,20 +135,20 @@ if HAVE_GLUON:
         offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
         mbarrier.wait(kv_bar, 0)
 
-        for i in range(n_tiles):
+        for i in range(total):
             slot = i % 2
-            m0 = lo + i * BLOCK_M
-            if i + 1 < n_tiles:  # prefetch the next tile into the other slot
+            qrow, m0 = _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M, GROUPS)
+            qrow = qrow - m0  # the head's first row
+            if i + 1 < total:  # prefetch the next tile into the other slot
                 nxt = 1 - slot
+                nrow, _ = _query_tile(qrow0, i + 1, lo, n_tiles, N, BLOCK_M, GROUPS)
                 mbarrier.expect(ld_bar.index(nxt), tile_bytes)
-                _tma_load(q_desc, [row0 + m0 + BLOCK_M, 0],
-                                                ld_bar.index(nxt), q_smem.index(nxt))
-                _tma_load(do_desc, [row0 + m0 + BLOCK_M, 0],
-                                                ld_bar.index(nxt), do_smem.index(nxt))
+                _tma_load(q_desc, [nrow, 0], ld_bar.index(nxt), q_smem.index(nxt))
+                _tma_load(do_desc, [nrow, 0], ld_bar.index(nxt), do_smem.index(nxt))
             offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            lse2 = gl.load(LSE + row0 + offs_m) * 1.4426950408889634
+            lse2 = gl.load(LSE + qrow + offs_m) * 1.4426950408889634
             lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-            di = gl.load(DELTA + row0 + offs_m)
+            di = gl.load(DELTA + qrow + offs_m)
             mbarrier.wait(ld_bar.index(slot), (i // 2) & 1)
             q_s = q_smem.index(slot)
             do_s = do_smem.index(slot)
@@ -162,33 +184,44 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
 
-def _check(name, x, like):
-    if x.shape != like.shape or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"gluon_dkdv: {name} must match q in shape, dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); GQA is not supported here")
+def _check(name, x, like, heads=None):
+    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
+    (default: like's)."""
+    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
+    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
+        raise ValueError(f"gluon_dkdv: {name} must have shape {want}, q's dtype and device "
+                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
+                         "supported here")
 
 
 def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLOCK_N,
                block_m=BLOCK_M, num_warps=NUM_WARPS, maxnreg=None, out=None):
     """dK, dV of softmax attention from the forward's ``lse`` and ``delta`` = rowsum(dO∘O).
 
-    q, k, v, do: (B, H, N, d) bf16/fp16 on one sm_90 device; lse, delta: (B, H, N) float32
-    (natural-log LSE, as ``attn_fwd`` returns it). Returns (dk, dv), each (B, H, N, d) in
-    q's dtype. Inputs that are not contiguous are copied. ``block_n`` keys per program
-    (16 per warp: block_n == 16·num_warps, num_warps 4 or 8), ``block_m`` queries per step
-    (dividing block_n); ``maxnreg`` caps ptxas's registers per thread (None: no cap).
-    ``out``: optional (dk, dv) pair of contiguous tensors like q to write into.
+    q, do: (B, H_q, N, d) and k, v: (B, H_kv, N, d), bf16/fp16 on one sm_90 device, H_q a
+    multiple of H_kv (GQA: query head h reads kv head h // (H_q / H_kv)); lse, delta:
+    (B, H_q, N) float32 (natural-log LSE, as ``attn_fwd`` returns it). Returns (dk, dv),
+    each (B, H_kv, N, d) in q's dtype, summed over the query heads of each kv head. Inputs
+    that are not contiguous are copied. ``block_n`` keys per program (16 per warp:
+    block_n == 16·num_warps, num_warps 4 or 8), ``block_m`` queries per step (dividing
+    block_n); ``maxnreg`` caps ptxas's registers per thread (None: no cap).
+    ``out``: optional (dk, dv) pair of contiguous tensors like k to write into.
     """
     if not available(q.device):
         raise RuntimeError("gluon_dkdv: needs triton.experimental.gluon and an sm_90 GPU; "
                            "use attn_bwd elsewhere")
-    if q.dim() != 4:
-        raise ValueError(f"gluon_dkdv: q must be (B, H, N, d), got shape {tuple(q.shape)}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"gluon_dkdv: q and k must be (B, H, N, d), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"gluon_dkdv: q must be bf16 or fp16, got {q.dtype}")
-    for name, x in (("k", k), ("v", v), ("do", do)):
-        _check(name, x, q)
     b, h, n, d = q.shape
+    hk = k.shape[1]
+    if hk < 1 or h % hk:
+        raise ValueError(f"gluon_dkdv: q's heads ({h}) must be a multiple of k's ({hk})")
+    _check("do", do, q)
+    for name, x in (("k", k), ("v", v)):
+        _check(name, x, q, hk)
     if d not in (64, 128):
         raise ValueError(f"gluon_dkdv: head dim must be 64 or 128, got {d}")
     if num_warps not in (4, 8) or block_n != 16 * num_warps:
@@ -207,15 +240,16 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
     if b * h * n >= 2 ** 31:
         raise ValueError(f"gluon_dkdv: B*H*N must be < 2**31 (int32 TMA coordinates), got {b * h * n}")
     scale = d ** -0.5 if scale is None else float(scale)
-    q2, k2, v2, do2 = (x.contiguous().view(b * h * n, d) for x in (q, k, v, do))
+    q2, do2 = (x.contiguous().view(b * h * n, d) for x in (q, do))
+    k2, v2 = (x.contiguous().view(b * hk * n, d) for x in (k, v))
     if out is None:
-        dk, dv = torch.empty_like(q2), torch.empty_like(q2)
+        dk, dv = torch.empty_like(k2), torch.empty_like(k2)
     else:
         for name, x in zip(("out[0]", "out[1]"), out):
-            _check(name, x, q)
+            _check(name, x, q, hk)
             if not x.is_contiguous():
                 raise ValueError(f"gluon_dkdv: {name} must be contiguous")
-        dk, dv = (x.view(b * h * n, d) for x in out)
+        dk, dv = (x.view(b * hk * n, d) for x in out)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
     lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
@@ -224,10 +258,10 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
     k_desc, v_desc, dk_desc, dv_desc = (
         TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
         for x in (k2, v2, dk, dv))
-    grid = (n // block_n, b * h)
+    grid = (n // block_n, b * hk)
     _gluon_dkdv_kernel[grid](
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse.contiguous(),
         delta.contiguous(), n, scale, scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=d, CAUSAL=bool(causal), num_warps=num_warps,
+        HEAD_DIM=d, CAUSAL=bool(causal), GROUPS=h // hk, num_warps=num_warps,
         **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
-    return dk.view(b, h, n, d), dv.view(b, h, n, d)
+    return dk.view(b, hk, n, d), dv.view(b, hk, n, d)

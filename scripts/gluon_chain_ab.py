@@ -10,12 +10,23 @@ rounds (one call of each per round, CUDA events), so drifts of the machine hit a
 Prints one line per measurement, then a table: medians, the ratios chain / SDPA, the on / off
 speed-up and how many Gluon launches one chain made (0: the table chose Triton). ``--device
 cpu`` runs the same code on the CPU (reference path, PyTorch's SDPA; no Gluon) as a smoke test.
+``--kv-heads`` sets H_kv for GQA (default: ``--heads``). ``--profile`` adds, per (N, causal),
+the CUDA time of every kernel in one chain with the passes on, off and in each variant
+(``torch.profiler``; lines ``K on|off N=... name ms xcount``, and ``kernels_on`` /
+``kernels_off`` in the JSON). ``--variant NAME=SPEC`` (repeatable) adds a chain with the
+Gluon table changed for this head dim, timed in the same rounds: SPEC is ``+``-joined
+``kind:block_n,block_m,num_warps,stages,warp_specialize,maxnreg`` entries (maxnreg 0: none;
+the table's ``min_keys`` is kept) or ``kind:triton`` (that pass takes the Triton kernel);
+each variant's outputs are compared with the chain's with the Gluon passes off
+(``NAME_maxrel_vs_off``: the largest max |difference| / max |off| over the eight outputs).
 Writes ``gluon_chain_ab.json`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -59,6 +70,47 @@ def _timer(device):
     return run
 
 
+def parse_variant(text):
+    """``NAME=kind:a,b,c,d,e,f+kind:triton`` -> (NAME, {kind: GluonConfig fields or None})."""
+    name, spec = text.split("=", 1)
+    out = {}
+    for part in spec.split("+"):
+        kind, nums = part.split(":")
+        if nums == "triton":
+            out[kind] = None
+        else:
+            bn, bm, w, st, ws, mr = (int(t) for t in nums.split(","))
+            out[kind] = dict(block_n=bn, block_m=bm, num_warps=w, stages=st,
+                             warp_specialize=bool(ws), maxnreg=mr or None)
+    return name, out
+
+
+@contextlib.contextmanager
+def gluon_table(changes, head_dim):
+    """``configs.GLUON`` with ``changes`` ({kind: fields or None}) applied at ``head_dim``."""
+    from ttt_flash.kernels import configs
+
+    saved = configs.GLUON
+    table = dict(saved)
+    for kind, fields in changes.items():
+        key = (kind, head_dim)
+        if fields is None:
+            table.pop(key, None)
+        else:
+            base = saved.get(key) or configs.GluonConfig(64, 64, 4, min_keys=16384)
+            table[key] = dataclasses.replace(base, **fields)
+    configs.GLUON = table
+    try:
+        yield
+    finally:
+        configs.GLUON = saved
+
+
+def _maxrel(outs, ref):
+    return max(((x.float() - y.float()).abs().max() / y.float().abs().max().clamp_min(1e-30))
+               .item() for x, y in zip(outs, ref))
+
+
 def measure(n, causal, a, calls):
     """Medians (ms) of the three providers at one (N, causal), and the Gluon launches per
     chain with the passes on."""
@@ -67,8 +119,8 @@ def measure(n, causal, a, calls):
 
     cuda = a.device.startswith("cuda")
     sdpa = "sdpa_flash" if cuda else "sdpa"
-    cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, head_dim=a.head_dim,
-                            dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
+    cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
+                            head_dim=a.head_dim, dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
                             device=a.device, check=False, out=None)
     chain, _ = bench._make(cfg, "ttt_flash", n)
     first, _ = bench._make(cfg, sdpa, n)
@@ -78,11 +130,25 @@ def measure(n, causal, a, calls):
             return chain()
 
     fns = {"on": chain, "off": off, "sdpa": first}
+    variants = dict(parse_variant(v) for v in a.variant)
+    a.variant_specs = [tuple(v.split("=", 1)) for v in a.variant]
+    for name, changes in variants.items():
+        def run(_changes=changes):
+            with gluon_table(_changes, a.head_dim):
+                return chain()
+
+        fns[name] = run
     timer = _timer(a.device)
     for fn in fns.values():  # compile and warm up
         fn()
     if cuda:
         torch.cuda.synchronize()
+    agree = {}
+    if variants:
+        ref = [t.detach().clone() for t in off()]
+        for name in ["on", *variants]:
+            agree[f"{name}_maxrel_vs_off"] = _maxrel(fns[name](), ref)
+        del ref
     del calls[:]
     chain()
     launches = len(calls)
@@ -100,12 +166,38 @@ def measure(n, causal, a, calls):
     row["ratio_on"] = row["on_ms"] / row["sdpa_ms"]
     row["ratio_off"] = row["off_ms"] / row["sdpa_ms"]
     row["speedup"] = row["off_ms"] / row["on_ms"]
+    row.update(agree)
+    for name in variants:
+        row[f"ratio_{name}"] = row[f"{name}_ms"] / row["sdpa_ms"]
+        print(f"VARIANT N={n} causal={int(causal)} {name} {row[f'{name}_ms']:.3f} ms ratio "
+              f"{row[f'ratio_{name}']:.3f} maxrel vs off {agree[f'{name}_maxrel_vs_off']:.2e} "
+              f"({dict(a.variant_specs)[name]})", flush=True)
+    if agree:
+        print(f"AGREE on maxrel vs off {agree['on_maxrel_vs_off']:.2e}", flush=True)
     print(f"ROW N={n} causal={int(causal)} on {row['on_ms']:.3f} off {row['off_ms']:.3f} "
           f"sdpa {row['sdpa_ms']:.3f} ms (reps {reps}, gluon launches {launches})", flush=True)
+    if a.profile and cuda:
+        for k in [k for k in fns if k != "sdpa"]:  # on, off and the variants
+            row[f"kernels_{k}"] = kernel_times(fns[k])
+            for name, ms, count in row[f"kernels_{k}"]:
+                print(f"K {k:<3} N={n} causal={int(causal)} {name[:60]:<60} {ms:8.3f} ms "
+                      f"x{count}", flush=True)
     del chain, first, fns
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def kernel_times(fn):
+    """[(kernel name, CUDA ms, launches)] of one call of ``fn``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [e for e in prof.key_averages() if e.device_time_total > 0]
+    evs.sort(key=lambda e: -e.device_time_total)
+    return [(e.key, e.device_time_total / 1e3, e.count) for e in evs[:16]]
 
 
 def format_table(rows):
@@ -124,12 +216,18 @@ def build_parser():
     p.add_argument("--causal", choices=["no", "yes", "both"], default="both")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=None, help="H_kv (GQA); default: --heads")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--reps", type=int, default=10, help="timed rounds below N = 32,768")
     p.add_argument("--reps-long", type=int, default=3, help="timed rounds from N = 32,768")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None, help="folder for gluon_chain_ab.json")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=kind:bn,bm,warps,stages,ws,maxnreg+kind:triton (Gluon table "
+                        "variant at this head dim, timed beside the table's choice)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel CUDA times of one chain, Gluon on and off")
     return p
 
 

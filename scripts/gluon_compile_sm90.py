@@ -7,7 +7,9 @@ them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 ma
 3.9; run it with each interpreter to catch API drift before device time is spent::
 
     python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats]
-        [--head-dim 64] [--causal]
+        [--head-dim 64] [--causal] [--groups 1]
+
+(``--groups G``: GQA inputs, G query heads per kv head.)
 
 (``bob_direct`` / ``bob_stats``: kernels/gluon_bob_row.py; their variants read
 block_m (query tile) first: ``qt x kt / warps``.)
@@ -102,11 +104,19 @@ def resources(kernel):
             sum(map(int, st)) if st else -1, sum(map(int, ld)) if ld else -1, warn)
 
 
-def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg):
+def _heads(groups, kv):
+    """Head counts of the seven (q, k, v, do, uq, uk, uv) inputs: 2 kv heads, G query heads
+    each."""
+    return [2 if i in kv else 2 * groups for i in range(7)]
+
+
+def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg,
+                    groups=1):
     """ws: 0 single partition, 1 warp-specialised, 2 warp-specialised with deferred K̄ waits."""
-    b, h, n = 1, 2, 4 * block_n
-    x = [torch.zeros(b, h, n, d, dtype=torch.bfloat16) for _ in range(7)]
-    r = [torch.zeros(b, h, n) for _ in range(4)]
+    b, n = 1, 4 * block_n
+    x = [torch.zeros(b, hh, n, d, dtype=torch.bfloat16)
+         for hh in _heads(groups, (1, 2, 5, 6))]
+    r = [torch.zeros(b, 2 * groups, n) for _ in range(4)]
     args, meta, _ = mod._prepare(*x, *r, None, 0.125, causal, block_n, block_m, warps, stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
@@ -116,28 +126,32 @@ def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, max
     return mod._gluon_bob_col_kernel.warmup(*args, grid=(1,), **meta)
 
 
-def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg):
+def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg, groups=1):
     b, h, n = 1, 2, 4 * block_n
     td = mod.TensorDescriptor
-    x = [torch.zeros(b * h * n, d, dtype=torch.bfloat16) for _ in range(6)]
+    x = [torch.zeros(b * h * n * (groups if i in (0, 3) else 1), d, dtype=torch.bfloat16)
+         for i in range(6)]
     lm = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
     ln = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
     qd, dod = (td(t, list(t.shape), list(t.stride()), [block_m, d], lm) for t in (x[0], x[3]))
     kd, vd, dkd, dvd = (td(t, list(t.shape), list(t.stride()), [block_n, d], ln)
                         for t in (x[1], x[2], x[4], x[5]))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, num_warps=warps,
-                grid=(1,))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, GROUPS=groups,
+                num_warps=warps, grid=(1,))
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    return mod._gluon_dkdv_kernel.warmup(qd, kd, vd, dod, dkd, dvd, torch.zeros(b * h * n),
-                                         torch.zeros(b * h * n), n, 0.125, 0.18, **meta)
+    return mod._gluon_dkdv_kernel.warmup(qd, kd, vd, dod, dkd, dvd,
+                                         torch.zeros(b * h * groups * n),
+                                         torch.zeros(b * h * groups * n), n, 0.125, 0.18, **meta)
 
 
-def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats):
+def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats,
+                    groups=1):
     """The row passes of gluon_bob_row.py (ws: 0 single partition, 1 warp-specialised)."""
-    b, h, n = 1, 2, 4 * max(block_n, block_m)
-    x = [torch.zeros(b, h, n, d, dtype=torch.bfloat16) for _ in range(7)]
-    r = [torch.zeros(b, h, n) for _ in range(4)]
+    b, n = 1, 4 * max(block_n, block_m)
+    x = [torch.zeros(b, hh, n, d, dtype=torch.bfloat16)
+         for hh in _heads(groups, (1, 2, 5, 6))]
+    r = [torch.zeros(b, 2 * groups, n) for _ in range(4)]
     args, meta, _ = mod._prepare(*x, *r, 0.125, causal, stats, block_n, block_m, warps, stages)
     if maxnreg:
         meta["maxnreg"] = maxnreg
@@ -145,14 +159,16 @@ def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, max
                                             grid=(1,), **meta)
 
 
-def compile_bob_direct(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg):
+def compile_bob_direct(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
+                       groups=1):
     return compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
-                           False)
+                           False, groups)
 
 
-def compile_bob_stats(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg):
+def compile_bob_stats(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
+                      groups=1):
     return compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
-                           True)
+                           True, groups)
 
 
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the row passes
@@ -184,6 +200,7 @@ def main() -> int:
                    choices=["bob_col", "dkdv", "bob_direct", "bob_stats"])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--groups", type=int, default=1, help="query heads per kv head (GQA)")
     p.add_argument("--variant", action="append", default=[],
                    help="block_n,block_m,num_warps,stages,ws(0/1/2: +defer),maxnreg(0: none)")
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
@@ -199,7 +216,8 @@ def main() -> int:
                 "dkdv": [(128, 64, 8, 1, 0, 0), (64, 64, 4, 1, 0, 0)]}
     variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or defaults[a.kernel]
     fn = globals()[f"compile_{a.kernel}"]
-    print(f"triton {triton.__version__}, gluon_{a.kernel}, d={a.head_dim}, causal={a.causal}")
+    print(f"triton {triton.__version__}, gluon_{a.kernel}, d={a.head_dim}, causal={a.causal}, "
+          f"groups={a.groups}")
     tiles = "qt x kt" if row else "kt x qt"
     print(f"{tiles + ' / warps, stages, ws, maxnreg':<40}{'regs':>6}{'stack':>7}"
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
@@ -207,7 +225,8 @@ def main() -> int:
     for bn, bm, w, st, ws, mr in variants:
         name = f"{bn}x{bm}/{w}, {st}, {['-', 'ws', 'ws+defer'][int(ws)]}, {mr or '-'}"
         try:
-            k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None)
+            k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None,
+                   a.groups)
             ptx = k.asm["ptx"]
             regs, stack, sst, sld, warn = resources(k)
             print(f"{name:<40}{regs:>6}{stack:>7}{f'{sst}/{sld}':>13}"

@@ -12,7 +12,8 @@ Gluon statistics pass feeding it, meet the same bounds against the Triton statis
 direct passes and float64 double backward. The library chain (``flash_attention`` forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
 ``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
-within the float64 bound, the two within a few bf16 units of each other. Skipped where
+within the float64 bound, the two within a few bf16 units of each other. The same at
+d = 128 and with GQA (H_q a multiple of H_kv), with the table's tiles. Skipped where
 Gluon's Hopper ops or an sm_90 device are missing.
 """
 
@@ -70,17 +71,21 @@ from ttt_flash.kernels import attn_bob  # noqa: E402
 from ttt_flash.kernels.gluon_bob_col import gluon_bob_col  # noqa: E402
 
 
-def _bob_inputs(causal, n=512):
-    """Seven (2, 3, n, 64) bf16 tensors, L and D of the Triton passes, α and E + αD in float64
-    from bob-math.md's formulas (rounded to float32, as the statistics pass stores them)."""
+def _bob_inputs(causal, n=512, heads=(3, 3), d=64):
+    """Seven bf16 tensors (q, do, uq: (2, H_q, n, d); k, v, uk, uv: (2, H_kv, n, d), with
+    ``heads`` = (H_q, H_kv)), L and D of the Triton passes, α and E + αD in float64 from
+    bob-math.md's formulas (rounded to float32, as the statistics pass stores them)."""
     torch.manual_seed(0)
-    q, k, v, do, uq, uk, uv = (torch.randn(2, 3, n, 64, device="cuda", dtype=torch.bfloat16)
-                               for _ in range(7))
+    h, hk = heads
+    q, k, v, do, uq, uk, uv = (
+        torch.randn(2, hh, n, d, device="cuda", dtype=torch.bfloat16)
+        for hh in (h, hk, hk, h, h, hk, hk))
     kw = dict(scale=None, causal=causal, window=None)
     o, lse = attn_fwd(q, k, v, **kw)
     _, _, _, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
-    tau = 64 ** -0.5
-    f = [x.double() for x in (q, k, v, do, uq, uk, uv)]
+    tau = d ** -0.5
+    f = [x.double().repeat_interleave(h // x.shape[1], dim=1)
+         for x in (q, k, v, do, uq, uk, uv)]  # key side repeated to the query heads
     s = tau * f[0] @ f[1].transpose(-1, -2)
     if causal:
         s = s.masked_fill(torch.ones(n, n, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
@@ -149,8 +154,15 @@ from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
 from ttt_flash.kernels import gluon_bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
 
-#: the Gluon launches of one in-scope chain, in order
+#: the Gluon launches of one in-scope chain, in order, and their table kinds
 GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
+GLUON_KINDS = ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+
+
+def _expected_chain(d):
+    """The Gluon launches of an in-scope chain at head dim ``d``: the passes the table
+    lists there."""
+    return [name for name, kind in zip(GLUON_CHAIN, GLUON_KINDS) if (kind, d) in configs.GLUON]
 
 CHAIN_NAMES = ("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob")
 
@@ -195,17 +207,21 @@ def gluon_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(1, 4, 1024), (2, 2, 512)], ids=["B1-H4-N1024", "B2-H2-N512"])
+@pytest.mark.parametrize("shape", [(1, 4, 4, 1024, 64), (2, 2, 2, 512, 64), (1, 4, 2, 512, 64),
+                                   (1, 2, 2, 512, 128), (1, 4, 1, 512, 128)],
+                         ids=["B1-H4-N1024", "B2-H2-N512", "GQA-4-2", "d128-H2", "GQA-4-1-d128"])
 def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
-    b, h, n = shape
+    b, h, hk, n, d = shape
     torch.manual_seed(0)
-    x = [torch.randn(b, h, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+    x = [torch.randn(b, hh, n, d, device="cuda", dtype=torch.bfloat16)
+         for hh in (h, hk, hk, h, h, hk, hk)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)  # the same call, first with the table's choice
-    assert gluon_calls == GLUON_CHAIN
+    expected = _expected_chain(d)
+    assert gluon_calls == expected and "gluon_bob_col" in expected
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == GLUON_CHAIN  # no Gluon call when off
+    assert gluon_calls == expected  # no Gluon call when off
     for name in CHAIN_NAMES:
         r = ref[name].double()
         ulp = r.abs().max().item() * 2.0 ** -8
@@ -216,17 +232,17 @@ def test_chain_gluon_on_off_vs_float64(causal, shape, gluon_calls):
         assert diff <= 4 * ulp, (name, diff, ulp)
 
 
-@pytest.mark.parametrize("case", ["d128", "gqa", "N-not-tiled", "bnhd-views"])
+@pytest.mark.parametrize("case", ["d32", "window", "N-not-tiled", "bnhd-views"])
 def test_chain_outside_gluon_scope_runs_triton(case, gluon_calls):
     torch.manual_seed(0)
-    d = 128 if case == "d128" else 64
+    d = 32 if case == "d32" else 64
     n = 200 if case == "N-not-tiled" else 256
-    hk = 1 if case == "gqa" else 2
+    hk = 2
     shapes = [(1, 2, n, d), (1, hk, n, d), (1, hk, n, d), (1, 2, n, d), (1, 2, n, d),
               (1, hk, n, d), (1, hk, n, d)]
     x = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
     q, k, v, do = (t.requires_grad_() for t in x[:4])
-    kw = {}
+    kw = dict(window=64) if case == "window" else {}
     if case == "bnhd-views":  # (B, N, H, D) tensors: the kernels see strided views
         q, k, v, do = (t.detach().transpose(1, 2).contiguous().requires_grad_()
                        for t in (q, k, v, do))
@@ -336,3 +352,139 @@ def test_gluon_bob_row_rejects_unsupported_inputs():
         gluon_bob_direct(*(q,) * 7, r, r, r.double(), r)
     with pytest.raises(ValueError, match="block_m == 16"):
         gluon_bob_direct(*(q,) * 7, r, r, r, r, block_m=128, num_warps=4)
+
+
+# --------------------------------------------------------------------------- d = 128 and GQA
+# Each Gluon pass against the Triton pass and float64 at d = 128 and with GQA (the key-tile
+# passes sum over the query heads of a kv head; the row passes read kv head h // G), with
+# the table's tiles for that head dim.
+
+EXT_CASES = {"gqa-4-2-d64": ((4, 2), 64), "d128": ((2, 2), 128), "gqa-4-1-d128": ((4, 1), 128)}
+
+
+def _table_kw(kind, d):
+    c = configs.GLUON[(kind, d)]
+    kw = dict(block_n=c.block_n, block_m=c.block_m, num_warps=c.num_warps, maxnreg=c.maxnreg)
+    if kind != "bwd_dkdv":
+        kw.update(stages=c.stages, warp_specialize=c.warp_specialize)
+    return kw
+
+
+def _variants(kind, d):
+    """The table's tiles for ``kind`` at head dim ``d``."""
+    return [_table_kw(kind, d)]
+
+
+#: d = 128 statistics-pass tiles besides the table's (no accumulators: wide tiles fit)
+STATS_D128 = [dict(block_m=64, block_n=64, num_warps=4, stages=2, warp_specialize=False,
+                   maxnreg=None)]
+
+
+def _close(name, got, tri, ref, units=4):
+    """The bound of the tests above: float64 error at most 2x the Triton pass's plus one bf16
+    unit, and within ``units`` bf16 units of the Triton pass."""
+    err = (got.double() - ref).abs().max().item()
+    tri_err = (tri.double() - ref).abs().max().item()
+    ulp = ref.abs().max().item() * 2.0 ** -8
+    assert err <= 2 * tri_err + ulp, (name, err, tri_err, ulp)
+    diff = (got.float() - tri.float()).abs().max().item()
+    assert diff <= units * ulp, (name, diff, ulp)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(EXT_CASES))
+def test_gluon_dkdv_gqa_d128(causal, case):
+    heads, d = EXT_CASES[case]
+    x, o, lse, delta, _, _ = _bob_inputs(causal, heads=heads, d=d)
+    q, k, v, do = x[:4]
+    kw = dict(scale=None, causal=causal, window=None)
+    with configs.use_gluon_passes(False):
+        _, dk_t, dv_t, _ = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o64 = naive_attention(q64, k64, v64, causal=causal)
+    _, dk64, dv64 = torch.autograd.grad(o64, (q64, k64, v64), do.double())
+    for tiles in _variants("bwd_dkdv", d):
+        dk_g, dv_g = gluon_dkdv(q, k, v, do, lse, delta, causal=causal, **tiles)
+        assert dk_g.shape == k.shape and dv_g.shape == v.shape
+        _close(f"dk {tiles}", dk_g, dk_t, dk64)
+        _close(f"dv {tiles}", dv_g, dv_t, dv64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(EXT_CASES))
+def test_gluon_bob_col_gqa_d128(causal, case):
+    heads, d = EXT_CASES[case]
+    x, o, lse, delta, alpha, ee = _bob_inputs(causal, heads=heads, d=d)
+    with configs.use_gluon_passes(False):
+        _, kb_t, vb_t, _ = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None,
+                                    causal=causal, window=None, needs=(False, True, True, False),
+                                    deterministic=True)
+    kb64, vb64 = _float64_col(x, causal)
+    for tiles in _variants("bob_col", d):
+        kb_g, vb_g = gluon_bob_col(*x, lse, delta, alpha, ee, causal=causal, **tiles)
+        assert kb_g.shape == x[1].shape
+        _close(f"kb {tiles}", kb_g, kb_t, kb64)
+        _close(f"vb {tiles}", vb_g, vb_t, vb64)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(EXT_CASES))
+def test_gluon_bob_row_passes_gqa_d128(causal, case, monkeypatch):
+    heads, d = EXT_CASES[case]
+    x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal, heads=heads, d=d)
+    qb_t, dob_t, alpha_t, ee_t = _triton_row(x, o, lse, delta, causal, monkeypatch)
+    qb64, dob64 = _float64_row(x, causal)
+    stats_tiles = _variants("bob_stats", d) + (STATS_D128 if d == 128 else [])
+    for tiles in stats_tiles:
+        alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, causal=causal, **tiles)
+        for name, got, tri, ref in (("alpha", alpha_g, alpha_t, alpha64),
+                                    ("ee", ee_g, ee_t, ee64)):
+            err = (got.double() - ref.double()).abs().max().item()
+            tri_err = (tri.double() - ref.double()).abs().max().item()
+            floor = ref.abs().max().item() * 2.0 ** -16
+            assert err <= 2 * tri_err + floor, (name, tiles, err, tri_err, floor)
+    for tiles in _variants("bob_direct", d):  # fed the table's statistics pass
+        alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, causal=causal,
+                                        **_variants("bob_stats", d)[0])
+        qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha_g, ee_g, causal=causal, **tiles)
+        assert qb_g.shape == x[0].shape
+        _close(f"qb {tiles}", qb_g, qb_t, qb64)
+        _close(f"dob {tiles}", dob_g, dob_t, dob64)
+
+
+def test_gluon_passes_reject_bad_head_counts():
+    q = torch.randn(1, 3, 256, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(1, 3, 256, device="cuda")
+    with pytest.raises(ValueError, match="multiple of k's"):
+        gluon_dkdv(q, k, k, q, r, r)
+    with pytest.raises(ValueError, match="multiple of k's"):
+        gluon_bob_col(q, k, k, q, q, k, k, r, r, r, r)
+    with pytest.raises(ValueError, match="multiple of k's"):
+        gluon_bob_stats(q, k, k, q, q, k, k, r, r)
+    k1 = k[:, :1]
+    with pytest.raises(ValueError, match="uk must have shape"):
+        gluon_bob_direct(q, k1, k1, q, q, q, k1, r, r, r, r)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monkeypatch):
+    """The Gluon statistics pass feeding the Triton direct pass (a table without a Gluon
+    direct entry), GQA 4 / 1 at d = 128: every output within the float64 bound."""
+    table = dict(configs.GLUON)
+    table.pop(("bob_direct", 128), None)
+    monkeypatch.setattr(configs, "GLUON", table)
+    torch.manual_seed(0)
+    x = [torch.randn(1, hh, 512, 128, device="cuda", dtype=torch.bfloat16)
+         for hh in (4, 1, 1, 4, 4, 1, 1)]
+    ref = _chain(x, causal, torch.float64)
+    base = _chain(x, causal, torch.bfloat16)
+    assert gluon_calls == ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_col"]
+    with configs.use_gluon_passes(False):
+        off = _chain(x, causal, torch.bfloat16)
+    for name in CHAIN_NAMES:
+        r = ref[name].double()
+        ulp = r.abs().max().item() * 2.0 ** -8
+        err_on = (base[name].double() - r).abs().max().item()
+        err_off = (off[name].double() - r).abs().max().item()
+        assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)

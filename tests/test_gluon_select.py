@@ -47,10 +47,13 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
 
 @pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536)],
-                         ids=["N16K", "N64K-H12-B2"])
+@pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536),
+                                 _lay(h_q=32, h_kv=8), _lay(h_q=4, h_kv=1),
+                                 _lay(h_q=8, h_kv=8, d=128), _lay(h_q=32, h_kv=8, d=128)],
+                         ids=["N16K", "N64K-H12-B2", "GQA-32-8", "MQA-4-1", "d128-H8",
+                              "GQA-32-8-d128"])
 def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
-    assert _select(kind, lay, dtype) == configs.GLUON[(kind, 64)]
+    assert _select(kind, lay, dtype) == configs.GLUON[(kind, lay.head_dim)]
 
 
 def test_table_tiles_are_the_measured_ones():
@@ -61,7 +64,18 @@ def test_table_tiles_are_the_measured_ones():
     for kind in ("bob_stats", "bob_direct"):  # 64 queries x 64 keys, single partition
         assert configs.GLUON[(kind, 64)] == configs.GluonConfig(64, 64, 4, stages=2,
                                                                  min_keys=16384)
-    assert {d for _, d in configs.GLUON} == {64}  # d = 128 not measured: Triton there
+    assert {d for _, d in configs.GLUON} == {64, 128}
+    # d = 128: tiles that fit the registers without spills (two 128-wide accumulators)
+    assert configs.GLUON[("bwd_dkdv", 128)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
+    col = configs.GLUON[("bob_col", 128)]
+    assert (col.block_n, col.block_m, col.num_warps, col.stages) == (128, 32, 8, 2)
+    assert col.warp_specialize and col.maxnreg == 168 and col.min_keys == 16384
+    # single partition: statistics 128 queries x 64 keys / 8 warps, direct 64 x 32 / 4 (its
+    # two accumulators)
+    assert configs.GLUON[("bob_stats", 128)] == configs.GluonConfig(64, 128, 8, stages=2,
+                                                                     min_keys=16384)
+    assert configs.GLUON[("bob_direct", 128)] == configs.GluonConfig(32, 64, 4, stages=2,
+                                                                      min_keys=16384)
 
 
 OUT_OF_SCOPE = {
@@ -73,10 +87,11 @@ OUT_OF_SCOPE = {
     "gluon-not-importable": dict(importable=False),
     "float32": dict(dtype=torch.float32),
     "float64": dict(dtype=torch.float64),
-    "d128": dict(lay=_lay(d=128)),
+    "d96": dict(lay=_lay(d=96)),
     "d32": dict(lay=_lay(d=32)),
+    "d256": dict(lay=_lay(d=256)),
     "varlen": dict(lay=_lay(varlen=True)),
-    "gqa": dict(lay=_lay(h_q=4, h_kv=2)),
+    "h_q-not-multiple-of-h_kv": dict(lay=Layout(False, 1, 3, 2, 1, 64, 16384, 16384, 16384)),
     "nq-ne-nk": dict(lay=_lay(n_q=16384, n_k=32768)),
     "n-not-multiple-of-tile": dict(lay=_lay(n_q=16400, n_k=16400)),
     "n-below-min-keys": dict(lay=_lay(n_q=8192, n_k=8192)),
@@ -159,16 +174,32 @@ def test_gluon_modules_import_without_gpu():
 # --------------------------------------------------------------------------- call sites
 
 
+def _expand(x, q):
+    """Key-side (B, H_kv, N, d) ``x`` in float64, repeated to q's H_q heads (query head h
+    reads kv head h // (H_q / H_kv))."""
+    return x.double().repeat_interleave(q.shape[1] // x.shape[1], dim=1)
+
+
+def _fold(x, like):
+    """Per-query-head (B, H_q, N, d) ``x`` summed over the query heads of each kv head of
+    ``like`` (B, H_kv, N, d)."""
+    b, hk = like.shape[:2]
+    return x.reshape(b, hk, x.shape[1] // hk, *x.shape[2:]).sum(2)
+
+
 def _fake_dkdv(calls):
-    """gluon_dkdv's documented result in float64, written into ``out``."""
+    """gluon_dkdv's documented result in float64 (GQA: summed over each kv head's query
+    heads), written into ``out``."""
 
     def fake(q, k, v, do, lse, delta, *, scale, causal, out, **tiles):
         calls.append(("bwd_dkdv", tiles))
-        q, k, v, do = (x.double() for x in (q, k, v, do))
+        like = k
+        k, v = (_expand(x, q) for x in (k, v))
+        q, do = q.double(), do.double()
         p = _probs(q, k, lse, scale, causal)
         ds = p * (do @ v.transpose(-1, -2) - delta.double()[..., None])
-        out[0].copy_(scale * ds.transpose(-1, -2) @ q)
-        out[1].copy_(p.transpose(-1, -2) @ do)
+        out[0].copy_(_fold(scale * ds.transpose(-1, -2) @ q, like))
+        out[1].copy_(_fold(p.transpose(-1, -2) @ do, like))
         return out
 
     return fake
@@ -180,22 +211,25 @@ def _fake_bob_col(calls):
     def fake(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, *, scale, causal, out, **tiles):
         calls.append(("bob_col", tiles))
         assert rho is None
-        q, k, v, do, uq, uk, uv = (x.double() for x in (q, k, v, do, uq, uk, uv))
+        like = k
+        k, v, uk, uv = (_expand(x, q) for x in (k, v, uk, uv))
+        q, do, uq = (x.double() for x in (q, do, uq))
         tr = lambda x: x.transpose(-1, -2)  # noqa: E731
         p = _probs(q, k, lse, scale, causal)
         g = scale * (q @ tr(uk) + uq @ tr(k)) - alpha.double()[..., None]
         ds = p * (do @ tr(v) - delta.double()[..., None])
         r = g * ds + p * (do @ tr(uv) - ee.double()[..., None])
-        out[0].copy_(scale * (tr(r) @ q + tr(ds) @ uq))
-        out[1].copy_(tr(p * g) @ do)
+        out[0].copy_(_fold(scale * (tr(r) @ q + tr(ds) @ uq), like))
+        out[1].copy_(_fold(tr(p * g) @ do, like))
         return out
 
     return fake
 
 
 def _row_products(q, k, v, do, uq, uk, uv, lse, delta, scale, causal):
-    """P, G (unshifted), dP − D and B of the whole (B, H, N, N) problem in float64."""
-    q, k, v, do, uq, uk, uv = (x.double() for x in (q, k, v, do, uq, uk, uv))
+    """P, G (unshifted), dP − D and B of the whole (B, H_q, N, N) problem in float64."""
+    k, v, uk, uv = (_expand(x, q) for x in (k, v, uk, uv))
+    q, do, uq = (x.double() for x in (q, do, uq))
     tr = lambda x: x.transpose(-1, -2)  # noqa: E731
     p = _probs(q, k, lse, scale, causal)
     g = scale * (q @ tr(uk) + uq @ tr(k))
@@ -227,8 +261,8 @@ def _fake_bob_direct(calls):
         g = g - alpha.double()[..., None]
         ds = p * dpc
         r = g * ds + p * (bm - ee.double()[..., None])
-        out[0].copy_(scale * (r @ k.double() + ds @ uk.double()))
-        out[1].copy_((p * g) @ v.double() + p @ uv.double())
+        out[0].copy_(scale * (r @ _expand(k, q) + ds @ _expand(uk, q)))
+        out[1].copy_((p * g) @ _expand(v, q) + p @ _expand(uv, q))
         return out
 
     return fake
@@ -288,8 +322,10 @@ def _chain(ts, kw, **bob_kw):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thread, causal):
-    ts = _inputs()
+@pytest.mark.parametrize("heads", [(2, 2), (4, 2), (2, 1)], ids=["mha", "gqa-4-2", "mqa-2-1"])
+def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thread, causal,
+                                                            heads):
+    ts = _inputs(*heads)
     kw = dict(scale=None, causal=causal, window=None)
     want = _chain(ts, kw)
     calls = []
@@ -311,11 +347,34 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
         assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)  # four fp16 units
 
 
+@pytest.mark.parametrize("drop", ["bob_direct", "bob_stats"])
+def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, drop):
+    """A table with one of the two row passes (the other takes the Triton kernel, reading or
+    writing α, E + αD in HBM): same results as the Triton passes, GQA 4 / 2. The two row
+    sweeps run as separate launches, as they do from FUSED_ROW_MAX_KEYS keys on."""
+    monkeypatch.setattr(configs, "FUSED_ROW_MAX_KEYS", 0)
+    ts = _inputs(4, 2)
+    kw = dict(scale=None, causal=True, window=None)
+    want = _chain(ts, kw)
+    calls = []
+    with _gluon_on_cpu(monkeypatch, calls):
+        table = dict(configs.GLUON)
+        del table[(drop, 16)]
+        monkeypatch.setattr(configs, "GLUON", table)
+        got = _chain(ts, kw)
+    kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
+    assert [c[0] for c in calls] == ["bwd_dkdv", kept, "bob_col"]
+    for name, x in want.items():
+        mag = x.double().abs().max().item()
+        err = (got[name].double() - x.double()).abs().max().item()
+        assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)
+
+
 @pytest.mark.parametrize("case", [
-    "gqa", "window", "split_col", "split_row", "affine", "uq-missing", "kb-not-wanted",
+    "window", "split_col", "split_row", "affine", "uq-missing", "kb-not-wanted",
     "dob-not-wanted", "n-not-tiled", "switched-off"])
 def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
-    ts = _inputs(h_kv=1 if case == "gqa" else 2, n=48 if case == "n-not-tiled" else 64)
+    ts = _inputs(n=48 if case == "n-not-tiled" else 64)
     kw = dict(scale=None, causal=True, window=16 if case == "window" else None)
     bob_kw = {"split_col": dict(split_col=True), "split_row": dict(split_row=True),
               "affine": dict(precise=False),

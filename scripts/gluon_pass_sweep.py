@@ -1,0 +1,132 @@
+"""Time each Gluon pass (kernels/gluon_*.py) alone over a list of tile variants, at one shape.
+
+    python scripts/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
+        [--causal] [--kinds bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
+
+Per pass kind and variant: ``triton.testing.do_bench`` median (ms) of the Gluon function on
+random bf16 inputs of shape (1, H_q, N, d) / (1, H_kv, N, d), and the rate it implies
+(flops per (query, key) pair: dK/dV 8·d, statistics 10·d, direct 18·d, column 16·d; causal
+counts half the pairs). The Triton passes' times at the same shape come from
+``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A variant that
+fails to compile or run prints its error and the sweep goes on. Writes
+``gluon_pass_sweep.json`` into ``--out``.
+
+Variants (``--variant kind=a,b,c,d,e,f``, repeatable, replaces that kind's defaults): the
+keyword arguments of the Gluon function in the order of :data:`FIELDS`; 0 for ``maxnreg``
+means none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+#: per kind: the order of a variant's numbers (keywords of the Gluon function)
+FIELDS = {
+    "bwd_dkdv": ("block_n", "block_m", "num_warps", "maxnreg"),
+    "bob_col": ("block_n", "block_m", "num_warps", "stages", "warp_specialize", "maxnreg"),
+    "bob_stats": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
+    "bob_direct": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
+}
+
+#: d = 128 candidates without ptxas spills (or with the fewest; scripts/gluon_compile_sm90.py)
+DEFAULTS = {
+    "bwd_dkdv": [(64, 64, 4, 0), (64, 32, 4, 0), (128, 32, 8, 0)],
+    "bob_stats": [(64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0), (64, 64, 4, 2, 0, 0),
+                  (64, 32, 4, 3, 0, 0)],
+    "bob_direct": [(64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0), (64, 32, 4, 2, 1, 168),
+                   (64, 32, 4, 3, 0, 0)],
+    "bob_col": [(128, 32, 8, 2, 1, 168), (64, 32, 4, 2, 1, 168), (64, 32, 4, 2, 0, 0),
+                (128, 32, 8, 2, 0, 0)],
+}
+
+FLOPS_PER_PAIR_D = {"bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
+
+
+def run_kind(kind, variants, x, r, causal):
+    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+
+    q, k, v, do, uq, uk, uv = x
+    lse, delta, alpha, ee = r
+    if kind == "bwd_dkdv":
+        def call(**kw):
+            return gluon_dkdv.gluon_dkdv(q, k, v, do, lse, delta, causal=causal, **kw)
+    elif kind == "bob_col":
+        def call(**kw):
+            return gluon_bob_col.gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
+                                               causal=causal, **kw)
+    elif kind == "bob_stats":
+        def call(**kw):
+            return gluon_bob_row.gluon_bob_stats(q, k, v, do, uq, uk, uv, lse, delta,
+                                                 causal=causal, **kw)
+    else:
+        def call(**kw):
+            return gluon_bob_row.gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha,
+                                                  ee, causal=causal, **kw)
+    import triton
+
+    b, h, n, d = q.shape
+    pairs = b * h * n * n * (0.5 if causal else 1.0)
+    rows = []
+    for var in variants:
+        kw = dict(zip(FIELDS[kind], var))
+        if "warp_specialize" in kw:
+            kw["warp_specialize"] = bool(kw["warp_specialize"])
+        kw["maxnreg"] = kw.get("maxnreg") or None
+        try:
+            call(**kw)
+            torch.cuda.synchronize()
+            ms = triton.testing.do_bench(lambda: call(**kw), warmup=25, rep=100)
+            tflops = FLOPS_PER_PAIR_D[kind] * d * pairs / ms / 1e9
+            rows.append(dict(kind=kind, variant=list(var), ms=ms, tflops=tflops))
+            print(f"PASS {kind:<10} {str(var):<26} {ms:8.3f} ms {tflops:6.0f} TFLOP/s",
+                  flush=True)
+        except Exception as ex:  # noqa: BLE001 - a failing variant is a result
+            rows.append(dict(kind=kind, variant=list(var), error=f"{type(ex).__name__}: {ex}"))
+            print(f"PASS {kind:<10} {str(var):<26} FAILED {type(ex).__name__}: "
+                  f"{str(ex)[:300]}", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--kinds", default="bwd_dkdv,bob_stats,bob_direct,bob_col")
+    p.add_argument("--variant", action="append", default=[])
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    hk = a.kv_heads or a.heads
+    chosen = {kind: list(DEFAULTS[kind]) for kind in a.kinds.split(",") if kind}
+    given = {}
+    for spec in a.variant:
+        kind, nums = spec.split("=")
+        given.setdefault(kind, []).append(tuple(int(t) for t in nums.split(",")))
+    chosen.update(given)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, d = a.n, a.head_dim
+    shapes = [a.heads, hk, hk, a.heads, a.heads, hk, hk]
+    x = [torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+         for h in shapes]
+    r = [torch.randn(1, a.heads, n, device="cuda", generator=g) for _ in range(4)]
+    r[0] = r[0].abs() + 8.0  # LSE well above the scores: no overflow in exp2
+    print(f"SHAPE H={a.heads}/{hk} N={n} d={d} causal={a.causal}", flush=True)
+    rows = []
+    for kind, variants in chosen.items():
+        rows += run_kind(kind, variants, x, r, a.causal)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "gluon_pass_sweep.json"), "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+    return 0 if rows and all("ms" in row for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

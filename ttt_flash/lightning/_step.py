@@ -7,13 +7,14 @@ gradients explicitly (docs/distributed.md): DDP's hooks cannot reduce a backward
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Iterable, Optional
 
 import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining"]
 
 
 class StepTimer:
@@ -70,3 +71,47 @@ class LocalGradients:
         if self.active:
             average_gradients(params, weight=self.weight)
         self.weight = 0
+
+
+class GraphedTraining:
+    """The ``cuda_graph`` option of the package's LightningModules (docs/cuda-graphs.md).
+
+    :meth:`run` replays the training step captured as a CUDA graph for the batch's shapes
+    (:class:`ttt_flash.cuda_graph.StepGraphs`: one graph per shape, at most ``max_graphs``,
+    then eager with one warning; eager with one warning if the step cannot be captured). The
+    step function must zero the gradients in place, run the backward passes and step the
+    (capturable) optimizers itself. :meth:`usable` says whether the step can be graphed at
+    all: not on the CPU and not under DDP (one warning each, then eager). :meth:`reset` drops
+    the graphs: after a checkpoint is loaded the optimizer state lives in new tensors, so the
+    graphs are captured again (exact resume).
+    """
+
+    def __init__(self, enabled: bool, max_graphs: int = 4):
+        self.enabled = bool(enabled)
+        self.max_graphs = max_graphs
+        self.graphs = None
+        self._warned = False
+
+    def usable(self, cuda: bool, ddp: bool = False) -> bool:
+        if not self.enabled:
+            return False
+        reason = None if cuda else "the batch is not on a CUDA device"
+        if cuda and ddp:
+            reason = "DDP with explicit gradient averaging is not captured"
+        if reason is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"cuda_graph=True: the training step runs eagerly: {reason}", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def run(self, fn, inputs, params, optimizers, name: str):
+        from ..cuda_graph import StepGraphs
+
+        if self.graphs is None:
+            self.graphs = StepGraphs(fn, max_graphs=self.max_graphs, fallback=True, params=list(params),
+                                     optimizers=list(optimizers), name=name)
+        return self.graphs(*inputs)
+
+    def reset(self) -> None:
+        self.graphs = None

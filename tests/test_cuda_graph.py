@@ -350,3 +350,93 @@ def test_maml_lightning_graphed_run_equals_eager(tmp_path):
     assert model._graphed.graphs is not None and len(model._graphed.graphs.graphs) == 1
     assert model._graphed.graphs.eager_calls == 0
     assert graphed == eager
+
+
+# --------------------------------------------------------------------------- memory and language-model modules
+
+
+def _fit_losses(model, data, accelerator: str, steps: int, key: str):
+    import lightning.pytorch as pl
+
+    class Losses(pl.Callback):
+        def __init__(self):
+            self.losses = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            self.losses.append(float(trainer.callback_metrics[key]))
+
+    rec = Losses()
+    trainer = pl.Trainer(max_steps=steps, accelerator=accelerator, devices=1, logger=False, callbacks=[rec],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(model, data)
+    return rec.losses, trainer
+
+
+def _memory_run(cls, cuda_graph: bool, accelerator: str, steps: int = 3):
+    import lightning.pytorch as pl
+
+    from ttt_flash.lightning.memory import AssociativeRecallDataModule
+
+    pl.seed_everything(0, verbose=False)
+    small = dict(vocab_size=9, n_layer=1, d_model=16, warmup_steps=1, cuda_graph=cuda_graph)
+    extra = {"GradMemKV": dict(n_head=2, memory_tokens=2), "TTTE2EMQAR": dict(n_head=2, window=2, chunk_size=4),
+             "MemoryLayerMQAR": dict(heads=2, memory_slots=2, chunk_size=4)}[cls.__name__]
+    model = cls(**small, **extra)
+    data = AssociativeRecallDataModule(num_keys=4, num_values=4, num_pairs=2, num_queries=2, context_len=8,
+                                       batch_size=2, train_batches=steps, val_batches=1)
+    return _fit_losses(model, data, accelerator, steps, "train/loss_post")
+
+
+def _lm_run(cuda_graph: bool, accelerator: str, steps: int = 3):
+    import lightning.pytorch as pl
+
+    from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    from ttt_flash.models import GPTConfig
+
+    pl.seed_everything(0, verbose=False)
+    model = LanguageModel(GPTConfig.tiny(n_layer=1, d_model=32, n_head=2), optimizer="sophiah", lr=1e-3,
+                          hessian_every=2, warmup_steps=1, cuda_graph=cuda_graph)
+    data = ByteTextDataModule(seq_len=16, batch_size=2, max_bytes=2**15, train_batches=steps, val_batches=1)
+    return _fit_losses(model, data, accelerator, steps, "train/loss")
+
+
+@cpu_only
+def test_memory_and_lm_cuda_graph_on_cpu_warn_once_and_train_eagerly(one_thread):
+    from ttt_flash.lightning.memory import GradMemKV
+
+    eager, _ = _memory_run(GradMemKV, False, "cpu")
+    with pytest.warns(RuntimeWarning, match="cuda_graph=True: the training step runs eagerly") as rec:
+        graphed, trainer = _memory_run(GradMemKV, True, "cpu")
+    assert sum("cuda_graph=True" in str(w.message) for w in rec) == 1
+    assert graphed == eager and trainer.global_step == 3
+    eager, _ = _lm_run(False, "cpu")
+    with pytest.warns(RuntimeWarning, match="cuda_graph=True: the training step runs eagerly"):
+        graphed, trainer = _lm_run(True, "cpu")
+    assert graphed == eager and trainer.global_step == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["GradMemKV", "TTTE2EMQAR", "MemoryLayerMQAR"])
+def test_memory_modules_graphed_equal_eager(name):
+    import ttt_flash.lightning.memory as mem
+
+    cls = getattr(mem, name)
+    eager, _ = _memory_run(cls, False, "gpu", steps=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to eager
+        graphed, trainer = _memory_run(cls, True, "gpu", steps=4)
+    assert trainer.global_step == 4
+    torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_sophia_lm_graphed_plain_and_refresh_steps_equal_eager():
+    eager, _ = _lm_run(False, "gpu", steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        graphed, trainer = _lm_run(True, "gpu", steps=5)
+    model = trainer.lightning_module
+    assert set(model._graphed.graphs) == {"step", "refresh"}  # steps 0, 2, 4 refresh the Hessian
+    assert trainer.global_step == 5
+    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)

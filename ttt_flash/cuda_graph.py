@@ -309,6 +309,8 @@ class CapturedStep:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+        #: the gradient tensors the graph accumulates into (``p.grad`` of ``params`` at capture)
+        self.grads = [p.grad for p in self.params]
         torch.cuda.synchronize()
 
     def _capture(self, pool) -> None:
@@ -349,7 +351,12 @@ class CapturedStep:
                 raise GraphCaptureError(f"{self.name}: input {i} was {buf!r} at capture, got {x!r}; it is baked into the graph")
 
     def replay(self):
-        """Replay the graph on the current contents of :attr:`static_inputs`."""
+        """Replay the graph on the current contents of :attr:`static_inputs`; ``p.grad`` of
+        each of ``params`` is pointed back at the tensor the graph writes (should something,
+        e.g. ``optimizer.zero_grad()``, have set it to None in between)."""
+        for p, g in zip(self.params, self.grads):
+            if p.grad is not g:
+                p.grad = g
         self.graph.replay()
         self.replays += 1
         return self.outputs

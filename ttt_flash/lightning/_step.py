@@ -1,14 +1,15 @@
 """What every LightningModule of the package does around a training step: time it (and its
 CUDA peak memory), and, under DDP, switch DDP's own gradient sync off and average the local
 gradients explicitly (docs/distributed.md): DDP's hooks cannot reduce a backward through
-``autograd.grad(create_graph=True)`` graphs correctly.
+``autograd.grad(create_graph=True)`` graphs correctly; and, with ``cuda_graph=True``, replay
+the step captured as a CUDA graph (:class:`GraphedTraining`, docs/cuda-graphs.md).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
@@ -77,27 +78,33 @@ class GraphedTraining:
     """The ``cuda_graph`` option of the package's LightningModules (docs/cuda-graphs.md).
 
     :meth:`run` replays the training step captured as a CUDA graph for the batch's shapes
-    (:class:`ttt_flash.cuda_graph.StepGraphs`: one graph per shape, at most ``max_graphs``,
-    then eager with one warning; eager with one warning if the step cannot be captured). The
-    step function must zero the gradients in place, run the backward passes and step the
-    (capturable) optimizers itself. :meth:`usable` says whether the step can be graphed at
-    all: not on the CPU and not under DDP (one warning each, then eager). :meth:`reset` drops
-    the graphs: after a checkpoint is loaded the optimizer state lives in new tensors, so the
-    graphs are captured again (exact resume).
+    (:class:`ttt_flash.cuda_graph.StepGraphs`: one graph per shape and ``kind`` of step, at
+    most ``max_graphs`` each, then eager with one warning; eager with one warning if the step
+    cannot be captured). The step function zeroes the gradients in place and runs the
+    backward passes; with manual optimization it also steps the (capturable) optimizers.
+    Under autocast (``precision="bf16-mixed"``) the step runs in an autocast region with its
+    cast cache off, as capture requires. :meth:`usable` says whether the step can be graphed
+    at all (not on the CPU, not under DDP / context parallelism, not with gradient
+    accumulation: one warning, then eager). :meth:`reset` drops the graphs: after a checkpoint
+    is loaded the optimizer state lives in new tensors, so the graphs are captured again.
+
+    With automatic optimization the module's ``backward`` must skip the step that
+    :meth:`run` already differentiated: :meth:`take_backward` says so once per step.
     """
 
     def __init__(self, enabled: bool, max_graphs: int = 4):
         self.enabled = bool(enabled)
         self.max_graphs = max_graphs
-        self.graphs = None
+        self.graphs: Dict[str, Any] = {}
         self._warned = False
+        self._differentiated = False
 
-    def usable(self, cuda: bool, ddp: bool = False) -> bool:
+    def usable(self, cuda: bool, why_not: Optional[str] = None) -> bool:
+        """Whether to graph this step: ``enabled``, ``cuda`` and no ``why_not`` (a reason the
+        module found; warned once)."""
         if not self.enabled:
             return False
-        reason = None if cuda else "the batch is not on a CUDA device"
-        if cuda and ddp:
-            reason = "DDP with explicit gradient averaging is not captured"
+        reason = why_not if cuda else "the batch is not on a CUDA device"
         if reason is not None:
             if not self._warned:
                 self._warned = True
@@ -105,13 +112,37 @@ class GraphedTraining:
             return False
         return True
 
-    def run(self, fn, inputs, params, optimizers, name: str):
+    def run(self, fn, inputs, params, optimizers=(), name: str = "training_step", kind: str = "step",
+            generators=()):
         from ..cuda_graph import StepGraphs
 
-        if self.graphs is None:
-            self.graphs = StepGraphs(fn, max_graphs=self.max_graphs, fallback=True, params=list(params),
-                                     optimizers=list(optimizers), name=name)
-        return self.graphs(*inputs)
+        graphs = self.graphs.get(kind)
+        if graphs is None:
+            graphs = self.graphs[kind] = StepGraphs(_autocast_free_cache(fn), max_graphs=self.max_graphs,
+                                                    fallback=True, params=list(params),
+                                                    optimizers=list(optimizers), generators=list(generators),
+                                                    name=name)
+        self._differentiated = True
+        return graphs(*inputs)
+
+    def take_backward(self) -> bool:
+        """True once after :meth:`run`: the step's backward already ran in the graph."""
+        done, self._differentiated = self._differentiated, False
+        return done
 
     def reset(self) -> None:
-        self.graphs = None
+        self.graphs = {}
+        self._differentiated = False
+
+
+def _autocast_free_cache(fn):
+    """``fn`` run in the caller's CUDA autocast region with the cast cache off (a cached cast
+    made during capture would be freed when the region exits; torch.cuda.graph's docs)."""
+
+    def step(*args):
+        if not torch.is_autocast_enabled("cuda"):
+            return fn(*args)
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+            return fn(*args)
+
+    return step

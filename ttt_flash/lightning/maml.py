@@ -218,6 +218,7 @@ class MAML(LightningModule):
         self._timer.start(True)
         sums = self._graphed.run(self._graphed_meta_update, tuple(batch), self.parameters(), [lopt.optimizer],
                                  name="MAML.training_step")
+        self._graphed.take_backward()  # manual optimization: no Lightning backward follows
         sums = {k: v.clone() for k, v in sums.items()}  # the graph's outputs are overwritten by the next replay
         lopt._on_before_step()  # the step counts of Lightning's manual-optimization loop (global_step)
         lopt._on_after_step()
@@ -229,7 +230,7 @@ class MAML(LightningModule):
 
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:
         self._check_batch(batch)
-        if self._graphed.usable(batch.support_inputs.is_cuda, ddp=self._local.active):
+        if self._graphed.usable(batch.support_inputs.is_cuda, "DDP" if self._local.active else None):
             return self._graphed_training_step(batch)
         opt = self.optimizers()
         cuda = batch.support_inputs.is_cuda

@@ -1,6 +1,6 @@
 """``ttt-flash bench --graph``: eager against CUDA-graph replay (docs/cuda-graphs.md).
 
-Four parts (``--parts``), each a list of rows in one JSON file (``bench_graph.json``):
+Three parts (``--parts``), each a list of rows in one JSON file (``bench_graph.json``):
 
 * ``chain``: the attention chain (forward, backward with ``create_graph``,
   backward-over-backward; B=1, H=12, d=64, bf16 by default) at each ``--seq-lens``, causal and
@@ -15,23 +15,21 @@ Four parts (``--parts``), each a list of rows in one JSON file (``bench_graph.js
   summed, one backward. Providers: ttt-flash eager, ttt-flash replayed, the same loop with
   SDPA math attention, and ``higher`` + SDPA math (when installed); peak memory; whether the
   replayed meta-gradients (after new data) are bitwise equal to eager.
-* ``maml``: ``recipes/maml_transformer.yaml`` trained on the GPU with ``cuda_graph`` false and
-  true: steps per second and the first 20 logged training losses of each.
 * ``lm``: a GPT-2-small-sized :class:`ttt_flash.models.GPT` (bf16) at batch 1 / 1,024 tokens
   and batch 8 / 2,048: the plain training step (forward, backward) and the exact
   Hessian-vector-product step of Sophia-H's refresh (a Rademacher probe drawn inside the step
   from a graph-safe generator), eager and replayed.
 
-Times are medians of ``triton.testing.do_bench`` (ms). Needs CUDA.
+Times are medians of ``triton.testing.do_bench`` (ms). Needs CUDA. ``scripts/graph_bench.py``
+adds a fourth part, a MAML recipe trained through Lightning with ``cuda_graph`` false and true
+(the Lightning floor sits above the benchmarks').
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -40,9 +38,9 @@ import torch.nn.functional as F
 from .bench_common import attention_chain, is_oom, write_json
 from .cuda_graph import CapturedStep, graph_safe_generator
 
-__all__ = ["main", "chain_rows", "meta_rows", "maml_rows", "lm_rows", "format_table"]
+__all__ = ["main", "chain_rows", "meta_rows", "lm_rows", "format_table", "build_parser"]
 
-PARTS = ("chain", "meta", "maml", "lm")
+PARTS = ("chain", "meta", "lm")
 
 
 def error_text(e: BaseException) -> str:
@@ -239,64 +237,6 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
     return rows
 
 
-# --------------------------------------------------------------------------- MAML recipe
-
-
-def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, logged: int = 20,
-              progress: bool = True) -> List[dict]:
-    """The recipe's MAML module and data on the GPU, ``cuda_graph`` false then true: steps/s
-    (median over the steps after the first 10) and the first ``logged`` training losses."""
-    import yaml
-    import lightning.pytorch as pl
-
-    from .lightning import MAML, NetConfig
-    from .lightning.data import InContextRegressionDataModule, SinusoidDataModule
-
-    cfg = yaml.safe_load(Path(recipe).read_text())
-    margs = dict(cfg["model"]["init_args"])
-    margs["net"] = NetConfig(**margs["net"])
-    dcls = {"InContextRegressionDataModule": InContextRegressionDataModule,
-            "SinusoidDataModule": SinusoidDataModule}[cfg["data"]["class_path"].rsplit(".", 1)[-1]]
-
-    class Record(pl.Callback):
-        def __init__(self):
-            self.losses, self.times = [], []
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            self.losses.append(float(outputs["loss"]))
-            self.times.append(time.perf_counter())
-
-    rows = []
-    for flag in (False, True):
-        row = {"part": "maml", "recipe": recipe, "cuda_graph": flag, "steps": steps}
-        try:
-            pl.seed_everything(cfg.get("seed_everything", 0), verbose=False)
-            model = MAML(**margs, cuda_graph=flag)
-            data = dcls(**{**cfg["data"]["init_args"], "train_batches": steps})
-            rec = Record()
-            trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, logger=False, callbacks=[rec],
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                                 limit_val_batches=0)
-            trainer.fit(model, data)
-            gaps = [b - a for a, b in zip(rec.times[10:], rec.times[11:])]
-            row["steps_per_s"] = 1.0 / statistics.median(gaps)
-            row["losses"] = rec.losses[:logged]
-            if flag and model._graphed.graphs is not None:
-                row["graphs"] = len(model._graphed.graphs.graphs)
-                row["eager_calls"] = model._graphed.graphs.eager_calls
-        except Exception as e:  # noqa: BLE001
-            row["error"] = error_text(e)
-        torch.cuda.empty_cache()
-        rows.append(row)
-        if progress:
-            print(_row_line(row), flush=True)
-    if len(rows) == 2 and "losses" in rows[0] and "losses" in rows[1]:
-        rows[1]["speedup"] = rows[1]["steps_per_s"] / rows[0]["steps_per_s"]
-        rows[1]["losses_identical"] = rows[0]["losses"] == rows[1]["losses"]
-        rows[1]["losses_max_rel_diff"] = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(rows[0]["losses"], rows[1]["losses"]))
-    return rows
-
-
 # --------------------------------------------------------------------------- language model
 
 
@@ -401,24 +341,27 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ttt-flash bench --graph", description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+def build_parser(parts: Sequence[str] = PARTS, prog: str = "ttt-flash bench --graph") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default=",".join(parts), help=f"comma-separated subset of {','.join(parts)}")
     p.add_argument("--seq-lens", default="1024,4096", help="chain sequence lengths")
     p.add_argument("--meta-seq-lens", default="512,2048", help="meta-step sequence lengths")
     p.add_argument("--tasks", type=int, default=4, help="meta-step tasks")
-    p.add_argument("--recipe", default="recipes/maml_transformer.yaml", help="MAML recipe (maml part)")
-    p.add_argument("--maml-steps", type=int, default=60, help="training steps per MAML run")
     p.add_argument("--out", default="bench_out", help="folder for bench_graph.json")
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = build_parser().parse_args(argv)
+def main(argv: Optional[Sequence[str]] = None, extra: Optional[Dict[str, Callable]] = None,
+         parser: Optional[argparse.ArgumentParser] = None) -> int:
+    """Run the parts named by ``--parts``; ``extra`` maps further part names to
+    ``fn(args) -> rows`` (run after the built-in ones), parsed by ``parser``."""
+    extra = extra or {}
+    known = (*PARTS, *extra)
+    a = (parser or build_parser(known)).parse_args(argv)
     parts = [x for x in a.parts.split(",") if x]
-    bad = sorted(set(parts) - set(PARTS))
+    bad = sorted(set(parts) - set(known))
     if bad:
-        raise SystemExit(f"ttt-flash bench --graph: unknown part(s) {bad}; choose from {list(PARTS)}")
+        raise SystemExit(f"ttt-flash bench --graph: unknown part(s) {bad}; choose from {list(known)}")
     if not torch.cuda.is_available():
         raise SystemExit("ttt-flash bench --graph needs a CUDA GPU: CUDA graphs do not exist on the CPU")
     result: Dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -432,10 +375,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         result["rows"] += chain_rows([int(x) for x in a.seq_lens.split(",")])
     if "meta" in parts:
         result["rows"] += meta_rows([int(x) for x in a.meta_seq_lens.split(",")], a.tasks)
-    if "maml" in parts:
-        result["rows"] += maml_rows(a.recipe, a.maml_steps)
     if "lm" in parts:
         result["rows"] += lm_rows()
+    for name, fn in extra.items():
+        if name in parts:
+            result["rows"] += fn(a)
     path = write_json(result, a.out, "bench_graph.json")
     print(format_table(result))
     print(f"wrote {path}")

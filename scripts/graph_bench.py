@@ -3,10 +3,12 @@
 at 1K and 4K, causal and not, and B=8 2K causal; the MAML meta-step at N = 512 and 2,048:
 ttt-flash eager and replayed, the same loop with SDPA math, higher + SDPA math; a GPT-2-small
 step and Hessian-vector-product step at batch 1 / 1,024 and batch 8 / 2,048, eager and
-replayed) and a fourth, ``maml``: recipes/maml_transformer.yaml trained through Lightning on the
-GPU with cuda_graph false and true (steps/s, the first 20 logged training losses).
+replayed) and two more through Lightning on the GPU, each with cuda_graph false and true:
+``maml``: recipes/maml_transformer.yaml (steps/s, the first 20 logged training losses);
+``lm_module``: recipes/sophia_gpt.yaml's LanguageModel (Sophia-H, bf16-mixed) at batch 1 / 1,024
+and batch 8 / 2,048 tokens (the plain and the Hessian-refresh steps' times).
 
-    python3 scripts/graph_bench.py OUT_DIR [--parts chain,meta,lm,maml] [--seq-lens 1024,4096] ...
+    python3 scripts/graph_bench.py OUT_DIR [--parts chain,meta,lm,maml,lm_module] [--seq-lens 1024,4096] ...
 
 Writes OUT_DIR/bench_graph.json and prints a table last.
 """
@@ -78,11 +80,72 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
     return rows
 
 
+def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 5, progress: bool = True) -> List[dict]:
+    """recipes/sophia_gpt.yaml's LanguageModel (GPT-2 small shape, byte vocabulary, Sophia-H,
+    bf16-mixed) at each (batch, seq_len), cuda_graph false then true: the median time of the
+    plain steps and of the Hessian-refresh steps (every ``every`` steps), after the first
+    ``every + 1`` steps (compilation, capture), and the logged losses."""
+    import lightning.pytorch as pl
+
+    from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    from ttt_flash.models import GPTConfig
+
+    class Record(pl.Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            torch.cuda.synchronize()
+            self._t, self._step = time.perf_counter(), trainer.global_step
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            torch.cuda.synchronize()
+            self.rows.append((self._step, time.perf_counter() - self._t, float(outputs["loss"])))
+
+    rows = []
+    for b, n in shapes:
+        pair = []
+        for flag in (False, True):
+            row = {"part": "lm_module", "batch": b, "n": n, "cuda_graph": flag, "steps": steps}
+            try:
+                pl.seed_everything(0, verbose=False)
+                model = LanguageModel(GPTConfig.gpt2_small(vocab_size=256, attention="ttt_flash"), optimizer="sophiah",
+                                      lr=3e-4, betas=(0.965, 0.99), weight_decay=0.2, rho=0.04, hessian_every=every,
+                                      warmup_steps=10, cuda_graph=flag)
+                data = ByteTextDataModule(seq_len=n, batch_size=b, max_bytes=2**23, train_batches=steps, val_batches=1)
+                rec = Record()
+                trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
+                                     callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
+                                     enable_model_summary=False, limit_val_batches=0)
+                trainer.fit(model, data)
+                late = [(s, t) for s, t, _ in rec.rows if s > every]
+                row["plain_ms"] = 1e3 * statistics.median([t for s, t in late if s % every])
+                row["refresh_ms"] = 1e3 * statistics.median([t for s, t in late if s % every == 0])
+                row["losses"] = [loss for _, _, loss in rec.rows]
+                if flag:
+                    row["graphs"] = {k: len(g.graphs) for k, g in model._graphed.graphs.items()}
+                    row["eager_calls"] = {k: g.eager_calls for k, g in model._graphed.graphs.items()}
+            except Exception as e:  # noqa: BLE001
+                row["error"] = error_text(e)
+            torch.cuda.empty_cache()
+            pair.append(row)
+            if progress:
+                print(_row_line(row), flush=True)
+        if all("plain_ms" in r for r in pair):
+            pair[1]["plain_speedup"] = pair[0]["plain_ms"] / pair[1]["plain_ms"]
+            pair[1]["refresh_speedup"] = pair[0]["refresh_ms"] / pair[1]["refresh_ms"]
+            pair[1]["losses_max_rel_diff"] = max(abs(a - c) / max(abs(a), 1e-30)
+                                                 for a, c in zip(pair[0]["losses"], pair[1]["losses"]))
+        rows += pair
+    return rows
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         raise SystemExit(__doc__)
-    parser = build_parser((*PARTS, "maml"), prog="scripts/graph_bench.py OUT_DIR")
+    parser = build_parser((*PARTS, "maml", "lm_module"), prog="scripts/graph_bench.py OUT_DIR")
     parser.add_argument("--recipe", default="recipes/maml_transformer.yaml", help="MAML recipe (maml part)")
     parser.add_argument("--maml-steps", type=int, default=60, help="training steps per MAML run")
     raise SystemExit(main(["--out", sys.argv[1], *sys.argv[2:]],
-                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps)}, parser=parser))
+                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps), "lm_module": lm_module_rows},
+                          parser=parser))

@@ -440,3 +440,35 @@ def test_sophia_lm_graphed_plain_and_refresh_steps_equal_eager():
     assert set(model._graphed.graphs) == {"step", "refresh"}  # steps 0, 2, 4 refresh the Hessian
     assert trainer.global_step == 5
     torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def graph_as_eager(monkeypatch):
+    """The modules' graphed path with each captured step run eagerly: the Lightning side of
+    cuda_graph=True (what the graph computes, backward skipped, refresh folded in, step
+    counts) checked on the CPU."""
+    from ttt_flash.lightning import _step
+
+    monkeypatch.setattr(_step.GraphedTraining, "usable", lambda self, cuda, why_not=None: self.enabled and why_not is None)
+    monkeypatch.setattr(StepGraphs, "__call__", lambda self, *inputs: self._eager(inputs))
+
+
+def test_graphed_path_of_each_module_equals_eager_on_cpu(graph_as_eager, tmp_path, one_thread):
+    from ttt_flash.lightning.memory import TTTE2EMQAR
+
+    eager, _, _ = _maml_fit(False, "cpu", 3, tmp_path)
+    graphed, model, trainer = _maml_fit(True, "cpu", 3, tmp_path)
+    assert trainer.global_step == 3 and model._graphed.graphs["step"].eager_calls == 3
+    assert graphed == eager
+    eager, _ = _memory_run(TTTE2EMQAR, False, "cpu")
+    graphed, trainer = _memory_run(TTTE2EMQAR, True, "cpu")
+    assert trainer.lightning_module._graphed.graphs["step"].eager_calls == 3
+    assert graphed == eager
+    eager, _ = _lm_run(False, "cpu", steps=4)
+    graphed, trainer = _lm_run(True, "cpu", steps=4)
+    model = trainer.lightning_module
+    calls = {k: g.eager_calls for k, g in model._graphed.graphs.items()}
+    assert calls == {"refresh": 2, "step": 2}  # hessian_every=2: steps 0 and 2 refresh
+    refresh = next(c for c in trainer.callbacks if type(c).__name__ == "HessianRefresh")
+    assert refresh.refreshes == 2
+    torch.testing.assert_close(graphed, eager, rtol=1e-6, atol=0)

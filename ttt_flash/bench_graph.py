@@ -338,6 +338,16 @@ def format_table(result: dict) -> str:
             lines.append(f"{label:28s} ERROR {r['error'][:80]}")
             continue
         lines.append(f"{label:28s} eager {r['eager_ms']:8.2f} ms  graph {r['graph_ms']:8.2f} ms  {r['speedup']:.2f}x")
+    for r in result["rows"]:  # scripts/graph_bench.py's LanguageModel runs
+        if r["part"] != "lm_module":
+            continue
+        label = f"lm module B{r['batch']} N{r['n']} cuda_graph={r['cuda_graph']!s:5s}"
+        if "error" in r:
+            lines.append(f"{label} ERROR {r['error'][:100]}")
+            continue
+        extra = (f"  plain {r['plain_speedup']:.2f}x  refresh {r['refresh_speedup']:.2f}x  loss max rel diff "
+                 f"{r['losses_max_rel_diff']:.1e}") if "plain_speedup" in r else ""
+        lines.append(f"{label} plain {r['plain_ms']:8.2f} ms  refresh {r['refresh_ms']:8.2f} ms{extra}")
     return "\n".join(lines)
 
 

@@ -98,6 +98,7 @@ class GraphedTraining:
         self.graphs: Dict[str, Any] = {}
         self._warned = False
         self._differentiated = False
+        self._grads: list = []
 
     def usable(self, cuda: bool, why_not: Optional[str] = None) -> bool:
         """Whether to graph this step: ``enabled``, ``cuda`` and no ``why_not`` (a reason the
@@ -123,11 +124,27 @@ class GraphedTraining:
                                                     optimizers=list(optimizers), generators=list(generators),
                                                     name=name)
         self._differentiated = True
-        return graphs(*inputs)
+        params = list(graphs.capture_kw["params"])
+        out = graphs(*inputs)
+        self._grads = [(p, p.grad) for p in params]
+        return out
+
+    @property
+    def differentiated(self) -> bool:
+        """Whether :meth:`run` computed this step's gradients (until :meth:`take_backward`):
+        ``optimizer_zero_grad`` must then leave them alone."""
+        return self._differentiated
 
     def take_backward(self) -> bool:
-        """True once after :meth:`run`: the step's backward already ran in the graph."""
+        """True once after :meth:`run`: the step's backward already ran in the graph. Points
+        ``p.grad`` back at the step's gradients (Lightning's automatic optimization calls
+        ``zero_grad()`` between the training step and the backward)."""
         done, self._differentiated = self._differentiated, False
+        if done:
+            for p, g in self._grads:
+                if p.grad is not g:
+                    p.grad = g
+            self._grads = []
         return done
 
     def reset(self) -> None:

@@ -411,6 +411,11 @@ class LanguageModel(LightningModule):
         recompute = "model.blocks" if self.hparams.get("hessian_recompute", False) else None
         return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"), recompute=recompute)]
 
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self._graphed.differentiated:
+            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self._graphed.take_backward():
             return  # the graph replayed this step's backward (and the Hessian refresh)

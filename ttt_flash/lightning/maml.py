@@ -215,7 +215,8 @@ class MAML(LightningModule):
 
     def _graphed_training_step(self, batch: MetaBatch) -> Tensor:
         lopt = self.optimizers()
-        self._timer.start(True)
+        cuda = batch.support_inputs.is_cuda
+        self._timer.start(cuda)
         sums = self._graphed.run(self._graphed_meta_update, tuple(batch), self.parameters(), [lopt.optimizer],
                                  name="MAML.training_step")
         self._graphed.take_backward()  # manual optimization: no Lightning backward follows
@@ -223,7 +224,7 @@ class MAML(LightningModule):
         lopt._on_before_step()  # the step counts of Lightning's manual-optimization loop (global_step)
         lopt._on_after_step()
         tasks = batch.num_tasks
-        self._timer.log(self, True, tasks)
+        self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
         self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
         return sums["loss_post"] / tasks

@@ -261,6 +261,11 @@ class _RecallModule(LightningModule):
             return "gradient accumulation"
         return None
 
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self._graphed.differentiated:
+            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self._graphed.take_backward():
             return  # the graph replayed this step's backward

@@ -472,3 +472,60 @@ def test_graphed_path_of_each_module_equals_eager_on_cpu(graph_as_eager, tmp_pat
     refresh = next(c for c in trainer.callbacks if type(c).__name__ == "HessianRefresh")
     assert refresh.refreshes == 2
     torch.testing.assert_close(graphed, eager, rtol=1e-6, atol=0)
+
+
+# --------------------------------------------------------------------------- exact resume with cuda_graph
+
+
+_RESUME = {
+    "maml": ("maml_sinusoid", ["--data.init_args.train_batches=4", "--data.init_args.meta_batch_size=2",
+                               "--data.init_args.val_batches=1", "--trainer.max_epochs=2"]),
+    "lm": ("sophia_gpt_tiny", [
+        "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.seq_len=16",
+        "--data.init_args.max_bytes=20000", "--data.init_args.val_batches=1",
+        "--model.init_args.gpt.n_layer=1", "--model.init_args.gpt.d_model=16", "--model.init_args.gpt.n_head=4",
+        "--model.init_args.hessian_every=3", "--model.init_args.warmup_steps=2",
+        "--trainer.max_steps=8", "--trainer.val_check_interval=2"]),
+}
+
+
+def _resumed_equals_straight(case, tmp_path, monkeypatch, extra=()):
+    import csv
+    import shutil
+    from pathlib import Path
+
+    from ttt_flash.cli import main
+
+    def rows(path):
+        with open(path, newline="") as f:
+            # every column but wall-clock times and peak memory (a resumed run captures its graphs again)
+            return [{k: v for k, v in r.items() if not k.endswith(("_s", "peak_mem_gib"))} for r in csv.DictReader(f)]
+
+    recipe, overrides = _RESUME[case]
+    monkeypatch.chdir(tmp_path)
+    recipes = Path(__file__).resolve().parent.parent / "recipes"
+    argv = ["fit", "--config", str(recipes / f"{recipe}.yaml"), *overrides, "--model.init_args.cuda_graph=true",
+            *extra, "--trainer.callbacks.init_args.every_n_train_steps=1", "--trainer.callbacks.init_args.save_top_k=-1",
+            "--trainer.callbacks.init_args.filename={step}", "--trainer.log_every_n_steps=1",
+            "--trainer.enable_model_summary=false", "--trainer.enable_progress_bar=false"]
+    assert main(argv) == 0
+    folder = tmp_path / "runs" / recipe
+    straight = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    straight_rows = rows(folder / "metrics.csv")
+    shutil.copy(folder / "checkpoints" / "step=5.ckpt", tmp_path / "k5.ckpt")  # mid-epoch
+    assert main([*argv, "--ckpt_path", str(tmp_path / "k5.ckpt")]) == 0
+    resumed = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == straight["global_step"] == 8
+    for name in straight["state_dict"]:
+        assert torch.equal(resumed["state_dict"][name], straight["state_dict"][name]), name
+    assert rows(folder / "metrics.csv") == straight_rows
+
+
+def test_graphed_lm_run_resumes_exactly_on_cpu(graph_as_eager, tmp_path, monkeypatch, one_thread):
+    _resumed_equals_straight("lm", tmp_path, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(_RESUME))
+def test_graphed_run_resumes_exactly(case, tmp_path, monkeypatch):
+    _resumed_equals_straight(case, tmp_path, monkeypatch, extra=["--trainer.accelerator=gpu"])

@@ -7,6 +7,7 @@ the step captured as a CUDA graph (:class:`GraphedTraining`, docs/cuda-graphs.md
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Any, Dict, Iterable, Optional
@@ -15,7 +16,7 @@ import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients", "GraphedTraining"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast"]
 
 
 class StepTimer:
@@ -163,3 +164,12 @@ def _autocast_free_cache(fn):
             return fn(*args)
 
     return step
+
+
+def outside_autocast(t: torch.Tensor):
+    """A region with autocast off on ``t``'s device (a no-op context when it is off already):
+    the backward passes of a graphed step run there, as Lightning runs the eager backward after
+    leaving the training step's autocast region."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()

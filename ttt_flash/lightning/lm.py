@@ -48,7 +48,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from ._step import GraphedTraining, LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
 from ..models import GPT, GPTConfig
 from ..hessian import probe_like
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
@@ -495,7 +495,8 @@ class LanguageModel(LightningModule):
             if p.grad is not None:
                 p.grad.zero_()
         loss = self.model.loss(x, y)
-        loss.backward()
+        with outside_autocast(loss):
+            loss.backward()
         return loss.detach()
 
     def _refresher(self) -> Tuple[HessianOptimizer, "HessianRefresh"]:
@@ -511,18 +512,19 @@ class LanguageModel(LightningModule):
         pairs = opt._trainable()
         params = [p for _, p in pairs]
         loss = self.model.loss(x, y)
-        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
-        live = [i for i, g in enumerate(grads) if g is not None]
         gen = cb._probe_generator(opt)
         acc = [None] * len(pairs)
-        for _ in range(cb.n_samples):
-            z_all = [probe_like([p], g["probe"], gen)[0] for g, p in pairs]  # drawn as update_hessian draws
-            z = [z_all[i] for i in live]
-            hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live], z,
-                                     retain_graph=True, allow_unused=True)
-            for j, i in enumerate(live):
-                sample = z[j] * (torch.zeros_like(z[j]) if hz[j] is None else hz[j])
-                acc[i] = sample if acc[i] is None else acc[i].add_(sample)
+        with outside_autocast(loss):
+            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+            live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+            for _ in range(cb.n_samples):
+                z_all = [probe_like([p], g["probe"], gen)[0] for g, p in pairs]  # drawn as update_hessian draws
+                z = [z_all[i] for i in live]
+                hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live], z,
+                                         retain_graph=True, allow_unused=True)
+                for j, i in enumerate(live):
+                    sample = z[j] * (torch.zeros_like(z[j]) if hz[j] is None else hz[j])
+                    acc[i] = sample if acc[i] is None else acc[i].add_(sample)
         with torch.no_grad():
             for p, g in zip(params, grads):
                 g = torch.zeros_like(p) if g is None else g.detach()

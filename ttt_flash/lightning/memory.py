@@ -39,7 +39,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._step import GraphedTraining, LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
 from .context_parallel import ContextParallelPlan
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
@@ -251,7 +251,8 @@ class _RecallModule(LightningModule):
             if p.grad is not None:
                 p.grad.zero_()
         metrics = self._metrics(RecallBatch(*fields), train=True)
-        metrics["loss_post"].backward()
+        with outside_autocast(metrics["loss_post"]):
+            metrics["loss_post"].backward()
         return {k: v.detach() for k, v in metrics.items()}
 
     def _graph_blocker(self) -> Optional[str]:

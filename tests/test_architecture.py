@@ -27,6 +27,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash._select": 0,
     "ttt_flash.second_order": 0,
     "ttt_flash.ops": 0,
+    "ttt_flash.cuda_graph": 0,
     # 1: kernels, the reference, model-agnostic loops, tasks and data
     "ttt_flash.kernels": 1,
     "ttt_flash.reference": 1,
@@ -50,6 +51,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash.bench_step": 4,
     "ttt_flash.bench_jvp": 4,
     "ttt_flash.bench_cp": 4,
+    "ttt_flash.bench_graph": 4,
     "ttt_flash.integrations": 4,
     # 5: Lightning glue
     "ttt_flash.lightning": 5,

@@ -538,7 +538,10 @@ def _check_heads(hq: int, hkv: int) -> None:
         )
 
 
-def _check_cu_seqlens(name: str, cu, tokens: int, device) -> list:
+def _check_cu_seqlens(name: str, cu, tokens: int, device, read: bool = True) -> Optional[list]:
+    """The checked values of ``cu`` as a list; None (the values unchecked, nothing read back
+    to the host) when ``read`` is False and ``cu`` is on a GPU: with ``max_seqlen_*`` given the
+    call stays free of device synchronisations (CUDA-graph capture, docs/cuda-graphs.md)."""
     if not isinstance(cu, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -547,6 +550,8 @@ def _check_cu_seqlens(name: str, cu, tokens: int, device) -> list:
         raise ValueError(f"{name} must be 1-D with batch_size + 1 >= 2 entries, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
+    if not read and cu.device.type != "cpu":
+        return None
     try:
         values = cu.tolist()
     except RuntimeError as e:  # e.g. a vmapped (batched) tensor has no data to read
@@ -774,21 +779,22 @@ def flash_attention_varlen(
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
     _check_heads(q.shape[1], k.shape[1])
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
-    if len(cq) != len(ck):
+    read = max_seqlen_q is None or max_seqlen_k is None  # both given on a GPU: no host read-back
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, read)
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, read)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{len(cq) - 1} and {len(ck) - 1}"
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
         )
-    longest_q = max(b - a for a, b in zip(cq, cq[1:]))
-    longest_k = max(b - a for a, b in zip(ck, ck[1:]))
+    longest_q = None if cq is None else max(b - a for a, b in zip(cq, cq[1:]))
+    longest_k = None if ck is None else max(b - a for a, b in zip(ck, ck[1:]))
     for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
         if given is None:
             continue
         if isinstance(given, bool) or not isinstance(given, numbers.Integral):
             raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-        if given < longest:
+        if longest is not None and given < longest:
             raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
     backend = _resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[0] == 0:

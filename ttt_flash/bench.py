@@ -19,7 +19,8 @@ Usage::
     ttt-flash bench --device cpu --seq-lens 64,128 --dtype float64      # CPU smoke test
 
 With ``--gpt-step``: a first-order training step of the ``models/`` GPT, eager vs
-``torch.compile`` (:mod:`ttt_flash.bench_step`).
+``torch.compile`` (:mod:`ttt_flash.bench_step`). With ``--graph``: eager against CUDA-graph
+replay of the chain, a MAML meta-step, a MAML recipe and a GPT step (:mod:`ttt_flash.bench_graph`).
 
 Writes ``bench.json`` (all numbers) and ``bench.png`` (time and memory vs N, log-log)
 into ``--out``; prints a table. A configuration whose correctness check fails gets no
@@ -356,6 +357,9 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench_jvp; "
                    "its options: ttt-flash bench --jvp --help)")
+    p.add_argument("--graph", action="store_true", help="eager vs CUDA-graph replay of the chain, the MAML "
+                   "meta-step, a MAML recipe and a GPT step instead (ttt_flash.bench_graph; its options: "
+                   "ttt-flash bench --graph --help)")
     step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
     step.add_argument("--gpt-step", action="store_true",
                       help="time a first-order training step of the models/ GPT, eager and compiled "
@@ -378,6 +382,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench_jvp import main as jvp_main
 
         return jvp_main([x for x in args if x != "--jvp"])
+    if "--graph" in args:  # eager vs CUDA-graph replay, with its own options (ttt_flash.bench_graph)
+        from .bench_graph import main as graph_main
+
+        return graph_main([x for x in args if x != "--graph"])
     p = build_parser()
     a = p.parse_args(argv)
     if a.context_parallel:

@@ -1,19 +1,22 @@
 """What every LightningModule of the package does around a training step: time it (and its
 CUDA peak memory), and, under DDP, switch DDP's own gradient sync off and average the local
 gradients explicitly (docs/distributed.md): DDP's hooks cannot reduce a backward through
-``autograd.grad(create_graph=True)`` graphs correctly.
+``autograd.grad(create_graph=True)`` graphs correctly; and, with ``cuda_graph=True``, replay
+the step captured as a CUDA graph (:class:`GraphedTraining`, docs/cuda-graphs.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Iterable, Optional
+import warnings
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast"]
 
 
 class StepTimer:
@@ -70,3 +73,103 @@ class LocalGradients:
         if self.active:
             average_gradients(params, weight=self.weight)
         self.weight = 0
+
+
+class GraphedTraining:
+    """The ``cuda_graph`` option of the package's LightningModules (docs/cuda-graphs.md).
+
+    :meth:`run` replays the training step captured as a CUDA graph for the batch's shapes
+    (:class:`ttt_flash.cuda_graph.StepGraphs`: one graph per shape and ``kind`` of step, at
+    most ``max_graphs`` each, then eager with one warning; eager with one warning if the step
+    cannot be captured). The step function zeroes the gradients in place and runs the
+    backward passes; with manual optimization it also steps the (capturable) optimizers.
+    Under autocast (``precision="bf16-mixed"``) the step runs in an autocast region with its
+    cast cache off, as capture requires. :meth:`usable` says whether the step can be graphed
+    at all (not on the CPU, not under DDP / context parallelism, not with gradient
+    accumulation: one warning, then eager). :meth:`reset` drops the graphs: after a checkpoint
+    is loaded the optimizer state lives in new tensors, so the graphs are captured again.
+
+    With automatic optimization the module's ``backward`` must skip the step that
+    :meth:`run` already differentiated: :meth:`take_backward` says so once per step.
+    """
+
+    def __init__(self, enabled: bool, max_graphs: int = 4):
+        self.enabled = bool(enabled)
+        self.max_graphs = max_graphs
+        self.graphs: Dict[str, Any] = {}
+        self._warned = False
+        self._differentiated = False
+        self._grads: list = []
+
+    def usable(self, cuda: bool, why_not: Optional[str] = None) -> bool:
+        """Whether to graph this step: ``enabled``, ``cuda`` and no ``why_not`` (a reason the
+        module found; warned once)."""
+        if not self.enabled:
+            return False
+        reason = why_not if cuda else "the batch is not on a CUDA device"
+        if reason is not None:
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"cuda_graph=True: the training step runs eagerly: {reason}", RuntimeWarning, stacklevel=3)
+            return False
+        return True
+
+    def run(self, fn, inputs, params, optimizers=(), name: str = "training_step", kind: str = "step",
+            generators=()):
+        from ..cuda_graph import StepGraphs
+
+        graphs = self.graphs.get(kind)
+        if graphs is None:
+            graphs = self.graphs[kind] = StepGraphs(_autocast_free_cache(fn), max_graphs=self.max_graphs,
+                                                    fallback=True, params=list(params),
+                                                    optimizers=list(optimizers), generators=list(generators),
+                                                    name=name)
+        self._differentiated = True
+        params = list(graphs.capture_kw["params"])
+        out = graphs(*inputs)
+        self._grads = [(p, p.grad) for p in params]
+        return out
+
+    @property
+    def differentiated(self) -> bool:
+        """Whether :meth:`run` computed this step's gradients (until :meth:`take_backward`):
+        ``optimizer_zero_grad`` must then leave them alone."""
+        return self._differentiated
+
+    def take_backward(self) -> bool:
+        """True once after :meth:`run`: the step's backward already ran in the graph. Points
+        ``p.grad`` back at the step's gradients (Lightning's automatic optimization calls
+        ``zero_grad()`` between the training step and the backward)."""
+        done, self._differentiated = self._differentiated, False
+        if done:
+            for p, g in self._grads:
+                if p.grad is not g:
+                    p.grad = g
+            self._grads = []
+        return done
+
+    def reset(self) -> None:
+        self.graphs = {}
+        self._differentiated = False
+
+
+def _autocast_free_cache(fn):
+    """``fn`` run in the caller's CUDA autocast region with the cast cache off (a cached cast
+    made during capture would be freed when the region exits; torch.cuda.graph's docs)."""
+
+    def step(*args):
+        if not torch.is_autocast_enabled("cuda"):
+            return fn(*args)
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+            return fn(*args)
+
+    return step
+
+
+def outside_autocast(t: torch.Tensor):
+    """A region with autocast off on ``t``'s device (a no-op context when it is off already):
+    the backward passes of a graphed step run there, as Lightning runs the eager backward after
+    leaving the training step's autocast region."""
+    if torch.is_autocast_enabled(t.device.type):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()

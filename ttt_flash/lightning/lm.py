@@ -48,8 +48,9 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from ._step import LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
 from ..models import GPT, GPTConfig
+from ..hessian import probe_like
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
 from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
 from .resume import EpochSampler, ResumableLoader
@@ -289,6 +290,13 @@ class LanguageModel(LightningModule):
             each group trains on its first rank's batch, each rank on a block of its tokens
             (:class:`~ttt_flash.lightning.context_parallel.ContextParallelPlan`,
             docs/distributed.md).
+        cuda_graph: on CUDA, capture the training step's forward and backward as a CUDA
+            graph once per batch shape, and the Hessian-refresh step (forward, ``create_graph``
+            backward, the Hutchinson products with the probes drawn in the graph from
+            :class:`HessianRefresh`'s generator) as another, and replay them
+            (docs/cuda-graphs.md); the optimizer step stays eager. The CPU, DDP, context
+            parallelism, gradient accumulation and ``hessian_mode="fwd_rev"`` run eagerly (one
+            warning). Validation stays eager.
     """
 
     def __init__(
@@ -308,6 +316,7 @@ class LanguageModel(LightningModule):
         hessian_mode: Literal["rev_rev", "fwd_rev"] = "rev_rev",
         context_parallel: int = 1,
         hessian_recompute: bool = False,
+        cuda_graph: bool = False,
     ):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -343,6 +352,7 @@ class LanguageModel(LightningModule):
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False
         self._timer, self._local = StepTimer(), LocalGradients()
+        self._graphed = GraphedTraining(cuda_graph)
 
     @property
     def second_order(self) -> bool:
@@ -401,7 +411,14 @@ class LanguageModel(LightningModule):
         recompute = "model.blocks" if self.hparams.get("hessian_recompute", False) else None
         return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"), recompute=recompute)]
 
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self._graphed.differentiated:
+            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        if self._graphed.take_backward():
+            return  # the graph replayed this step's backward (and the Hessian refresh)
         if self.hessian_refresh_pending:
             with warnings.catch_warnings():
                 # The parameter <-> gradient cycle is broken by update_hessian(), which
@@ -443,6 +460,7 @@ class LanguageModel(LightningModule):
         # (not with context parallelism: its shares are averaged the same explicit way).
         local = self.second_order or self.context_parallel_plan.active
         self._local.begin(self.trainer, local)
+        self._graphed.reset()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         self._local.average(self.model.parameters())
@@ -457,8 +475,91 @@ class LanguageModel(LightningModule):
         part, mean = self.context_parallel_plan.loss(self.model(x), y, n)
         return part, mean, n, x.shape[0]
 
+    # ------------------------------------------------------------------ cuda_graph (docs/cuda-graphs.md)
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self._graphed.reset()  # new optimizer state and probe generator: capture again
+
+    def _graph_blocker(self) -> Optional[str]:
+        if self._local.active or self.context_parallel_plan.active:
+            return "DDP / context parallelism"
+        if self.trainer.accumulate_grad_batches != 1:
+            return "gradient accumulation"
+        if self.second_order and self.hparams.get("hessian_mode", "rev_rev") != "rev_rev":
+            return "hessian_mode='fwd_rev'"
+        return None
+
+    def _graphed_grads(self, x: Tensor, y: Tensor) -> Tensor:
+        """The loss and its gradients (zeroed in place first): the plain step's graph."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        loss = self.model.loss(x, y)
+        with outside_autocast(loss):
+            loss.backward()
+        return loss.detach()
+
+    def _refresher(self) -> Tuple[HessianOptimizer, "HessianRefresh"]:
+        opt = self.trainer.optimizers[0]
+        cb = next(c for c in self.trainer.callbacks if isinstance(c, HessianRefresh) and c.mode == "rev_rev")
+        return opt, cb
+
+    def _graphed_refresh(self, x: Tensor, y: Tensor):
+        """The loss, its gradients (written into ``p.grad``) and the Hutchinson samples
+        z ∘ (H z) of the optimizer's parameters (None where the loss does not reach one),
+        averaged over the callback's ``n_samples`` probes: the refresh step's graph."""
+        opt, cb = self._refresher()
+        pairs = opt._trainable()
+        params = [p for _, p in pairs]
+        loss = self.model.loss(x, y)
+        gen = cb._probe_generator(opt)
+        acc = [None] * len(pairs)
+        with outside_autocast(loss):
+            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+            live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+            for _ in range(cb.n_samples):
+                z_all = [probe_like([p], g["probe"], gen)[0] for g, p in pairs]  # drawn as update_hessian draws
+                z = [z_all[i] for i in live]
+                hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live], z,
+                                         retain_graph=True, allow_unused=True)
+                for j, i in enumerate(live):
+                    sample = z[j] * (torch.zeros_like(z[j]) if hz[j] is None else hz[j])
+                    acc[i] = sample if acc[i] is None else acc[i].add_(sample)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                g = torch.zeros_like(p) if g is None else g.detach()
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+        return loss.detach(), [None if a is None else a.div_(cb.n_samples) for a in acc]
+
+    def _graphed_step(self, x: Tensor, y: Tensor) -> Tensor:
+        name = "LanguageModel.training_step"
+        if not self.hessian_refresh_pending:
+            return self._graphed.run(self._graphed_grads, (x, y), self.model.parameters(), name=name).clone()
+        opt, cb = self._refresher()
+        pairs = opt._trainable()
+        loss, samples = self._graphed.run(self._graphed_refresh, (x, y), [p for _, p in pairs],
+                                          name=name + " (Hessian refresh)", kind="refresh",
+                                          generators=[cb._probe_generator(opt)])
+        with torch.no_grad():  # HessianOptimizer.update_hessian's last part, on the graph's samples
+            for (group, p), sample in zip(pairs, samples):
+                if sample is not None:
+                    state = opt._init_state(p)
+                    opt._absorb_hessian(group, p, state, sample)
+                    state["hessian_step"] += 1
+        self.hessian_refresh_pending = False
+        cb.refreshes += 1
+        return loss.clone()
+
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        loss, shown, weight, b = self._loss(batch)
+        if self._graphed.enabled and self._graphed.usable(batch[0].is_cuda, self._graph_blocker()):
+            x, y = self._check_batch(batch)
+            loss = shown = self._graphed_step(x, y)
+            weight, b = x.numel(), x.shape[0]
+        else:
+            loss, shown, weight, b = self._loss(batch)
         self._local.add(weight)
         self.log("train/loss", shown, prog_bar=True, batch_size=b)
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=b)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from ._step import LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer
 from ..meta import check_inner_optimizer, functional_loss, inner_loop, select_adapted
 from ..tasks import MetaBatch, incontext_mse
 from ..models import NetConfig
@@ -70,6 +70,10 @@ class MAML(LightningModule):
         loss: ``"mse"`` (sinusoid), ``"incontext_mse"`` (in-context regression) or
             ``"cross_entropy"`` (classification; also logs accuracy).
         grad_clip: clip the meta-gradient to this global norm (None: no clipping).
+        cuda_graph: on CUDA, capture the whole training step (every task's inner loop and
+            backward, clipping, the outer Adam step, made ``capturable``) as a CUDA graph once
+            per batch shape and replay it (docs/cuda-graphs.md); other shapes, the CPU and DDP
+            run eagerly (one warning). Validation stays eager.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class MAML(LightningModule):
         eval_inner_steps: Optional[int] = None,
         loss: Literal["mse", "incontext_mse", "cross_entropy"] = "mse",
         grad_clip: Optional[float] = None,
+        cuda_graph: bool = False,
     ):
         super().__init__()
         if isinstance(net, Mapping):  # hparams of a checkpoint written through LightningCLI
@@ -106,6 +111,7 @@ class MAML(LightningModule):
         self.save_hyperparameters()
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()
+        self._graphed = GraphedTraining(cuda_graph)
         self.net_config = net
         self.net = net.build()
         self.adapted_names = select_adapted([n for n, _ in self.net.named_parameters()], adapt)
@@ -121,7 +127,10 @@ class MAML(LightningModule):
         return self.net(*inputs)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=self.hparams.outer_lr)
+        # capturable on CUDA with or without cuda_graph: the graphed and the eager run then step
+        # the same kernels (identical losses)
+        capturable = self.device.type == "cuda"
+        return torch.optim.Adam(self.parameters(), lr=self.hparams.outer_lr, capturable=capturable)
 
     # ------------------------------------------------------------------ meta-learning
 
@@ -170,6 +179,10 @@ class MAML(LightningModule):
         # inner loop's autograd.grad graph correctly, so they are switched off; each process
         # meta-trains on its own tasks and training_step averages the meta-gradients.
         self._local.begin(self.trainer)
+        self._graphed.reset()
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self._graphed.reset()  # the loaded optimizer state lives in new tensors: capture again
 
     def on_train_batch_start(self, batch, batch_idx: int) -> None:
         # Lightning switches DDP's sync back on after every manual-optimization forward
@@ -177,8 +190,49 @@ class MAML(LightningModule):
         # reducer joins the next backward (a collective the other path does not match).
         self._local.keep_off(self.trainer)
 
+    def _graphed_meta_update(self, *fields) -> Dict[str, Tensor]:
+        """One meta-update on ``MetaBatch(*fields)`` with the raw optimizer: what the CUDA graph
+        of ``cuda_graph=True`` captures (gradients zeroed in place, no host synchronisation)."""
+        batch = MetaBatch(*fields)
+        opt = self.optimizers().optimizer
+        opt.zero_grad(set_to_none=False)
+        tasks = batch.num_tasks
+        sums: Dict[str, Tensor] = {}
+        for t in range(tasks):
+            support, query = batch.task(t)
+            with torch.no_grad():
+                pre = self._score(None, query)
+            fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
+            post = self._score(fast, query)
+            (post["loss"] / tasks).backward()
+            for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
+                                *((f"{k}_post", v.detach()) for k, v in post.items())]:
+                sums[name] = sums.get(name, 0.0) + value
+        if self.hparams.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.grad_clip, foreach=True)
+        opt.step()
+        return sums
+
+    def _graphed_training_step(self, batch: MetaBatch) -> Tensor:
+        lopt = self.optimizers()
+        cuda = batch.support_inputs.is_cuda
+        self._timer.start(cuda)
+        sums = self._graphed.run(self._graphed_meta_update, tuple(batch), self.parameters(), [lopt.optimizer],
+                                 name="MAML.training_step")
+        self._graphed.take_backward()  # manual optimization: no Lightning backward follows
+        sums = {k: v.clone() for k, v in sums.items()}  # the graph's outputs are overwritten by the next replay
+        lopt._on_before_step()  # the step counts of Lightning's manual-optimization loop (global_step)
+        lopt._on_after_step()
+        tasks = batch.num_tasks
+        self._timer.log(self, cuda, tasks)
+        self._log("train", sums, tasks)
+        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
+        return sums["loss_post"] / tasks
+
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:
         self._check_batch(batch)
+        if self._graphed.usable(batch.support_inputs.is_cuda, "DDP" if self._local.active else None):
+            return self._graphed_training_step(batch)
         opt = self.optimizers()
         cuda = batch.support_inputs.is_cuda
         self._timer.start(cuda)

@@ -39,7 +39,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._step import LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
 from .context_parallel import ContextParallelPlan
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
@@ -177,9 +177,10 @@ class _RecallModule(LightningModule):
 
     net: nn.Module
 
-    def __init__(self):
+    def __init__(self, cuda_graph: bool = False):
         super().__init__()
         self._timer, self._local = StepTimer(), LocalGradients()
+        self._graphed = GraphedTraining(cuda_graph)
         #: context parallelism (docs/distributed.md); subclasses that support it replace it
         self.context_parallel_plan = ContextParallelPlan(1)
 
@@ -233,13 +234,53 @@ class _RecallModule(LightningModule):
         # graphs correctly, so they are switched off; gradients stay local and are averaged
         # in on_before_optimizer_step, weighted by each process's number of query targets.
         self._local.begin(self.trainer)
+        self._graphed.reset()
 
     def on_before_optimizer_step(self, optimizer) -> None:  # before gradient clipping
         self._local.average(self.parameters())
 
+    # ---------------------------------------------------------------- cuda_graph (docs/cuda-graphs.md)
+
+    def on_load_checkpoint(self, checkpoint) -> None:
+        self._graphed.reset()
+
+    def _graphed_metrics(self, *fields) -> Dict[str, Tensor]:
+        """The training metrics of ``RecallBatch(*fields)`` and the gradients of ``loss_post``
+        (zeroed in place first): what ``cuda_graph=True`` captures."""
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        metrics = self._metrics(RecallBatch(*fields), train=True)
+        with outside_autocast(metrics["loss_post"]):
+            metrics["loss_post"].backward()
+        return {k: v.detach() for k, v in metrics.items()}
+
+    def _graph_blocker(self) -> Optional[str]:
+        if self._local.active or self.context_parallel_plan.active:
+            return "DDP / context parallelism"
+        if self.trainer.accumulate_grad_batches != 1:
+            return "gradient accumulation"
+        return None
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self._graphed.differentiated:
+            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        if self._graphed.take_backward():
+            return  # the graph replayed this step's backward
+        super().backward(loss, *args, **kwargs)
+
     def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
         self._local.add(batch.query_targets.numel())
-        metrics = self._metrics(batch, train=True)
+        if self._graphed.enabled and self._graphed.usable(batch.context.is_cuda, self._graph_blocker()):
+            params = [p for p in self.parameters() if p.requires_grad]
+            metrics = self._graphed.run(self._graphed_metrics, tuple(batch), params,
+                                        name=f"{type(self).__name__}.training_step")
+            metrics = {k: v.clone() for k, v in metrics.items()}  # overwritten by the next replay
+        else:
+            metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
         self.log("train/context_len", float(batch.context.shape[1]), batch_size=batch.context.shape[0])
@@ -330,6 +371,10 @@ class GradMemKV(_RecallModule):
             docs/distributed.md). Needs ``attention="ttt_flash"`` and ``n_head`` >= P.
         rope_base: base θ of the GPT's rotary embedding (larger: slower rotation, so that
             content can address the memory tokens from tens of thousands of positions away).
+        cuda_graph: on CUDA, capture the training step's forward, inner loops and backward
+            as a CUDA graph once per batch shape and replay it (docs/cuda-graphs.md); the
+            optimizer step stays eager. The CPU, DDP, context parallelism and gradient
+            accumulation run eagerly (one warning). Validation stays eager.
     """
 
     def __init__(
@@ -350,8 +395,9 @@ class GradMemKV(_RecallModule):
         warmup_steps: int = 50,
         context_parallel: int = 1,
         rope_base: float = 10000.0,
+        cuda_graph: bool = False,
     ):
-        super().__init__()
+        super().__init__(cuda_graph)
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
         self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
@@ -381,8 +427,8 @@ class TTTE2EMQAR(_RecallModule):
         inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps: as in :class:`GradMemKV`.
         context_parallel: as in :class:`GradMemKV`; each rank runs its block of every chunk's
             sequence (:class:`ttt_flash.memory.FastWeightTTT`).
-        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps, rope_base: as in
-            :class:`GradMemKV`.
+        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps, rope_base,
+            cuda_graph: as in :class:`GradMemKV`.
     """
 
     def __init__(
@@ -404,8 +450,9 @@ class TTTE2EMQAR(_RecallModule):
         warmup_steps: int = 50,
         context_parallel: int = 1,
         rope_base: float = 10000.0,
+        cuda_graph: bool = False,
     ):
-        super().__init__()
+        super().__init__(cuda_graph)
         _check_common(lr, weight_decay, warmup_steps)
         self.save_hyperparameters()
         self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
@@ -443,6 +490,7 @@ class MemoryLayerMQAR(_RecallModule):
             η ∇ℓ) or ``"slot_normalized"`` (values only, each slot's step divided by the
             attention mass it receives: stable for any number of writes; ``inner_lr`` <= 1).
             See :class:`ttt_flash.memory.GradientMemoryAttention`.
+        cuda_graph: as in :class:`GradMemKV`.
     """
 
     def __init__(
@@ -465,8 +513,9 @@ class MemoryLayerMQAR(_RecallModule):
         context_parallel: int = 1,
         write_gate: bool = False,
         write_rule: WriteRule = "gradient",
+        cuda_graph: bool = False,
     ):
-        super().__init__()
+        super().__init__(cuda_graph)
         _check_common(lr, weight_decay, warmup_steps)
         if context_parallel != 1:
             raise ValueError(

@@ -12,6 +12,9 @@ the last validation losses before (loss_pre) and after (loss_post) adaptation, a
 the last 20 training loss_post values; prints a table and writes JSON to --out.
 
     python scripts/maml_memory_layer_seeds.py --seeds 0,1,2 --out runs/maml_memory_layer_seeds
+    python scripts/maml_memory_layer_seeds.py --out runs/mm_chunk4 -- --model.init_args.net.memory_chunk=4
+
+Arguments after ``--`` are passed to every ``ttt-flash fit`` run (recipe overrides).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--out", required=True, help="folder for the runs' logs and results.json")
     ap.add_argument("--max-epochs", type=int, default=None, help="override trainer.max_epochs")
-    args = ap.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results = []
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
                 f"--trainer.default_root_dir={out}", "--trainer.enable_progress_bar=false",
                 "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
             ]
+            argv_run += extra
             if args.max_epochs is not None:
                 argv_run.append(f"--trainer.max_epochs={args.max_epochs}")
             code = cli(argv_run)
@@ -74,7 +80,7 @@ def main(argv=None) -> int:
             row = {"seed": seed, "writes": name, "wall_s": round(time.perf_counter() - start, 1),
                    **_read(out / version / "metrics.csv")}
             results.append(row)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps({"overrides": extra, "runs": results}, indent=1))
     print(f"\n{'seed':>4} {'writes':>12} {'val pre':>9} {'val post':>9} {'train post (last 20)':>21} {'wall s':>7}")
     for r in results:
         print(f"{r['seed']:>4} {r['writes']:>12} {r['val_loss_pre']:9.4f} {r['val_loss_post']:9.4f} "

@@ -342,3 +342,45 @@ def test_memory_layer_recipe_fast_dev_run(monkeypatch, tmp_path):
     code = main(["fit", "--config", str(recipe), "--trainer.fast_dev_run=true",
                  f"--trainer.default_root_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
     assert code == 0 and calls
+
+
+@pytest.mark.parametrize("mechanism", ["gradmem", "fast_weight"])
+def test_maml_over_gradmem_and_fast_weight_ttt_equals_math(mechanism, monkeypatch):
+    """GradMem and FastWeightTTT (second-order inner writes) inside meta.inner_loop: the
+    meta-gradient through ttt_flash equals the one through materialised attention."""
+    import torch.nn.functional as F
+
+    from ttt_flash.memory import FastWeightTTT, GradMem
+    from ttt_flash.meta import functional_loss, inner_loop
+    from ttt_flash.models import GPT, GPTConfig
+
+    calls = _count_third_order(monkeypatch)
+
+    def build(attention):
+        torch.manual_seed(0)
+        # two layers: the fast MLP of layer 0 feeds layer 1's attention, so the write's
+        # gradient runs through an attention backward
+        gpt = GPT(GPTConfig.tiny(vocab_size=11, n_layer=2, n_head=2, d_model=8, attention=attention,
+                                 window=4 if mechanism == "fast_weight" else None)).double()
+        if mechanism == "gradmem":
+            return GradMem(gpt, memory_tokens=2, inner_steps=1, inner_lr=0.5)
+        return FastWeightTTT(gpt, fast_layers=[0], chunk_size=4, inner_steps=1, inner_lr=0.5)
+
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randint(0, 11, (2, 8), generator=g)
+    query = torch.randint(0, 11, (2, 3), generator=g)
+    qt = torch.randint(0, 11, (2, 3), generator=g)
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    def meta_grad(model):
+        params = {n: p for n, p in model.named_parameters() if n.startswith("model.")}
+        batch = ((ctx, ctx.roll(-1, 1), query), qt)
+        fast = inner_loop(model, params, loss_fn, batch, 1, 0.1)
+        return torch.autograd.grad(functional_loss(model, fast, loss_fn, batch), list(params.values()),
+                                   allow_unused=True, materialize_grads=True)
+
+    ours = meta_grad(build("ttt_flash"))
+    assert calls
+    _close(ours, meta_grad(build("math")))

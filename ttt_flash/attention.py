@@ -227,11 +227,11 @@ def _forward_mode_possible() -> bool:
 
 
 def _plain_backward() -> bool:
-    """True inside a backward that records no graph and runs under no torch.func transform.
-    Backwards whose results are second derivatives then call the composers directly; inside
-    a ``forward_ad`` level they read the primal values only, since the tangent of a second
-    derivative is third order (docs/forward-mode.md)."""
-    return not torch.is_grad_enabled() and not _functorch_active()
+    """True inside a backward that records no graph, runs under no torch.func transform and
+    outside ``forward_ad`` levels. Backwards whose results are second derivatives then call
+    the composers directly; inside a level they go through ``_AttentionBoB``, whose ``jvp``
+    gives the tangent of a second derivative (third order)."""
+    return _no_graph()
 
 
 def _primals(args: tuple) -> tuple:

@@ -410,6 +410,7 @@ class _AttentionBoB(_Function):
         if _forward_mode_possible():
             ctx.save_for_forward(q, k, v, do, uq, uk, uv, cu_q, cu_k)
         ctx.spec = spec
+        ctx.present = tuple(o is not None for o in output)  # the composer may skip outputs
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -435,11 +436,12 @@ class _AttentionBoB(_Function):
         """A jvp of a second derivative (third order): ``reference.bob_jvp``. The tangents of
         o, lse, delta and the statistics are the ones the other tangents induce: not read."""
         q, k, v, do, uq, uk, uv, cu_q, cu_k = ctx.saved_tensors
-        return reference.bob_jvp(
+        out = reference.bob_jvp(
             (q, k, v, do, uq, uk, uv), (tq, tk, tv, tdo, tuq, tuk, tuv),
             scale=ctx.spec.scale, causal=ctx.spec.causal, window=ctx.spec.window,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         )
+        return tuple(t if present else None for t, present in zip(out, ctx.present))
 
 
 def _row_dot(a: Tensor, b: Tensor, like: Tensor, varlen: bool) -> Tensor:

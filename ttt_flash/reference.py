@@ -658,23 +658,24 @@ RECOMPUTE_BLOCK_ELEMENTS = 1 << 25
 BOB_INPUTS = ("q", "k", "v", "do", "uq", "uk", "uv")
 
 
-def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, r0, r1):
+def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1, k0):
     """(Q̄, K̄ share, V̄ share, dŌ) of query rows r0:r1 (q, do, uq hold those rows; k, v, uk,
-    uv all keys), recomputing L, P, O and D from q, k, v and dO, out of place: differentiable
-    to any order. Rows that see no key give 0 (and gradients 0, never NaN)."""
+    uv keys k0:k0 + k.shape[-2] of n_k, all those the rows see), recomputing L, P, O and D
+    from q, k, v and dO, out of place: differentiable to any order. Rows that see no key give
+    0 (and gradients 0, never NaN)."""
     cd = _compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf, dof = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups), do.to(cd)
     uqf = None if uq is None else uq.to(cd)
     ukf = None if uk is None else _expand_kv(uk.to(cd), groups)
     uvf = None if uv is None else _expand_kv(uv.to(cd), groups)
-    s = _scores(qf, kf, scale, n_q, causal, window, r0, r1)
-    mask = attention_mask(n_q, k.shape[-2], causal=causal, window=window, device=q.device,
-                          row_start=r0, row_end=r1)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    mask = attention_mask(n_q, n_k, causal=causal, window=window, device=q.device, row_start=r0, row_end=r1)
     if mask is not None:
+        mask = mask[:, k0:k0 + k.shape[-2]]
+        s = s.masked_fill(~mask, float("-inf"))
         # a row without keys: L from zeros (finite), P = exp(-inf) = 0 on the whole row
-        s_l = s.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-        lse = torch.logsumexp(s_l, dim=-1)
+        lse = torch.logsumexp(s.masked_fill(~mask.any(-1, keepdim=True), 0.0), dim=-1)
     else:
         lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -685,15 +686,27 @@ def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, r0, r1):
     return qb.to(q.dtype), kb.to(k.dtype), vb.to(v.dtype), dob.to(do.dtype)
 
 
+def _key_range(n_q: int, n_k: int, r0: int, r1: int, causal: bool, window: Optional[int]):
+    """Keys k0:k1 that query rows r0:r1 may see (bottom-right aligned masks): the blocks skip
+    the rest. At least one key (a block whose rows see none masks it whole)."""
+    if not causal:
+        return 0, n_k
+    shift = n_k - n_q
+    k1 = max(1, min(n_k, r1 + shift))
+    k0 = 0 if window is None else max(0, r0 + shift - window + 1)
+    return min(k0, k1 - 1), k1
+
+
 #: Which of the BoB's inputs (:data:`BOB_INPUTS`) are indexed by query rows (the others by keys).
 _ROW_INPUT = (True, False, False, True, True, False, False)
 
 
-def _over_blocks(tensors, is_row, cu_q, cu_k, chunk, fn):
-    """Call ``fn(n_q, r0, r1, sliced)`` for every block of query rows of every sequence (one
-    sequence for dense (B, H, N, D) tensors; varlen (T, H, D) tensors are cut into (1, H, n, D)
-    views per sequence). ``sliced``: ``tensors`` with the row-indexed ones (``is_row``) cut to
-    the block's rows, the others whole. ``fn`` returns (row results, key results); returns
+def _over_blocks(tensors, is_row, cu_q, cu_k, chunk, causal, window, fn):
+    """Call ``fn(n_q, n_k, r0, r1, k0, sliced)`` for every block of query rows of every
+    sequence (one sequence for dense (B, H, N, D) tensors; varlen (T, H, D) tensors are cut
+    into (1, H, n, D) views per sequence). ``sliced``: ``tensors`` with the row-indexed ones
+    (``is_row``) cut to the block's rows and the others to the keys k0:k1 those rows see
+    (:func:`_key_range`). ``fn`` returns (row results, key results of keys k0:k1); returns
     [(q_start, q_end, [row results per block])], [(k_start, k_end, key results summed)]."""
     if cu_q is None:
         segments = [(0, tensors[0].shape[2], 0, tensors[1].shape[2], tuple(tensors))]
@@ -711,8 +724,12 @@ def _over_blocks(tensors, is_row, cu_q, cu_k, chunk, fn):
             bh = views[0].shape[0] * views[0].shape[1]
             rows = chunk if chunk is not None else max(1, RECOMPUTE_BLOCK_ELEMENTS // max(1, bh * n_k))
             for r0, r1 in _chunks(n_q, rows):
-                sliced = tuple(x[:, :, r0:r1] if (r and x is not None) else x for x, r in zip(views, is_row))
-                row_res, key_res = fn(n_q, r0, r1, sliced)
+                k0, k1 = _key_range(n_q, n_k, r0, r1, causal, window)
+                sliced = tuple(None if x is None else (x[:, :, r0:r1] if r else x[:, :, k0:k1])
+                               for x, r in zip(views, is_row))
+                row_res, key_res = fn(n_q, n_k, r0, r1, k0, sliced)
+                key_res = tuple(None if t is None else torch.nn.functional.pad(t, (0, 0, k0, n_k - k1))
+                                for t in key_res)
                 blocks.append(row_res)
                 key_sum = key_res if key_sum is None else tuple(
                     b if a is None else (a if b is None else a + b) for a, b in zip(key_sum, key_res))
@@ -791,14 +808,14 @@ def bob_vjp(
     idx = [i for i in range(7) if needs[i]]
     gq, gk, gv, gdo = cotangents
 
-    def block(n_q, r0, r1, t):
+    def block(n_q, n_k, r0, r1, k0, t):
         xs, (cq, ck, cv, cdo) = t[:7], t[7:]
 
         def f(*ps):
             vals = list(xs)
             for i, p in zip(idx, ps):
                 vals[i] = p
-            return _bob_block(*vals, scale, causal, window, n_q, r0, r1)
+            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
 
         out, fn = vjp(f, *(xs[i] for i in idx))
         cot = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(out, (cq, ck, cv, cdo)))
@@ -807,7 +824,7 @@ def bob_vjp(
 
     is_row = _ROW_INPUT + (True, False, False, True)
     row_parts, key_parts = _over_blocks(tuple(inputs) + (gq, gk, gv, gdo), is_row, cu_seqlens_q,
-                                        cu_seqlens_k, chunk, block)
+                                        cu_seqlens_k, chunk, causal, window, block)
     like = [x if needs[i] else None for i, x in enumerate(inputs)]
     (g_q, g_do, g_uq), (g_k, g_v, g_uk, g_uv) = _join(
         row_parts, key_parts, (like[0], like[3], like[4]), (like[1], like[2], like[5], like[6]),
@@ -849,14 +866,14 @@ def bob_jvp(
     if not idx:
         return None, None, None, None
 
-    def block(n_q, r0, r1, t):
+    def block(n_q, n_k, r0, r1, k0, t):
         xs, ts = t[:7], t[7:]
 
         def f(*ps):
             vals = list(xs)
             for i, p in zip(idx, ps):
                 vals[i] = p
-            return _bob_block(*vals, scale, causal, window, n_q, r0, r1)
+            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
 
         primals, tans = tuple(xs[i] for i in idx), tuple(ts[i] for i in idx)
         if _forward_ad._current_level < 0:
@@ -866,7 +883,7 @@ def bob_jvp(
         return (out[0], out[3]), (out[1], out[2])
 
     row_parts, key_parts = _over_blocks(tuple(inputs) + tuple(tangents), _ROW_INPUT * 2, cu_seqlens_q,
-                                        cu_seqlens_k, chunk, block)
+                                        cu_seqlens_k, chunk, causal, window, block)
     q, k, v, do = inputs[:4]
     (t_q, t_do), (t_k, t_v) = _join(row_parts, key_parts, (q, do), (k, v), cu_seqlens_q is not None)
     return t_q, t_k, t_v, t_do

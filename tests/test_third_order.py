@@ -232,9 +232,12 @@ def test_triton_backend_third_derivative():
         assert (a.double() - b).norm() <= 1e-4 * b.norm()
 
 
-def test_recomputation_holds_no_full_score_matrix(monkeypatch):
+@pytest.mark.parametrize("window", [None, 4], ids=["causal", "window4"])
+def test_recomputation_holds_no_full_score_matrix(window, monkeypatch):
     """Every tensor the third derivative's blockwise recomputation creates (the vjp of the
-    BoB) holds at most one block of rows x N_k scores per head, never N_q x N_k."""
+    BoB) holds at most one block of rows x N_k scores per head, never N_q x N_k; with a
+    sliding window a block reads only rows + window keys (its largest tensors are then the
+    N_k x D key gradients)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Largest(TorchDispatchMode):
@@ -258,9 +261,9 @@ def test_recomputation_holds_no_full_score_matrix(monkeypatch):
     monkeypatch.setattr(reference, "bob_vjp", watched)
     x = _inputs(1, 1, n, n, 4)
     w = _weights(x, x[0].shape)
-    ours = _third(lambda q, k, v: flash_attention(q, k, v, causal=True), x, w)
-    assert 0 < Largest.most <= rows * n
-    _close(ours, _third(lambda q, k, v: naive_attention(q, k, v, causal=True), x, w))
+    ours = _third(lambda q, k, v: flash_attention(q, k, v, causal=True, window=window), x, w)
+    assert 0 < Largest.most <= (rows * n if window is None else n * 4)
+    _close(ours, _third(lambda q, k, v: naive_attention(q, k, v, causal=True, window=window), x, w))
 
 
 # --------------------------------------------------------------------------- MAML over a memory layer

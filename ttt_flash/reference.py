@@ -670,9 +670,10 @@ def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1,
     ukf = None if uk is None else _expand_kv(uk.to(cd), groups)
     uvf = None if uv is None else _expand_kv(uv.to(cd), groups)
     s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    mask = attention_mask(n_q, n_k, causal=causal, window=window, device=q.device, row_start=r0, row_end=r1)
-    if mask is not None:
-        mask = mask[:, k0:k0 + k.shape[-2]]
+    if causal:  # attention_mask's rule, for keys k0:k0 + k.shape[-2] only
+        i = torch.arange(r0, r1, device=q.device).unsqueeze(1) + (n_k - n_q)
+        j = torch.arange(k0, k0 + k.shape[-2], device=q.device).unsqueeze(0)
+        mask = (j <= i) if window is None else (j <= i) & (j > i - window)
         s = s.masked_fill(~mask, float("-inf"))
         # a row without keys: L from zeros (finite), P = exp(-inf) = 0 on the whole row
         lse = torch.logsumexp(s.masked_fill(~mask.any(-1, keepdim=True), 0.0), dim=-1)

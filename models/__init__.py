@@ -11,7 +11,8 @@ Public names:
 * :data:`ATTENTION_IMPLS` — accepted values of ``GPTConfig.attention`` (the names of
   :mod:`ttt_flash.impls`).
 * MAML networks (:mod:`~ttt_flash.models.regressors`): :class:`NetConfig`,
-  :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`.
+  :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`,
+  :class:`MemoryRegressor` (gradient-memory attention: MAML over it is third order).
 * layers: :class:`RMSNorm`, :class:`CausalSelfAttention`, :class:`SwiGLU`,
   :func:`causal_attention`, :func:`rope_angles`, :func:`apply_rope`.
 """
@@ -26,7 +27,7 @@ from .layers import (
     causal_attention,
     rope_angles,
 )
-from .regressors import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer
+from .regressors import GPTRegressor, MemoryRegressor, NetConfig, SinusoidMLP, TinyTransformer
 
 __all__ = [
     "GPT",
@@ -44,4 +45,5 @@ __all__ = [
     "SinusoidMLP",
     "TinyTransformer",
     "GPTRegressor",
+    "MemoryRegressor",
 ]

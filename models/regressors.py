@@ -8,13 +8,17 @@
   runs at any context length.
 * :class:`GPTRegressor`: the library's :class:`ttt_flash.models.GPT` (RoPE, RMSNorm, SwiGLU)
   between a linear token embedding and a linear head, for real-valued tokens.
+* :class:`MemoryRegressor`: pre-LayerNorm blocks whose attention is a
+  :class:`ttt_flash.memory.GradientMemoryAttention` (memory slots written by gradient steps
+  through softmax attention); MAML over it differentiates three times through attention.
 * :class:`NetConfig`: the option group that picks and sizes one of them (the ``net``
   argument of :class:`ttt_flash.lightning.MAML`).
 
-Every network is differentiable twice through every layer (the point of MAML).
+Every network is differentiable to any order through every layer (MAML differentiates
+twice, three times through the memory layer's second-order writes).
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and the GPT; never
-Lightning. (``ttt_flash.lightning.nets`` re-exports these names for recipes written before the
+Floor 4 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls`, the GPT and (lazily:
+:mod:`ttt_flash.memory` imports the models) the memory layer; never Lightning. (``ttt_flash.lightning.nets`` re-exports these names for recipes written before the
 move.)
 """
 
@@ -29,7 +33,7 @@ from torch import Tensor, nn
 from ..impls import ATTENTION_IMPLS, AttentionName, attend, check_attention
 from .gpt import GPT, GPTConfig
 
-__all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "ATTENTIONS"]
+__all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "MemoryRegressor", "ATTENTIONS"]
 
 #: Attention implementations :class:`TinyTransformer` and :class:`GPTRegressor` can use: the
 #: names of :mod:`ttt_flash.impls`.
@@ -127,13 +131,66 @@ class GPTRegressor(nn.Module):
         return self.head(self.gpt(inputs_embeds=self.embed(x), return_hidden=True))
 
 
+class _MemoryBlock(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, attention: str, memory_slots: int, chunk_size: int,
+                 write_lr: float, first_order: bool):
+        super().__init__()
+        from ..memory.attention_layer import GradientMemoryAttention  # lazy: memory imports models
+
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = GradientMemoryAttention(d_model, n_heads, memory_slots=memory_slots, inner_steps=1,
+                                            inner_lr=write_lr, chunk_size=chunk_size, attention=attention,
+                                            first_order=first_order)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.fc = nn.Linear(d_model, 4 * d_model)
+        self.out = nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class MemoryRegressor(nn.Module):
+    """Transformer over real-valued tokens whose attention reads and writes gradient memory:
+    (B, N, in_dim) -> (B, N, out_dim).
+
+    ``embed`` (linear) → ``n_layers`` pre-LN blocks (a
+    :class:`~ttt_flash.memory.GradientMemoryAttention` of ``memory_slots`` slots written every
+    ``chunk_size`` tokens by one gradient step of size ``write_lr`` (learned), + a 4× GELU
+    MLP) → LayerNorm → ``head`` (linear). ``attention``: ``"ttt_flash"`` or ``"math"``.
+    ``first_order``: the writes' gradients are constants (the layer's ``first_order``);
+    False (default) keeps them second order, so MAML's meta-gradient through this network is
+    a third derivative through attention.
+    """
+
+    def __init__(self, in_dim: int, out_dim: int = 1, d_model: int = 32, n_heads: int = 2,
+                 n_layers: int = 1, attention: str = "ttt_flash", memory_slots: int = 8,
+                 chunk_size: int = 8, write_lr: float = 1.0, first_order: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(in_dim, d_model)
+        self.blocks = nn.ModuleList(
+            _MemoryBlock(d_model, n_heads, attention, memory_slots, chunk_size, write_lr, first_order)
+            for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, out_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 3:
+            raise ValueError(f"MemoryRegressor takes (batch, seq_len, in_dim) inputs, got shape {tuple(x.shape)}")
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln_f(h))
+
+
 @dataclass(frozen=True)
 class NetConfig:
     """The network MAML meta-trains.
 
     Attributes:
-        kind: ``"mlp"`` (:class:`SinusoidMLP`), ``"transformer"`` (:class:`TinyTransformer`) or
-            ``"gpt"`` (:class:`GPTRegressor`: :class:`ttt_flash.models.GPT`).
+        kind: ``"mlp"`` (:class:`SinusoidMLP`), ``"transformer"`` (:class:`TinyTransformer`),
+            ``"gpt"`` (:class:`GPTRegressor`: :class:`ttt_flash.models.GPT`) or ``"memory"``
+            (:class:`MemoryRegressor`: gradient-memory attention).
         in_dim: input width (1 for sinusoid; ``dim + 2`` for in-context regression).
         out_dim: output width.
         hidden: MLP hidden width.
@@ -142,11 +199,16 @@ class NetConfig:
         n_heads: attention heads (``d_model`` must be a multiple; for ``gpt`` the head dim
             ``d_model / n_heads`` must be even, for RoPE).
         n_layers: transformer blocks.
-        attention: ``"ttt_flash"``, ``"math"`` or ``"sdpa"`` (see :class:`TinyTransformer`).
-        causal: causal attention mask (``transformer`` only; ``gpt`` is always causal).
+        attention: ``"ttt_flash"``, ``"math"`` or ``"sdpa"`` (see :class:`TinyTransformer`;
+            ``memory`` takes ``"ttt_flash"`` or ``"math"``).
+        causal: causal attention mask (``transformer`` only; ``gpt`` and ``memory`` are causal).
+        memory_slots: ``memory`` only: slots per head.
+        memory_chunk: ``memory`` only: tokens per written chunk.
+        memory_lr: ``memory`` only: initial write step size (learned).
+        memory_first_order: ``memory`` only: first-order writes (the layer's ``first_order``).
     """
 
-    kind: Literal["mlp", "transformer", "gpt"] = "mlp"
+    kind: Literal["mlp", "transformer", "gpt", "memory"] = "mlp"
     in_dim: int = 1
     out_dim: int = 1
     hidden: int = 40
@@ -156,16 +218,28 @@ class NetConfig:
     n_layers: int = 2
     attention: AttentionName = "ttt_flash"
     causal: bool = True
+    memory_slots: int = 8
+    memory_chunk: int = 8
+    memory_lr: float = 1.0
+    memory_first_order: bool = False
 
     def __post_init__(self):
-        if self.kind not in ("mlp", "transformer", "gpt"):
-            raise ValueError(f"kind must be 'mlp', 'transformer' or 'gpt', got {self.kind!r}")
-        for name in ("in_dim", "out_dim", "hidden", "depth", "d_model", "n_heads", "n_layers"):
+        if self.kind not in ("mlp", "transformer", "gpt", "memory"):
+            raise ValueError(f"kind must be 'mlp', 'transformer', 'gpt' or 'memory', got {self.kind!r}")
+        if self.kind == "memory" and self.attention == "sdpa":
+            raise ValueError("kind='memory' needs attention 'ttt_flash' or 'math' (the memory writes "
+                             "differentiate through attention; SDPA's fused kernels have no double backward)")
+        if not isinstance(self.memory_first_order, bool):
+            raise ValueError(f"memory_first_order must be a bool, got {self.memory_first_order!r}")
+        if isinstance(self.memory_lr, bool) or not isinstance(self.memory_lr, (int, float)) or not self.memory_lr > 0:
+            raise ValueError(f"memory_lr must be a float > 0, got {self.memory_lr!r}")
+        for name in ("in_dim", "out_dim", "hidden", "depth", "d_model", "n_heads", "n_layers",
+                     "memory_slots", "memory_chunk"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "depth" else 1):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         check_attention(self.attention)
-        if self.kind in ("transformer", "gpt") and self.d_model % self.n_heads:
+        if self.kind in ("transformer", "gpt", "memory") and self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
         if self.kind == "gpt" and (self.d_model // self.n_heads) % 2:
             raise ValueError(f"gpt needs an even head dim d_model / n_heads for RoPE, got {self.d_model // self.n_heads}")
@@ -173,6 +247,10 @@ class NetConfig:
     def build(self) -> nn.Module:
         if self.kind == "mlp":
             return SinusoidMLP(self.in_dim, self.out_dim, self.hidden, self.depth)
+        if self.kind == "memory":
+            return MemoryRegressor(self.in_dim, self.out_dim, self.d_model, self.n_heads, self.n_layers,
+                                   self.attention, self.memory_slots, self.memory_chunk, self.memory_lr,
+                                   self.memory_first_order)
         if self.kind == "gpt":
             return GPTRegressor(self.in_dim, self.out_dim, self.d_model, self.n_heads, self.n_layers, self.attention)
         return TinyTransformer(self.in_dim, self.out_dim, self.d_model, self.n_heads, self.n_layers,

@@ -1,6 +1,6 @@
 """The host path of the autograd glue: a backward that records no graph calls the next
 composer directly (no autograd.Function node), one that records a graph goes through the
-Function (whose own backward raises on a third derivative), and ``fast_apply`` falls back to
+Function (whose own backward gives the third derivative), and ``fast_apply`` falls back to
 ``Function.apply`` under torch.func transforms. Results agree with float64 math attention."""
 
 import pytest

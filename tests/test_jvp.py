@@ -257,10 +257,6 @@ def test_unsupported_compositions_name_what_is_supported():
     with pytest.raises(NotImplementedError, match="forward-over-forward") as e:
         jacfwd(jacfwd(f))(q)
     assert "forward-over-reverse" in str(e.value) and "You must implement" not in str(e.value)
-    # a jvp of a Hessian-vector product (third order)
-    g = grad(lambda q: grad(f)(q).square().sum())
-    with pytest.raises(NotImplementedError, match="third order"):
-        jvp(g, (q,), (torch.randn_like(q),))
 
 
 # --------------------------------------------------------------------------- Triton kernel (interpreter)

@@ -193,14 +193,6 @@ def test_non_contiguous_inputs_give_the_same_result():
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
 
-def test_third_derivative_raises_clear_error():
-    q, k, v = _rand(1, 1, 4, 3), _rand(1, 1, 4, 3), _rand(1, 1, 4, 3)
-    (g,) = torch.autograd.grad(flash_attention(q, k, v).square().sum(), (q,), create_graph=True)
-    (h,) = torch.autograd.grad(g.square().sum(), (q,), create_graph=True)
-    with pytest.raises(NotImplementedError, match="third-order derivatives"):
-        torch.autograd.grad(h.sum(), (q,))
-
-
 def test_torch_func_grad_of_grad():
     from torch.func import grad
 

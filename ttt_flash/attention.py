@@ -7,8 +7,10 @@ style so that ``torch.func`` transforms compose with them):
 * ``_AttentionBackward``: (q, k, v, o, lse, dO) -> (dq, dk, dv), the first backward as a
   differentiable function of its inputs. Its backward calls
 * ``_AttentionBoB``: the closed-form backward-over-backward (bob-math.md), returning the
-  gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its own backward raises:
-  third-order derivatives are not supported.
+  gradients of ⟨U_Q,dq⟩+⟨U_K,dk⟩+⟨U_V,dv⟩ w.r.t. (q, k, v, dO). Its backward and jvp (third
+  order) recompute it in blocks of query rows with plain PyTorch ops and differentiate
+  those with torch.func (``reference.bob_vjp`` / ``bob_jvp``): O(rows × N_k) memory, and
+  differentiable again, so any order of derivative works.
 * ``_AttentionTangent``: (q, k, v, o, lse, q̇, k̇, v̇) -> (ȯ, l̇, ρ), the tangent of the
   computed forward (``_Attention.jvp`` calls it; docs/forward-mode.md). Its backward is the
   first backward (for q̇, k̇, v̇) plus the BoB with U = ẋ (for q, k, v), given its row
@@ -225,11 +227,11 @@ def _forward_mode_possible() -> bool:
 
 
 def _plain_backward() -> bool:
-    """True inside a backward that records no graph and runs under no torch.func transform.
-    Backwards whose results are second derivatives then call the composers directly; inside
-    a ``forward_ad`` level they read the primal values only, since the tangent of a second
-    derivative is third order (docs/forward-mode.md)."""
-    return not torch.is_grad_enabled() and not _functorch_active()
+    """True inside a backward that records no graph, runs under no torch.func transform and
+    outside ``forward_ad`` levels. Backwards whose results are second derivatives then call
+    the composers directly; inside a level they go through ``_AttentionBoB``, whose ``jvp``
+    gives the tangent of a second derivative (third order)."""
+    return _no_graph()
 
 
 def _primals(args: tuple) -> tuple:
@@ -371,15 +373,16 @@ class _AttentionBackward(_Function):
         args = (q, k, v, o, lse, do, delta, uq, uk, uv, None, None, None, ctx.spec, cu_q, cu_k, needs)
         if _plain_backward():  # the usual second backward (create_graph=False): run the composer
             qb, kb, vb, dob = _AttentionBoB.forward(*_primals(args))
-        else:  # a graph is recorded: the Function node raises on a third derivative
+        else:  # a graph is recorded: the Function node's backward gives third derivatives
             qb, kb, vb, dob = _AttentionBoB.fast_apply(*args)
         return qb, kb, vb, None, None, dob, None, None, None
 
 
 class _AttentionBoB(_Function):
-    """Backward-over-backward. Differentiating it once more is not supported. ``alpha``,
-    ``ee``, ``rho``: the row statistics when the caller knows them (None: the composer forms
-    them; ``attn_bob``'s ``stats``)."""
+    """Backward-over-backward. ``alpha``, ``ee``, ``rho``: the row statistics when the caller
+    knows them (None: the composer forms them; ``attn_bob``'s ``stats``). Its derivatives
+    (third order) recompute it in blocks of query rows with differentiable PyTorch ops
+    (``reference.bob_vjp`` / ``bob_jvp``), so they are differentiable again: any order."""
 
     _KINDS = (("tensor",) * 4 + ("row", "tensor", "row") + ("tensor",) * 3 + ("row",) * 3
               + ("static", "cu", "cu", "static"))
@@ -400,19 +403,45 @@ class _AttentionBoB(_Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        q, k, v, _o, _lse, do, _delta, uq, uk, uv, _alpha, _ee, _rho, spec, cu_q, cu_k, _needs = inputs
+        # The BoB is a function of (q, k, v, dO, U) alone (o, lse, delta and the statistics
+        # are functions of them): its derivatives recompute the rest.
+        ctx.save_for_backward(q, k, v, do, uq, uk, uv, cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, v, do, uq, uk, uv, cu_q, cu_k)
+        ctx.spec = spec
+        ctx.present = tuple(o is not None for o in output)  # the composer may skip outputs
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            "third-order derivatives through ttt_flash attention are not supported: "
-            "flash_attention is differentiable twice (gradients and Hessian-vector products), "
-            "not three times"
+    def backward(ctx, gq, gk, gv, gdo):
+        """Third derivatives: the vector-Jacobian product of the BoB (``reference.bob_vjp``)."""
+        none = [None] * 17
+        if gq is None and gk is None and gv is None and gdo is None:
+            return tuple(none)
+        q, k, v, do, uq, uk, uv, cu_q, cu_k = ctx.saved_tensors
+        ni = ctx.needs_input_grad
+        slots = (0, 1, 2, 5, 7, 8, 9)  # positions of (q, k, v, do, uq, uk, uv) in forward
+        grads = reference.bob_vjp(
+            (q, k, v, do, uq, uk, uv), (gq, gk, gv, gdo), tuple(ni[i] for i in slots),
+            scale=ctx.spec.scale, causal=ctx.spec.causal, window=ctx.spec.window,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
         )
+        for i, g in zip(slots, grads):
+            none[i] = g
+        return tuple(none)
 
     @staticmethod
-    def jvp(ctx, *tangents):
-        _unsupported_forward("a jvp of a second derivative (third order)")
+    def jvp(ctx, tq, tk, tv, _to, _tlse, tdo, _tdelta, tuq, tuk, tuv, *_):
+        """A jvp of a second derivative (third order): ``reference.bob_jvp``. The tangents of
+        o, lse, delta and the statistics are the ones the other tangents induce: not read."""
+        q, k, v, do, uq, uk, uv, cu_q, cu_k = ctx.saved_tensors
+        out = reference.bob_jvp(
+            (q, k, v, do, uq, uk, uv), (tq, tk, tv, tdo, tuq, tuk, tuv),
+            scale=ctx.spec.scale, causal=ctx.spec.causal, window=ctx.spec.window,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        )
+        return tuple(t if present else None for t, present in zip(out, ctx.present))
 
 
 def _row_dot(a: Tensor, b: Tensor, like: Tensor, varlen: bool) -> Tensor:
@@ -630,7 +659,7 @@ def flash_attention(
     deterministic: bool = False,
     layout: Optional[str] = None,
 ) -> Tensor:
-    r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable twice exactly.
+    r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable to any order exactly.
 
     ``o = softmax(scale · q kᵀ + mask) v`` for each batch and head, with exact gradients
     and exact gradients of gradients (Hessian-vector products, MAML, gradient-written
@@ -678,8 +707,9 @@ def flash_attention(
         Tensor of shape (B, H_q, N_q, D) (``layout="bnhd"``: (B, N_q, H_q, D)), dtype of
         ``q``. A query row that sees no key returns 0, and all its gradients are 0.
 
-    Inputs may be non-contiguous (e.g. produced by ``transpose``). Third derivatives raise
-    ``NotImplementedError``.
+    Inputs may be non-contiguous (e.g. produced by ``transpose``). Derivatives of any order
+    are exact: the third and higher recompute the backward-over-backward in blocks of query
+    rows with plain PyTorch ops (O(rows × N_k) memory per head; docs/second-order.md).
 
     Example: an exact Hessian-vector product through attention::
 

@@ -7,7 +7,9 @@ O(chunk × N_k) per head rather than O(N_q × N_k).
 
 It exposes the composer contract of ``docs/architecture.md`` (``attn_fwd``,
 ``attn_bwd``, ``attn_bob``) plus :func:`naive_attention`, a materialised
-autograd-able attention used as a second, independent oracle in tests.
+autograd-able attention used as a second, independent oracle in tests, and
+:func:`bob_vjp` / :func:`bob_jvp`, the derivatives of the backward-over-backward
+(third order and up) by blockwise recomputation, on every backend.
 
 Precision: float64 and float32 inputs are computed in their own precision;
 float16 and bfloat16 inputs are computed in float32 and results cast back.
@@ -20,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad as _forward_ad
 
 __all__ = [
     "attn_fwd",
@@ -27,6 +30,8 @@ __all__ = [
     "attn_bob",
     "attn_jvp",
     "attn_tangent",
+    "bob_vjp",
+    "bob_jvp",
     "naive_attention",
     "naive_attention_varlen",
     "attention_mask",
@@ -232,6 +237,59 @@ def _bwd_dense(q, k, v, o, lse, do, scale, causal, window, chunk):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta.to(rd)
 
 
+def _bob_rows(p, qc, doc, uqc, kf, vf, ukf, uvf, deltac, scale, stats_c=None):
+    """The closed-form BoB (bob-math.md) for one block of query rows, out of place (so that
+    autograd can differentiate it). ``p``: the block's probabilities (rows, N_k); ``kf``,
+    ``vf``, ``ukf``, ``uvf``: keys expanded to the query heads; ``deltac``: D of the rows;
+    ``stats_c``: the rows' (α, E + αD) or None. Returns (Q̄, dŌ) of the rows and the rows'
+    contributions to K̄ (without the factor τ and the sum over shared heads) and V̄."""
+    dp = torch.matmul(doc, vf.transpose(-1, -2))
+    dp_minus_d = dp - deltac.unsqueeze(-1)
+    # G = scale (U_Q Kᵀ + Q U_Kᵀ): cotangent reaching dS
+    g = None
+    if uqc is not None:
+        g = torch.matmul(uqc, kf.transpose(-1, -2))
+    if ukf is not None:
+        t = torch.matmul(qc, ukf.transpose(-1, -2))
+        g = t if g is None else g + t
+    pbar = None
+    dob_c = None
+    vb_c = None
+    if g is not None:
+        g = g * scale
+        if stats_c is None:
+            alpha = (p * g).sum(-1, keepdim=True)
+        else:
+            alpha = stats_c[0].to(p.dtype).unsqueeze(-1)
+        hmat = p * (g - alpha)  # cotangent reaching dP
+        pbar = g * dp_minus_d - alpha * dp
+        dob_c = torch.matmul(hmat, vf)
+        vb_c = torch.matmul(hmat.transpose(-1, -2), doc)
+    if uvf is not None:
+        b_mat = torch.matmul(doc, uvf.transpose(-1, -2))  # B = dO U_Vᵀ
+        pbar = b_mat if pbar is None else pbar + b_mat
+        t = torch.matmul(p, uvf)
+        dob_c = t if dob_c is None else dob_c + t
+    if stats_c is None:
+        e = (p * pbar).sum(-1, keepdim=True)
+    else:  # E = (E + αD) − αD
+        e = stats_c[1].to(p.dtype).unsqueeze(-1)
+        if g is not None:
+            e = e - alpha * deltac.unsqueeze(-1)
+    r = p * (pbar - e)  # cotangent reaching S
+    qb_c = torch.matmul(r, kf)
+    kb_c = torch.matmul(r.transpose(-1, -2), qc)
+    if ukf is not None:
+        qb_c = qb_c + torch.matmul(p * dp_minus_d, ukf)
+    if uqc is not None:
+        kb_c = kb_c + torch.matmul((p * dp_minus_d).transpose(-1, -2), uqc)
+    if dob_c is None:
+        dob_c = torch.zeros_like(doc)
+    if vb_c is None:
+        vb_c = torch.zeros_like(vf)
+    return scale * qb_c, dob_c, kb_c, vb_c
+
+
 def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk, stats=None):
     """Closed-form backward-over-backward (bob-math.md), query rows in chunks. ``stats``:
     the row statistics (α, E + αD) given instead of formed here."""
@@ -248,49 +306,14 @@ def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, ch
     kb = torch.zeros_like(kf)
     vb = torch.zeros_like(vf)
     for r0, r1 in _chunks(n_q, chunk):
-        qc, doc = qf[:, :, r0:r1], dof[:, :, r0:r1]
-        p = _probs(_scores(qc, kf, scale, n_q, causal, window, r0, r1), lsef[:, :, r0:r1])
-        dp = torch.matmul(doc, vf.transpose(-1, -2))
-        dp_minus_d = dp - deltaf[:, :, r0:r1].unsqueeze(-1)
-        ds = p * dp_minus_d
-        # G = scale (U_Q Kᵀ + Q U_Kᵀ): cotangent reaching dS
-        g = None
-        if uqf is not None:
-            g = torch.matmul(uqf[:, :, r0:r1], kf.transpose(-1, -2))
-        if ukf is not None:
-            t = torch.matmul(qc, ukf.transpose(-1, -2))
-            g = t if g is None else g + t
-        pbar = torch.zeros_like(p)
-        qb_c = torch.zeros_like(qc)
-        dob_c = torch.zeros_like(doc)
-        if g is not None:
-            g = g * scale
-            if stats is None:
-                alpha = (p * g).sum(-1, keepdim=True)
-            else:
-                alpha = stats[0][:, :, r0:r1].to(cd).unsqueeze(-1)
-            hmat = p * (g - alpha)  # cotangent reaching dP
-            pbar = g * dp_minus_d - alpha * dp
-            dob_c = dob_c + torch.matmul(hmat, vf)
-            vb += torch.matmul(hmat.transpose(-1, -2), doc)
-        if uvf is not None:
-            pbar = pbar + torch.matmul(doc, uvf.transpose(-1, -2))  # B = dO U_Vᵀ
-            dob_c = dob_c + torch.matmul(p, uvf)
-        if stats is None:
-            e = (p * pbar).sum(-1, keepdim=True)
-        else:  # E = (E + αD) − αD
-            e = stats[1][:, :, r0:r1].to(cd).unsqueeze(-1)
-            if g is not None:
-                e = e - alpha * deltaf[:, :, r0:r1].unsqueeze(-1)
-        r = p * (pbar - e)  # cotangent reaching S
-        qb_c = qb_c + torch.matmul(r, kf)
-        kb += torch.matmul(r.transpose(-1, -2), qc)
-        if ukf is not None:
-            qb_c = qb_c + torch.matmul(ds, ukf)
-        if uqf is not None:
-            kb += torch.matmul(ds.transpose(-1, -2), uqf[:, :, r0:r1])
-        qb[:, :, r0:r1] = scale * qb_c
-        dob[:, :, r0:r1] = dob_c
+        p = _probs(_scores(qf[:, :, r0:r1], kf, scale, n_q, causal, window, r0, r1), lsef[:, :, r0:r1])
+        qb[:, :, r0:r1], dob[:, :, r0:r1], kb_c, vb_c = _bob_rows(
+            p, qf[:, :, r0:r1], dof[:, :, r0:r1], None if uqf is None else uqf[:, :, r0:r1], kf, vf,
+            ukf, uvf, deltaf[:, :, r0:r1], scale,
+            None if stats is None else tuple(x[:, :, r0:r1] for x in stats),
+        )
+        kb += kb_c
+        vb += vb_c
     kb = _reduce_kv(scale * kb, groups)
     vb = _reduce_kv(vb, groups)
     return qb.to(q.dtype), kb.to(k.dtype), vb.to(v.dtype), dob.to(do.dtype)
@@ -615,3 +638,253 @@ def attn_tangent(
         od[qs:qe] = _unseq(r[0])
         lsed[:, qs:qe], rho[:, qs:qe] = r[1][0], r[2][0]
     return od, lsed, rho
+
+
+# --------------------------------------------------------------------------- derivatives of the BoB
+#
+# The BoB is a function of (q, k, v, dO, U_Q, U_K, U_V) alone: O, L and D are functions of
+# those. Its derivatives (third order and up) recompute it in blocks of query rows with the
+# out-of-place ops above, O, L and D included, and differentiate each block with torch.func:
+# a block's rows reach Q̄ and dŌ of those rows only and add a share to K̄ and V̄, so the
+# vector-Jacobian (and Jacobian-vector) product is a sum over blocks, one block alive at a
+# time: memory O(rows × N_k) per head, never N_q × N_k.
+
+#: Elements of one score-shaped (B, H, rows, N_k) block in the recomputation of the BoB for
+#: its derivatives; sets the rows per block (at least 1).
+RECOMPUTE_BLOCK_ELEMENTS = 1 << 25
+
+#: Names of the BoB's differentiable inputs, in the order :func:`bob_vjp` and :func:`bob_jvp`
+#: take them.
+BOB_INPUTS = ("q", "k", "v", "do", "uq", "uk", "uv")
+
+
+def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1, k0):
+    """(Q̄, K̄ share, V̄ share, dŌ) of query rows r0:r1 (q, do, uq hold those rows; k, v, uk,
+    uv keys k0:k0 + k.shape[-2] of n_k, all those the rows see), recomputing L, P, O and D
+    from q, k, v and dO, out of place: differentiable to any order. Rows that see no key give
+    0 (and gradients 0, never NaN)."""
+    cd = _compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf, dof = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups), do.to(cd)
+    uqf = None if uq is None else uq.to(cd)
+    ukf = None if uk is None else _expand_kv(uk.to(cd), groups)
+    uvf = None if uv is None else _expand_kv(uv.to(cd), groups)
+    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    if causal:  # attention_mask's rule, for keys k0:k0 + k.shape[-2] only
+        i = torch.arange(r0, r1, device=q.device).unsqueeze(1) + (n_k - n_q)
+        j = torch.arange(k0, k0 + k.shape[-2], device=q.device).unsqueeze(0)
+        mask = (j <= i) if window is None else (j <= i) & (j > i - window)
+        s = s.masked_fill(~mask, float("-inf"))
+        # a row without keys: L from zeros (finite), P = exp(-inf) = 0 on the whole row
+        lse = torch.logsumexp(s.masked_fill(~mask.any(-1, keepdim=True), 0.0), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    delta = (dof * torch.matmul(p, vf)).sum(-1)
+    qb, dob, kb, vb = _bob_rows(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale)
+    kb = _reduce_kv(scale * kb, groups)
+    vb = _reduce_kv(vb, groups)
+    return qb.to(q.dtype), kb.to(k.dtype), vb.to(v.dtype), dob.to(do.dtype)
+
+
+def _key_range(n_q: int, n_k: int, r0: int, r1: int, causal: bool, window: Optional[int]):
+    """Keys k0:k1 that query rows r0:r1 may see (bottom-right aligned masks): the blocks skip
+    the rest. At least one key (a block whose rows see none masks it whole)."""
+    if not causal:
+        return 0, n_k
+    shift = n_k - n_q
+    k1 = max(1, min(n_k, r1 + shift))
+    k0 = 0 if window is None else max(0, r0 + shift - window + 1)
+    return min(k0, k1 - 1), k1
+
+
+#: Which of the BoB's inputs (:data:`BOB_INPUTS`) are indexed by query rows (the others by keys).
+_ROW_INPUT = (True, False, False, True, True, False, False)
+
+
+def _over_blocks(tensors, is_row, cu_q, cu_k, chunk, causal, window, fn):
+    """Call ``fn(n_q, n_k, r0, r1, k0, sliced)`` for every block of query rows of every
+    sequence (one sequence for dense (B, H, N, D) tensors; varlen (T, H, D) tensors are cut
+    into (1, H, n, D) views per sequence). ``sliced``: ``tensors`` with the row-indexed ones
+    (``is_row``) cut to the block's rows and the others to the keys k0:k1 those rows see
+    (:func:`_key_range`). ``fn`` returns (row results, key results of keys k0:k1); returns
+    [(q_start, q_end, [row results per block])], [(k_start, k_end, key results summed)]."""
+    if cu_q is None:
+        segments = [(0, tensors[0].shape[2], 0, tensors[1].shape[2], tuple(tensors))]
+    else:
+        segments = [
+            (qs, qe, ks, ke, tuple(None if x is None else _seq(x, *((qs, qe) if r else (ks, ke)))
+                                   for x, r in zip(tensors, is_row)))
+            for qs, qe, ks, ke in _bounds(cu_q, cu_k)
+        ]
+    row_parts, key_parts = [], []
+    for qs, qe, ks, ke, views in segments:
+        n_q, n_k = qe - qs, ke - ks
+        blocks, key_sum = [], None
+        if n_q > 0 and n_k > 0:
+            bh = views[0].shape[0] * views[0].shape[1]
+            rows = chunk if chunk is not None else max(1, RECOMPUTE_BLOCK_ELEMENTS // max(1, bh * n_k))
+            for r0, r1 in _chunks(n_q, rows):
+                k0, k1 = _key_range(n_q, n_k, r0, r1, causal, window)
+                sliced = tuple(None if x is None else (x[:, :, r0:r1] if r else x[:, :, k0:k1])
+                               for x, r in zip(views, is_row))
+                row_res, key_res = fn(n_q, n_k, r0, r1, k0, sliced)
+                key_res = tuple(None if t is None else torch.nn.functional.pad(t, (0, 0, k0, n_k - k1))
+                                for t in key_res)
+                blocks.append(row_res)
+                key_sum = key_res if key_sum is None else tuple(
+                    b if a is None else (a if b is None else a + b) for a, b in zip(key_sum, key_res))
+        row_parts.append((qs, qe, blocks))
+        key_parts.append((ks, ke, key_sum))
+    return row_parts, key_parts
+
+
+def _assemble(pieces, like: Tensor, varlen: bool) -> Tensor:
+    """Join (start, end, tensor or None) pieces, in order and covering ``like``'s token axis,
+    into ``like``'s layout (None: zeros)."""
+    out = []
+    for start, end, t in pieces:
+        if t is not None:
+            out.append(_unseq(t) if varlen else t)
+        elif varlen:
+            out.append(like.new_zeros((end - start,) + tuple(like.shape[1:])))
+        else:
+            out.append(like.new_zeros(like.shape[:2] + (end - start,) + like.shape[3:]))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=0 if varlen else 2)
+
+
+def _join(row_parts, key_parts, row_like, key_like, varlen: bool):
+    """Full tensors from :func:`_over_blocks`'s pieces, in the layouts of ``row_like`` and
+    ``key_like`` (None entries stay None)."""
+    rows = []
+    for j, like in enumerate(row_like):
+        if like is None:
+            rows.append(None)
+            continue
+        pieces = []
+        for qs, qe, blocks in row_parts:
+            got = [b[j] for b in blocks if b[j] is not None]
+            pieces.append((qs, qe, None if not got else (got[0] if len(got) == 1 else torch.cat(got, dim=2))))
+        rows.append(_assemble(pieces, like, varlen))
+    keys = []
+    for j, like in enumerate(key_like):
+        if like is None:
+            keys.append(None)
+            continue
+        keys.append(_assemble([(ks, ke, None if ksum is None else ksum[j]) for ks, ke, ksum in key_parts],
+                              like, varlen))
+    return rows, keys
+
+
+def bob_vjp(
+    inputs: Sequence[Optional[Tensor]],
+    cotangents: Sequence[Optional[Tensor]],
+    needs: Sequence[bool],
+    *,
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    chunk: Optional[int] = None,
+):
+    """Vector-Jacobian product of the BoB: the third derivatives of attention.
+
+    ``inputs``: (q, k, v, dO, U_Q, U_K, U_V) (:data:`BOB_INPUTS`; any U may be None), in the
+    layouts :func:`attn_bob` takes ((B, H, N, D), or (T, H, D) with ``cu_seqlens_*``);
+    ``cotangents``: of the BoB's outputs (Q̄, K̄, V̄, dŌ), each of its output's shape, or
+    None; ``needs``: which of the seven inputs want a gradient. Returns the seven gradients
+    (None where not needed), total derivatives: O, L and D are recomputed from the inputs.
+
+    Blocks of ``chunk`` query rows (None: :data:`RECOMPUTE_BLOCK_ELEMENTS` score elements per
+    block) are recomputed with out-of-place ops and differentiated one at a time with
+    ``torch.func.vjp``: O(rows × N_k) memory per head, never N_q × N_k. The results are
+    built of differentiable ops, so a fourth derivative differentiates them (that keeps every
+    block's graph: O(N_q × N_k) per head)."""
+    from torch.func import vjp
+
+    needs = tuple(bool(n) and x is not None for n, x in zip(needs, inputs))
+    if not any(needs) or all(c is None for c in cotangents):
+        return (None,) * 7
+    idx = [i for i in range(7) if needs[i]]
+    gq, gk, gv, gdo = cotangents
+
+    def block(n_q, n_k, r0, r1, k0, t):
+        xs, (cq, ck, cv, cdo) = t[:7], t[7:]
+
+        def f(*ps):
+            vals = list(xs)
+            for i, p in zip(idx, ps):
+                vals[i] = p
+            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
+
+        out, fn = vjp(f, *(xs[i] for i in idx))
+        cot = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(out, (cq, ck, cv, cdo)))
+        g = dict(zip(idx, fn(cot)))
+        return (g.get(0), g.get(3), g.get(4)), (g.get(1), g.get(2), g.get(5), g.get(6))
+
+    is_row = _ROW_INPUT + (True, False, False, True)
+    row_parts, key_parts = _over_blocks(tuple(inputs) + (gq, gk, gv, gdo), is_row, cu_seqlens_q,
+                                        cu_seqlens_k, chunk, causal, window, block)
+    like = [x if needs[i] else None for i, x in enumerate(inputs)]
+    (g_q, g_do, g_uq), (g_k, g_v, g_uk, g_uv) = _join(
+        row_parts, key_parts, (like[0], like[3], like[4]), (like[1], like[2], like[5], like[6]),
+        cu_seqlens_q is not None)
+    return g_q, g_k, g_v, g_do, g_uq, g_uk, g_uv
+
+
+def _jvp_by_two_vjps(f, primals, tangents):
+    """J t of ``f`` at ``primals`` by reverse mode twice: u ↦ Jᵀu is linear, and its vjp
+    with cotangent t is J t. Inside a ``torch.autograd.forward_ad`` level, where
+    ``torch.func.jvp`` cannot nest."""
+    from torch.func import vjp
+
+    out, fn = vjp(f, *primals)
+    zeros = tuple(torch.zeros_like(o) for o in out)
+    _, fn2 = vjp(lambda *u: fn(u), *zeros)
+    return fn2(tuple(tangents))
+
+
+def bob_jvp(
+    inputs: Sequence[Optional[Tensor]],
+    tangents: Sequence[Optional[Tensor]],
+    *,
+    scale: float,
+    causal: bool,
+    window: Optional[int],
+    cu_seqlens_q: Optional[Tensor] = None,
+    cu_seqlens_k: Optional[Tensor] = None,
+    chunk: Optional[int] = None,
+):
+    """Jacobian-vector product of the BoB (a jvp of a second derivative: third order).
+
+    ``inputs`` as :func:`bob_vjp`; ``tangents``: one per input (None: not varied). Returns
+    the tangents of (Q̄, K̄, V̄, dŌ) (all None when every tangent is None), computed block by
+    block with ``torch.func.jvp`` as :func:`bob_vjp` does."""
+    from torch.func import jvp
+
+    idx = [i for i in range(7) if inputs[i] is not None and tangents[i] is not None]
+    if not idx:
+        return None, None, None, None
+
+    def block(n_q, n_k, r0, r1, k0, t):
+        xs, ts = t[:7], t[7:]
+
+        def f(*ps):
+            vals = list(xs)
+            for i, p in zip(idx, ps):
+                vals[i] = p
+            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
+
+        primals, tans = tuple(xs[i] for i in idx), tuple(ts[i] for i in idx)
+        if _forward_ad._current_level < 0:
+            _, out = jvp(f, primals, tans)
+        else:
+            out = _jvp_by_two_vjps(f, primals, tans)
+        return (out[0], out[3]), (out[1], out[2])
+
+    row_parts, key_parts = _over_blocks(tuple(inputs) + tuple(tangents), _ROW_INPUT * 2, cu_seqlens_q,
+                                        cu_seqlens_k, chunk, causal, window, block)
+    q, k, v, do = inputs[:4]
+    (t_q, t_do), (t_k, t_v) = _join(row_parts, key_parts, (q, do), (k, v), cu_seqlens_q is not None)
+    return t_q, t_k, t_v, t_do

@@ -31,7 +31,7 @@ from .common import (
     rowvec_strides,
     strides,
 )
-from .configs import get_config
+from . import plan as _plan
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
             lse.fill_(float("-inf"))
         return o.zero_(), lse
     bd = block_d(lay.head_dim)
-    cfg = get_config("fwd", bd, q.dtype, q.device)
+    cfg = _plan.tiles("fwd", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_fwd_kernel[grid](
         q, k, v, o, lse, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),

@@ -19,7 +19,8 @@ needs no correction).
 Per (query, key) pair: 2d flops for S, 2d per present Q̇ / K̇ for Ṡ, 2d each for P V,
 (P∘Ṡ) V and P V̇: 12d with every tangent (the forward alone: 4d).
 
-Tiles: ``configs.tile_overrides({"jvp": ...})`` if active, otherwise the table below (no autotuning).
+Tiles: the ``jvp`` kind of configs.py (both kernels), through ``plan.tiles``; an override
+``configs.tile_overrides({"jvp": ...})`` wins, as for every kind.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from .common import (
     rowvec_strides,
     strides,
 )
-from . import configs
+from . import plan as _plan
 
 __all__ = ["attn_jvp", "attn_tangent"]
 
@@ -286,42 +287,6 @@ def _attn_tangent_kernel(
     tl.store(RHO + l_off + offs_m, rho, mask=m_ok)
 
 
-# --------------------------------------------------------------------------- tiles
-#
-# Two tile x d accumulators and two query-side tiles (Q, Q̇): about twice the forward's
-# registers. Chosen offline by compiling for sm_90 and reading ptxas' register and spill counts
-# (scripts/jvp_tiles_ptxas.py, Triton 3.9), not by timing: 16-bit inputs spill
-# nothing at d <= 64 (128 x 64 tiles, 255 registers) and d = 256 (32 x 16), 12 bytes at
-# d = 128 (64 x 32; 64 x 64 spills 332); float32 with IEEE dots spills at every tile tried
-# (these spill least). A sweep on the GPU may replace them: set
-# ``with configs.tile_overrides({"jvp": configs.TileConfig(...)})`` to try others.
-
-_T = configs.TileConfig
-_HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
-         128: _T(64, 32, 8, 2), 256: _T(32, 16, 8, 1)}
-_FP32 = {16: _T(32, 32, 8, 1), 32: _T(32, 32, 8, 1), 64: _T(32, 32, 8, 1),
-         128: _T(16, 32, 8, 1), 256: _T(16, 16, 8, 1)}
-_OTHER = {16: _T(32, 32, 4, 1), 32: _T(32, 32, 4, 1), 64: _T(32, 32, 4, 1),
-          128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
-_INTERPRETER = _T(32, 16, 4, 1)
-
-
-def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
-    if "jvp" in configs._OVERRIDES:  # configs.tile_overrides({"jvp": ...})
-        return configs._OVERRIDES["jvp"]
-    if configs.interpreting() or device.type != "cuda":
-        return _INTERPRETER
-    import torch
-
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in (8, 9, 10):
-        return _OTHER[bd]
-    cfg = (_FP32 if dtype == torch.float32 else _HALF)[bd]
-    if major == 8:  # 99 KiB of shared memory on 8.6 / 8.9 (K, K̇, V, V̇ tiles per stage)
-        cfg = _T(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2 if bd <= 64 else 1))
-    return cfg
-
-
 # --------------------------------------------------------------------------- launcher
 
 
@@ -351,7 +316,7 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
             lsed.zero_()
         return o.zero_(), lse, od.zero_(), lsed
     bd = block_d(lay.head_dim)
-    cfg = _tiles(bd, q.dtype, q.device)
+    cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_jvp_kernel[grid](
         q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,
@@ -398,7 +363,7 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
             rho.fill_(1.0)
         return od.zero_(), lsed, rho
     bd = block_d(lay.head_dim)
-    cfg = _tiles(bd, q.dtype, q.device)
+    cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_tangent_kernel[grid](
         q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,

@@ -230,3 +230,18 @@ def test_one_attention_vocabulary():
     assert get_args(AttentionName) == ATTENTION_IMPLS == MODEL_IMPLS
     assert get_args(MemoryAttentionName) == MEMORY_ATTENTION_IMPLS
     assert set(MEMORY_ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)
+
+
+# --------------------------------------------------------------------------- kernels/ house rules
+
+
+def test_kernel_configs_are_data():
+    # configs.py holds tables and thresholds: it imports no kernel module (the plan reads it)
+    assert not [n for n, _ in imports("ttt_flash.kernels.configs") if _library(n)]
+    assert "ttt_flash.kernels.plan" in MODULES and "ttt_flash.kernels.gluon.scope" in MODULES
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ttt_flash.kernels")))
+def test_kernel_modules_stay_small(module):
+    lines = MODULES[module].read_text().count("\n")
+    assert lines <= 550, f"{_where(module)} has {lines} lines: split it by pass family"

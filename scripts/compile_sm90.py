@@ -3,11 +3,16 @@ print registers / spills / shared memory per kernel (ptxas via ``cuobjdump -res-
 
 The composers run on CPU tensors with each kernel replaced by a recorder (no launch); each
 recorded launch is then compiled with ``triton.compile`` for ``GPUTarget("cuda", 90, 64)``
-with the tiles of the sm_90 table. Integer arguments are compiled unspecialised (no
-divisibility hints), so the numbers are close to, not equal to, the GPU's. Catches compile
-errors before device time is spent::
+with the tiles of the sm_90 table (``plan.capability`` told (9, 0); no Gluon pass), with the
+divisibility hints the GPU's launcher gives (pointers, integers divisible by 16; an integer
+equal to 1 stays a runtime value here), so the numbers are close to the GPU's. Catches
+compile errors before device time is spent::
 
-    python scripts/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal]
+    python scripts/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal] [--dump DIR]
+
+``--dump DIR`` writes each compiled kernel's PTX (kernel name and constexprs in the file
+name, the ``.version`` / ``.target`` header and comments dropped), so that two source trees'
+kernels can be compared with ``diff -r``.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, configs  # noqa: E402
+from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, attn_jvp, attn_tangent  # noqa: E402
+from ttt_flash.kernels import configs, plan  # noqa: E402
 
-MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("attn_fwd", "attn_bwd", "bob")]
+MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("attn_fwd", "attn_bwd", "bob", "attn_jvp")]
 _DT = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
 
 
@@ -43,8 +49,14 @@ class Recorder:
 
 def compile_launch(fn, args, kwargs):
     names = fn.arg_names
-    sig, consts = {}, {}
-    for name, a in zip(names, args):
+    sig, consts, attrs = {}, {}, {}
+    skip = set(getattr(fn, "do_not_specialize", None) or ())
+    for i, (name, a) in enumerate(zip(names, args)):
+        # the GPU's hints: 16-byte aligned pointers, integers divisible by 16 marked so
+        if (isinstance(a, torch.Tensor) or (isinstance(a, int) and not isinstance(a, bool)
+                                            and a > 0 and a % 16 == 0)) \
+                and i not in skip and name not in skip:
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if isinstance(a, torch.Tensor):
             sig[name] = _DT[a.dtype]
         elif isinstance(a, bool):
@@ -63,7 +75,7 @@ def compile_launch(fn, args, kwargs):
         if name not in sig and p.is_constexpr:
             sig[name] = "constexpr"
             consts[name] = p.default
-    src = ASTSource(fn, sig, consts)
+    src = ASTSource(fn, sig, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
 
 
@@ -80,6 +92,28 @@ def res_usage(ck):
     return (int(regs.group(1)) if regs else -1), (int(stack.group(1)) if stack else -1)
 
 
+def dump_ptx(folder, name, kwargs, ck):
+    """Write the PTX body of ``name`` at these constexprs to ``folder`` (file name: the kernel
+    and a hash of its constexprs, listed in ``index.txt``), without the header, comments and
+    debug information (source lines differ between trees, the code need not)."""
+    import hashlib
+
+    os.makedirs(folder, exist_ok=True)
+    tag = ",".join(f"{k}={v}" for k, v in sorted(kwargs.items()))
+    fname = f"{name}.{hashlib.md5(tag.encode()).hexdigest()[:10]}.ptx"
+    keep = []
+    for ln in ck.asm["ptx"].splitlines():
+        if ln.startswith(".section") or ln.startswith("\t.section"):
+            break  # DWARF sections follow the code
+        if ln.strip() and not ln.lstrip().startswith(("//", ".loc", ".file", ".version",
+                                                        ".target", ".address_size")):
+            keep.append(ln)
+    with open(os.path.join(folder, fname), "w") as f:
+        f.write("\n".join(keep) + "\n")
+    with open(os.path.join(folder, "index.txt"), "a") as f:
+        f.write(f"{fname} {tag}\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bfloat16")
@@ -90,20 +124,19 @@ def main() -> int:
                    help="kind=block_m,block_n,num_warps,num_stages,qmajor(0/1)")
     p.add_argument("--no-rowsum", action="store_true", help="ROWSUM_CORRECTION off for the dtype")
     p.add_argument("--only", default="", help="comma list of kernel names to compile")
+    p.add_argument("--dump", default="", help="folder for each kernel's PTX")
     a = p.parse_args()
+    over = {}
     for o in a.override:
         kind, vals = o.split("=")
         bm, bn, w, s, qm = (int(x) for x in vals.split(","))
-        configs._OVERRIDES[kind] = configs.TileConfig(bm, bn, w, s, bool(qm))
+        over[kind] = configs.TileConfig(bm, bn, w, s, bool(qm))
     dtype = getattr(torch, a.dtype)
     if a.no_rowsum:
         configs.ROWSUM_CORRECTION[dtype] = False
-
-    def sm90_config(kind, block_d, dt, device):
-        if kind in configs._OVERRIDES:
-            return configs._OVERRIDES[kind]
-        table = configs._FP32 if dt == torch.float32 else configs._SM90_HALF
-        return table[block_d][kind]
+    plan.capability = lambda device: (9, 0)  # the sm_90 table's tiles
+    plan._gluon_capability = lambda device: None  # the Triton passes only
+    plan.clear_cache()
 
     rec = []
     for m in MODS:
@@ -111,25 +144,17 @@ def main() -> int:
             obj = getattr(m, name)
             if isinstance(obj, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 setattr(m, name, Recorder(name, obj, rec))
-        if hasattr(m, "get_config"):
-            m.get_config = sm90_config
-    configs.get_config = sm90_config
-    import ttt_flash.kernels.bob as bob
-
-    bob.fuse_row_sweeps = lambda n_k, bd, dt, dev: n_k <= configs.FUSED_ROW_MAX_KEYS and (
-        sm90_config("bob_stats", bd, dt, dev) == sm90_config("bob_direct", bd, dt, dev))
     x = [torch.randn(1, 2, a.n, a.head_dim).to(dtype) for _ in range(7)]
     q, k, v, do, uq, uk, uv = x
     kw = dict(scale=a.head_dim ** -0.5, causal=a.causal, window=None)
-    o, lse = attn_fwd(q, k, v, **kw)
-    lse = torch.zeros(1, 2, a.n)
-    for det in (True, False):
-        for atomic in (False, True):
-            sys.modules["ttt_flash.kernels.attn_bwd"].use_atomics = lambda *_, at=atomic: at
-            bob.use_atomics = lambda *_, at=atomic: at
-            attn_bwd(q, k, v, o, lse, do, deterministic=det, **kw)
-            attn_bob(q, k, v, o, lse, do, lse, uq, uk, uv, deterministic=det, **kw)
-    attn_bob(q, k, v, o, lse, do, lse, uq, uk, uv, precise=False, **kw)
+    with configs.tile_overrides(over):
+        o, lse = attn_fwd(q, k, v, **kw)
+        lse = torch.zeros(1, 2, a.n)
+        attn_bwd(q, k, v, o, lse, do, **kw)
+        attn_bob(q, k, v, o, lse, do, lse, uq, uk, uv, **kw)
+        attn_bob(q, k, v, o, lse, do, lse, uq, uk, uv, precise=False, **kw)
+        attn_jvp(q, k, v, uq, uk, uv, **kw)
+        attn_tangent(q, k, v, o, lse, uq, uk, uv, **kw)
     seen = set()
     print(f"{'kernel':<24}{'regs':>6}{'stack':>7}{'shared KiB':>12}  constexprs")
     bad = 0
@@ -141,6 +166,8 @@ def main() -> int:
         flags = ",".join(k2 for k2, v2 in kwargs.items() if v2 is True)
         try:
             ck = compile_launch(fn, args, kwargs)
+            if a.dump:
+                dump_ptx(a.dump, name, kwargs, ck)
             regs, stack = res_usage(ck)
             print(f"{name:<24}{regs:>6}{stack:>7}{ck.metadata.shared / 1024:>12.1f}  "
                   f"{kwargs.get('BLOCK_M')}x{kwargs.get('BLOCK_N')}/{kwargs.get('num_warps')} {flags}", flush=True)

@@ -245,3 +245,19 @@ def test_kernel_configs_are_data():
 def test_kernel_modules_stay_small(module):
     lines = MODULES[module].read_text().count("\n")
     assert lines <= 550, f"{_where(module)} has {lines} lines: split it by pass family"
+
+
+def test_house_ab_shim_imports_the_named_tree(tmp_path, capsys):
+    # scripts/house_ab.py --dry-run: each tree's packages come from that tree's folders
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("house_ab", ROOT / "scripts" / "house_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.package_dirs(str(ROOT))["ttt_flash.kernels"] == str(ROOT / "kernels")
+    assert mod.main(["--trees", str(ROOT), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name, rel in (("ttt_flash.kernels.bob ", "kernels/bob.py"),
+                      ("ttt_flash.attention ", "ttt_flash/attention.py")):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
+        assert line.split()[-1] == str(ROOT / rel)

@@ -1,4 +1,4 @@
-"""One-call GPU check of the experimental Gluon BoB column pass (kernels/gluon_bob_col.py).
+"""One-call GPU check of the experimental Gluon BoB column pass (kernels/gluon/bob_col.py).
 
 Stages, each guarded so that a failure prints its error and the run goes on; single-partition
 variants run before warp-specialised ones (a hang in the latter then costs only the stages
@@ -83,13 +83,13 @@ def triton_reference(q, k, v, do, uq, uk, uv, causal):
 
 
 def triton_col_launcher(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, causal):
-    """The composer's column-pass launch alone (bob.py ``col_pass``), for timing."""
+    """The composer's column-pass launch alone (bob.py's column-pass launch), for timing."""
     import triton
 
-    bob = importlib.import_module("ttt_flash.kernels.bob")
+    bob = importlib.import_module("ttt_flash.kernels.bob_cols")
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
                                           long_rows, rowvec_strides, strides)
-    from ttt_flash.kernels.configs import get_config
+    from ttt_flash.kernels.plan import tiles as get_config
 
     lay = layout(q, k, None, None, None, None)
     scale = lay.head_dim ** -0.5
@@ -132,7 +132,7 @@ def float64_bob(q, k, v, do, uq, uk, uv, causal):
 
 
 def call(var, x, rows, causal):
-    from ttt_flash.kernels.gluon_bob_col import gluon_bob_col
+    from ttt_flash.kernels.gluon.bob_col import gluon_bob_col
 
     bn, bm, w, st, ws, mr = var
     return gluon_bob_col(*x, *rows, causal=causal, block_n=bn, block_m=bm, num_warps=w,
@@ -205,7 +205,7 @@ def main():
     record("env", f"torch {torch.__version__} triton {triton.__version__} "
                   f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
     guarded("import", lambda: record("gluon available", importlib.import_module(
-        "ttt_flash.kernels.gluon_bob_col").available()))
+        "ttt_flash.kernels.gluon.bob_col").available()))
     guarded("small single", lambda: correctness_small(single))
     for causal in (False, True):
         guarded(f"16K setup causal={causal}", lambda c=causal: big_setup(c))

@@ -1,4 +1,4 @@
-"""One-call GPU check of the experimental Gluon BoB row passes (kernels/gluon_bob_row.py).
+"""One-call GPU check of the experimental Gluon BoB row passes (kernels/gluon/bob_row.py).
 
 Stages, each guarded so that a failure prints its error and the run goes on; single-partition
 variants run before warp-specialised ones (a hang in the latter then costs only the stages
@@ -54,15 +54,15 @@ def inputs(b, h, n, d, dtype, seed=0):
 
 
 def triton_launchers(q, k, v, do, uq, uk, uv, causal):
-    """The composer's statistics and direct launches (bob.py ``stats_pass`` / ``direct_pass``
+    """The composer's statistics and direct launches (bob.py's statistics and direct launches
     with all cotangents, Q̄ and dŌ wanted, no ρ), each alone for timing, and L, D."""
     import triton
 
-    bob = importlib.import_module("ttt_flash.kernels.bob")
+    bob = importlib.import_module("ttt_flash.kernels.bob_rows")
     from ttt_flash.kernels import attn_bwd, attn_fwd
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
                                           long_rows, rowvec_strides, strides)
-    from ttt_flash.kernels.configs import get_config
+    from ttt_flash.kernels.plan import tiles as get_config
 
     kw = dict(scale=None, causal=causal, window=None)
     o, lse = attn_fwd(q, k, v, **kw)
@@ -126,7 +126,7 @@ def rel(a, b):
 
 
 def correctness_small(variants):
-    from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats
+    from ttt_flash.kernels.gluon.bob_row import gluon_bob_direct, gluon_bob_stats
 
     for causal in (False, True):
         x = inputs(1, 2, 1024, 64, torch.bfloat16, seed=1)
@@ -168,7 +168,7 @@ def big_setup(causal):
 def big(causal, variants):
     import triton
 
-    from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats
+    from ttt_flash.kernels.gluon.bob_row import gluon_bob_direct, gluon_bob_stats
 
     x, lse, delta, al_t, ee_t, qb_t, dob_t, s_ms, d_ms = BIG[causal]
     for var in variants:
@@ -213,7 +213,7 @@ def main():
     record("env", f"torch {torch.__version__} triton {triton.__version__} "
                   f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
     guarded("import", lambda: record("gluon available", importlib.import_module(
-        "ttt_flash.kernels.gluon_bob_row").available()))
+        "ttt_flash.kernels.gluon.bob_row").available()))
     guarded("small single", lambda: correctness_small(single))
     for causal in (False, True):
         guarded(f"16K setup causal={causal}", lambda c=causal: big_setup(c))

@@ -72,6 +72,7 @@ if _gc.HAVE_GLUON:
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
+        TensorDescriptor,
     )
     from .common import tma_load as _tma_load
     from .common import tma_store as _tma_store
@@ -389,12 +390,6 @@ def _check(fn, q, k, v, do, uq, uk, uv, vecs, out, block_n, block_m, num_warps, 
                       available=available(q.device))
 
 
-def _contiguous_rows(fn, vecs):
-    for name, x in vecs:
-        if not x.is_contiguous():
-            raise ValueError(f"{fn}: {name} must be contiguous")
-
-
 def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=None,
                      causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
                      stages=STAGES, warp_specialize=False, maxnreg=None, out=None):
@@ -418,7 +413,6 @@ def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=No
                         None if out is None else (("out[0]", out[0], False),
                                                   ("out[1]", out[1], False)),
                         block_n, block_m, num_warps, stages)
-    _contiguous_rows(fn, vecs)
     scale = d ** -0.5 if scale is None else float(scale)
     qb, dob = launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, stats=False,
                              scale=scale, causal=causal, block_n=block_n, block_m=block_m,
@@ -441,7 +435,6 @@ def gluon_bob_stats(q, k, v, do, uq, uk, uv, lse, delta, *, scale=None, causal=F
     vecs = (("lse", lse), ("delta", delta))
     b, h, n, d = _check(fn, q, k, v, do, uq, uk, uv, vecs, None, block_n, block_m, num_warps,
                         stages)
-    _contiguous_rows(fn, vecs)
     if out is None:
         out = tuple(torch.empty(b, h, n, dtype=torch.float32, device=q.device)
                     for _ in range(2))

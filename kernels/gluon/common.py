@@ -127,16 +127,19 @@ def check_args(fn: str, q, k, tiles, vecs, outs, *, block_n: int, block_m: int,
     if stages is not None and stages not in (2, 3, 4):
         raise ValueError(f"{fn}: stages must be 2, 3 or 4, got {stages}")
     if n % block_n or n % block_m:
-        raise ValueError(f"{fn}: sequence length must be a multiple of block_m={block_m} and "
-                         f"block_n={block_n}, got {n}")
+        other_name = "block_m" if per_warp == "block_n" else "block_n"
+        raise ValueError(f"{fn}: sequence length must be a multiple of {per_warp}={rows} and "
+                         f"of {other_name}={other}, got {n}")
+    row_pass = per_warp == "block_m"  # the row passes read the row vectors in place
     for name, x in vecs:
         if x is None and name.endswith("?"):
             continue
         name = name.rstrip("?")
-        if x is None or x.shape != (b, h, n) or x.dtype != torch.float32 or x.device != q.device:
+        if x is None or x.shape != (b, h, n) or x.dtype != torch.float32 or \
+                x.device != q.device or (row_pass and not x.is_contiguous()):
             got = "None" if x is None else f"{x.dtype} {tuple(x.shape)} on {x.device}"
-            raise ValueError(f"{fn}: {name} must be float32 of shape {(b, h, n)} on "
-                             f"{q.device}, got {got}")
+            raise ValueError(f"{fn}: {name} must be {'contiguous ' if row_pass else ''}float32 "
+                             f"of shape {(b, h, n)} on {q.device}, got {got}")
     if b * h * n >= configs.GLUON_MAX_ROWS:
         raise ValueError(f"{fn}: B*H*N must be < 2**31 (int32 TMA coordinates), got {b * h * n}")
     return b, h, n, d

@@ -40,6 +40,7 @@ if _gc.HAVE_GLUON:
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
+        TensorDescriptor,
     )
     from .common import tma_load as _tma_load
     from .common import tma_store as _tma_store

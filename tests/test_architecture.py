@@ -261,3 +261,30 @@ def test_house_ab_shim_imports_the_named_tree(tmp_path, capsys):
                       ("ttt_flash.attention ", "ttt_flash/attention.py")):
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
         assert line.split()[-1] == str(ROOT / rel)
+
+
+def test_the_docs_floor_table_is_this_one():
+    # docs/architecture.md's table of floors states FLOORS (one table: a row that disagrees fails)
+    import re
+
+    rows = [ln for ln in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+            if re.match(r"\| \d \| ", ln)]
+    seen = set()
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")]
+        level, where = int(cells[1]), re.findall(r"`([^`]+)`", cells[2])
+        folder = ""
+        for token in where:
+            if "/" in token:
+                folder = token if token.endswith("/") else token.rpartition("/")[0] + "/"
+                path = token
+            else:
+                path = folder + token
+            parts = path.rstrip("/").removesuffix(".py").split("/")
+            parts = [p for p in parts if p != "__init__"]
+            if parts[0] != "ttt_flash":
+                parts = ["ttt_flash", *parts]
+            module = ".".join(parts)
+            assert floor(module) == level, f"{row[:60]}...: {module} is floor {floor(module)}"
+            seen.add(module)
+    assert {"ttt_flash.kernels", "ttt_flash.attention", "ttt_flash.cli"} <= seen

@@ -20,21 +20,28 @@ import triton
 import triton.language as tl
 
 from .common import (
+    _key_tile,
+    _row_probs,
+    _row_scores,
     LOG2E,
     _NO_SPECIALIZE,
     _dot_acc,
     _key_tile_range,
     _kt_dot,
     _kt_probs,
+    _kt_program,
+    _kt_prologue,
     _kt_q,
     _load_rowvec,
     _load_tile,
-    _rows,
+    _load_view,
     _lse_log2,
     _query_tile_range,
-    _row_tile_id,
-    _seq_info,
-    _store_tile,
+    _row_off,
+    _row_program,
+    _rows,
+    _store_view,
+    _tile_base,
     _visible,
     block_d,
     cu_or_dummy,
@@ -46,7 +53,7 @@ from .common import (
     on_input_device,
     prep,
     rowvec_strides,
-    strides,
+    view,
 )
 from . import plan as _plan
 
@@ -65,13 +72,13 @@ def _attn_bwd_kt_tile(k, v, q_base, do_base, l_base, d_base, r_base, stride_qn, 
     q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
-    di = _load_rowvec(d_base, offs_m, m_ok, True)
+    delta = _load_rowvec(d_base, offs_m, m_ok, True)
     p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
                   window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
     if ROWSUM:
         p = p * _kt_q(_load_rowvec(r_base, offs_m, m_ok, True), QMAJOR)
     dp = _kt_dot(v, do, None, PREC, QMAJOR)
-    ds = p * (dp - _kt_q(di, QMAJOR))
+    ds = p * (dp - _kt_q(delta, QMAJOR))
     return q, do, p, ds
 
 
@@ -96,64 +103,40 @@ def _attn_bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, r_base, 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, RHO, DK, DV, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_db, stride_dh, stride_dn,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_lb, stride_lh,
-    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    Q, K, V, DO, DK, DV, LSE, DELTA, RHO, RS, CU, N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, QMAJOR: tl.constexpr,
     ROWSUM: tl.constexpr,
 ):
-    """dK, dV of one key tile (summed over the query heads of its group)."""
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    n0 = pid_n * BLOCK_N
+    """dK, dV of one key tile (summed over the query heads of its group). Tiles: views
+    (common.py); LSE, DELTA, RHO: row vectors with strides RS."""
+    n0, n_q, n_k, b64, hk64, q_start64, k_start64 = _kt_program(CU, N_Q, N_K, BLOCK_N,
+                                                                 IS_VARLEN)
     if n0 >= n_k:
         return
     shift = n_k - n_q
-    b64 = b.to(tl.int64)
-    hk64 = hk.to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    k_start64 = k_start.to(tl.int64)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < n_k
-    rows_n = _rows(offs_n, LONG)
-    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn, rows_n,
-                   stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn, rows_n,
-                   stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    offs_n, offs_d, n_ok, rows_n, k, v = _kt_prologue(K, V, b64, hk64, k_start64, n0, n_k,
+                                                      HEAD_DIM, BLOCK_N, BLOCK_D, EVEN_D, LONG)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW)
     for g in range(0, GROUPS):
         h64 = hk64 * GROUPS + g
-        row_off = b64 * stride_lb + h64 * stride_lh + q_start64
+        row_off = _row_off(RS, b64, h64, q_start64)
         dk, dv = _attn_bwd_dkdv_inner(
-            dk, dv, k, v, Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn,
-            DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, LSE + row_off,
-            DELTA + row_off, RHO + row_off, stride_qn, stride_dn, offs_n, offs_d, lo, mid_lo,
-            mid_hi, hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL, WINDOW,
-            EVEN_D, LONG, PREC, ROWSUM, QMAJOR)
+            dk, dv, k, v, _tile_base(Q, b64, h64, q_start64), _tile_base(DO, b64, h64, q_start64),
+            LSE + row_off, DELTA + row_off, RHO + row_off, Q[3], DO[3], offs_n, offs_d, lo,
+            mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale, HEAD_DIM, BLOCK_M, CAUSAL,
+            WINDOW, EVEN_D, LONG, PREC, ROWSUM, QMAJOR)
     dk = dk * scale
-    _store_tile(DK + b64 * stride_dkb + hk64 * stride_dkh + k_start64 * stride_dkn, rows_n,
-                stride_dkn, dk.to(DK.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
-    _store_tile(DV + b64 * stride_dvb + hk64 * stride_dvh + k_start64 * stride_dvn, rows_n,
-                stride_dvn, dv.to(DV.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_view(DK, b64, hk64, k_start64, rows_n, dk, n_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_view(DV, b64, hk64, k_start64, rows_n, dv, n_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, r_p, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn, offs_m,
+def _attn_bwd_dq_inner(dq, r_p, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
                        offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
@@ -161,77 +144,51 @@ def _attn_bwd_dq_inner(dq, r_p, q, do, lse2, di, k_base, v_base, stride_kn, stri
     """Accumulate dQ (unscaled, uncorrected) and rowsum(P) (ROWSUM) of one query tile over
     key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_k
-        rows = _rows(offs_n, LONG)
-        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                      BLOCK_N, EVEN_D, LONG)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.exp2(s - lse2[:, None])
-        if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p = tl.where(vis, p, 0.0)
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, qk_scale, PREC, CAUSAL, WINDOW)
         if ROWSUM:
             r_p += tl.sum(p, 1)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - di[:, None])
+        ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq, r_p
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_bwd_dq_kernel(
-    Q, K, V, O, DO, LSE, DELTA, RHO, DQ, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_db, stride_dh, stride_dn,
-    stride_dqb, stride_dqh, stride_dqn,
-    stride_lb, stride_lh,
-    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    Q, K, V, O, DO, DQ, LSE, DELTA, RHO, RS, CU, N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, ROWSUM: tl.constexpr,
 ):
     """dQ of one query tile; it also forms D = rowsum(dO∘O) and (ROWSUM) ρ = 1 / rowsum(P)
     of its rows and writes them for the dK/dV launch that follows."""
-    pid_m = _row_tile_id(CAUSAL)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    hk64 = (h // GROUPS).to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    k_start64 = k_start.to(tl.int64)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
     rows_m = _rows(offs_m, LONG)
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
-                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
-                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
+    q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    row_off = _row_off(RS, b64, h64, q_start64)
     lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on, rows_m,
-                   stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    di = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + row_off + offs_m, di, mask=m_ok)
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    o = _load_view(O, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + row_off + offs_m, delta, mask=m_ok)
+    k_base = _tile_base(K, b64, hk64, k_start64)
+    v_base = _tile_base(V, b64, hk64, k_start64)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
-    dq, r_p = _attn_bwd_dq_inner(dq, r_p, q, do, lse2, di, k_base, v_base, stride_kn, stride_vn,
+    dq, r_p = _attn_bwd_dq_inner(dq, r_p, q, do, lse2, delta, k_base, v_base, K[3], V[3],
                                  offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
                                  qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
                                  ROWSUM)
@@ -241,8 +198,7 @@ def _attn_bwd_dq_kernel(
         dq = dq * (rho * scale)[:, None]
     else:
         dq = dq * scale
-    _store_tile(DQ + b64 * stride_dqb + h64 * stride_dqh + q_start64 * stride_dqn, rows_m,
-                stride_dqn, dq.to(DQ.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_view(DQ, b64, h64, q_start64, rows_m, dq, m_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 @on_input_device
@@ -267,7 +223,7 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     dk = new_empty(k.shape, k.dtype, k.device)
     dv = new_empty(v.shape, v.dtype, v.device)
     bd = block_d(lay.head_dim)
-    cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
+    cu = (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q))
     common = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
                   CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen,
                   PREC=dot_precision(q.dtype), LONG=long_rows(lay, q, k, v, o, do, dq, dk, dv))
@@ -279,10 +235,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         cfg = p.dq
         grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
         _attn_bwd_dq_kernel[grid](
-            q, k, v, o, do, lse, delta, rho, dq, cu_q, cu_k,
-            *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-            *strides(o, lay.varlen), *strides(do, lay.varlen), *strides(dq, lay.varlen),
-            *rowvec_strides(lay), *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            *(view(x, lay.varlen) for x in (q, k, v, o, do, dq)), lse, delta, rho,
+            rowvec_strides(lay), cu, *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             ROWSUM=p.rowsum, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
     elif dq.numel():
@@ -299,10 +253,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         elif lay.n_k > 0:
             grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
             _attn_bwd_dkdv_kernel[grid](
-                q, k, v, do, lse, delta, rho, dk, dv, cu_q, cu_k,
-                *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-                *strides(do, lay.varlen), *strides(dk, lay.varlen), *strides(dv, lay.varlen),
-                *rowvec_strides(lay), *args,
+                *(view(x, lay.varlen) for x in (q, k, v, do, dk, dv)), lse, delta, rho,
+                rowvec_strides(lay), cu, *args,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages, QMAJOR=cfg.qmajor, ROWSUM=p.rowsum, **common,
             )

@@ -29,7 +29,7 @@ from .common import (
     on_input_device,
     prep,
     rowvec_strides,
-    strides,
+    view,
 )
 
 
@@ -102,21 +102,20 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
 
     bd = block_d(lay.head_dim)
     varlen = lay.varlen
-    cu_q, cu_k = cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)
     flags = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
                  CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=varlen,
                  PREC=dot_precision(q.dtype), HAS_UQ=uq is not None, HAS_UK=uk is not None,
                  HAS_UV=uv is not None, HAS_G=uq is not None or uk is not None,
                  ROWSUM=p.rowsum,
                  LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
-    args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    # the kernels' arguments: views of the inputs (a placeholder view for an absent
+    # cotangent), the row vectors with their strides, cu_seqlens, the sizes and scales
+    ins = (view(q, varlen), view(k, varlen), view(v, varlen), view(do, varlen),
+           view(uq, varlen, q), view(uk, varlen, k), view(uv, varlen, v))
+    rows = (lse, delta, alpha, ee, rho, rowvec_strides(lay),
+            (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
+            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
     vb_col = vb if p.col_vb else None
-
-    def st(x, like):
-        return strides(x if x is not None else like, varlen)
-
-    def ptr(x, like):
-        return x if x is not None else like
 
     def row_grid(cfg):
         return (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
@@ -132,11 +131,10 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
 
     if p.affine is not None:
         cfg = p.affine.tiles
+        q_, k_, v_, do_, uq_, uk_, uv_ = ins
         _bob_affine_kernel[row_grid(cfg)](
-            q, k, v, o, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,
-            ptr(qb, q), ptr(dob, do), cu_q, cu_k,
-            *st(q, q), *st(k, k), *st(v, v), *st(o, o), *st(do, do), *st(uq, q), *st(uk, k),
-            *st(uv, v), *st(qb, q), *st(dob, do), *rowvec_strides(lay), *args,
+            q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen, q),
+            view(dob, varlen, do), *rows,
             **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, NEED_E=p.need_e,
                      WRITE_STATS=p.write_stats))
     if p.stats is not None:
@@ -147,11 +145,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
                                       stats=True, **gluon_kw(cfg))
         else:
-            _bob_stats_kernel[row_grid(cfg)](
-                q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,
-                cu_q, cu_k, *st(q, q), *st(k, k), *st(v, v), *st(do, do), *st(uq, q),
-                *st(uk, k), *st(uv, v), *rowvec_strides(lay), *args,
-                **launch(cfg, NEED_E=p.need_e))
+            _bob_stats_kernel[row_grid(cfg)](*ins, *rows, **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
         if p.direct.gluon:
@@ -161,10 +155,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       stats=False, out=(qb, dob), **gluon_kw(cfg))
         else:
             _bob_direct_kernel[row_grid(cfg)](
-                q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,
-                ptr(qb, q), ptr(dob, do), cu_q, cu_k,
-                *st(q, q), *st(k, k), *st(v, v), *st(do, do), *st(uq, q), *st(uk, k),
-                *st(uv, v), *st(qb, q), *st(dob, do), *rowvec_strides(lay), *args,
+                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows,
                 **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
                          SPLIT=q.dtype != torch.float32 and bool(split_row),
                          STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats,
@@ -178,11 +169,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       out=(kb, vb), **gluon_kw(cfg))
         else:
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
-                q, k, v, do, ptr(uq, q), ptr(uk, k), ptr(uv, v), lse, delta, alpha, ee, rho,
-                ptr(kb, k), ptr(vb_col, v), cu_q, cu_k,
-                *st(q, q), *st(k, k), *st(v, v), *st(do, do),
-                *st(uq, q), *st(uk, k), *st(uv, v), *st(kb, k), *st(vb_col, v),
-                *rowvec_strides(lay), *args,
+                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
                          SPLIT=q.dtype != torch.float32 and bool(split_col),
                          QMAJOR=cfg.qmajor))

@@ -19,14 +19,18 @@ from .common import (
     _dot_acc,
     _kt_dot,
     _kt_probs,
+    _kt_program,
+    _kt_prologue,
     _kt_q,
     _load_rowvec,
     _load_tile,
+    _load_view,
     _lse_log2,
     _query_tile_range,
+    _row_off,
     _rows,
-    _seq_info,
-    _store_tile,
+    _store_view,
+    _tile_base,
 )
 
 
@@ -43,7 +47,7 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
                  HAS_G: tl.constexpr, NEED_R: tl.constexpr, ROWSUM: tl.constexpr,
                  QMAJOR: tl.constexpr):
     """Query tile ``offs_m`` of a key-tile program (orientation ``QMAJOR``, common.py
-    ``_kt_*``): loads Q, dO (U_Q) and the row vectors, returns (q, do, uq, p, h, r, dpc):
+    ``_kt_*``): loads Q, dO (U_Q) and the row vectors, returns (q, do, uq, p, h, r, dp_d):
     P·ρ, H = P·ρ∘(G−α) (HAS_G), and with NEED_R R = P·ρ∘((G−α)∘(dP−D) + B − (E+αD)) and
     dP − D. Absent values are placeholders."""
     m_ok = offs_m < n_q
@@ -61,57 +65,34 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
     g = p
     h = p
     if HAS_G:
-        al = _load_rowvec(a_base, offs_m, m_ok, True)
+        alpha = _load_rowvec(a_base, offs_m, m_ok, True)
         if HAS_UQ:
             g = _kt_dot(k, uq, None, PREC, QMAJOR)
             if HAS_UK:
                 g = _kt_dot(uk, q, g, PREC, QMAJOR)
         else:
             g = _kt_dot(uk, q, None, PREC, QMAJOR)
-        g = g * scale - _kt_q(al, QMAJOR)  # G − α
+        g = g * scale - _kt_q(alpha, QMAJOR)  # G − α
         h = p * g
     r = p
-    dpc = p
+    dp_d = p
     if NEED_R:
-        ee = _load_rowvec(e_base, offs_m, m_ok, True)
-        di = _load_rowvec(d_base, offs_m, m_ok, True)
-        dpc = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(di, QMAJOR)
+        e_ad = _load_rowvec(e_base, offs_m, m_ok, True)
+        delta = _load_rowvec(d_base, offs_m, m_ok, True)
+        dp_d = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(delta, QMAJOR)
         if HAS_G:
-            r = g * dpc
+            r = g * dp_d
             if HAS_UV:
                 r += _kt_dot(uv, do, None, PREC, QMAJOR)
         else:
             r = _kt_dot(uv, do, None, PREC, QMAJOR)
-        r = p * (r - _kt_q(ee, QMAJOR))
-    return q, do, uq, p, h, r, dpc
-
-
-@triton.jit
-def _kt_program(CU_Q, CU_K, N_Q, N_K, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """Key tile, key head and sequence of a key-tile program: (n0, n_q, n_k, b64, hk64,
-    q_start64, k_start64); the caller returns when n0 >= n_k."""
-    pid_n = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    return (pid_n * BLOCK_N, n_q, n_k, b.to(tl.int64), hk.to(tl.int64), q_start.to(tl.int64),
-            k_start.to(tl.int64))
+        r = p * (r - _kt_q(e_ad, QMAJOR))
+    return q, do, uq, p, h, r, dp_d
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_col_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, KB, VB, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_db, stride_dh, stride_dn,
-    stride_uqb, stride_uqh, stride_uqn,
-    stride_ukb, stride_ukh, stride_ukn,
-    stride_uvb, stride_uvh, stride_uvn,
-    stride_kbb, stride_kbh, stride_kbn,
-    stride_vbb, stride_vbh, stride_vbn,
-    stride_lb, stride_lh,
+    Q, K, V, DO, UQ, UK, UV, KB, VB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -121,43 +102,36 @@ def _bob_col_kernel(
     QMAJOR: tl.constexpr,
 ):
     """Column pass: K̄ = τ (dSᵀ U_Q + Rᵀ Q) and V̄ = Hᵀ dO of one key tile, summed over the
-    query tiles and the query heads of its group."""
-    n0, n_q, n_k, b64, hk64, q_start64, k_start64 = _kt_program(CU_Q, CU_K, N_Q, N_K, BLOCK_N,
+    query tiles and the query heads of its group. Tiles: views (common.py); LSE ... RHO: row
+    vectors with strides RS."""
+    n0, n_q, n_k, b64, hk64, q_start64, k_start64 = _kt_program(CU, N_Q, N_K, BLOCK_N,
                                                                  IS_VARLEN)
     if n0 >= n_k:
         return
     shift = n_k - n_q
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < n_k
-    rows_n = _rows(offs_n, LONG)
-    k = _load_tile(K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn, rows_n,
-                   stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    v = _load_tile(V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn, rows_n,
-                   stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    offs_n, offs_d, n_ok, rows_n, k, v = _kt_prologue(K, V, b64, hk64, k_start64, n0, n_k,
+                                                      HEAD_DIM, BLOCK_N, BLOCK_D, EVEN_D, LONG)
     uk = k
     if HAS_UK:
-        uk = _load_tile(UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn,
-                        rows_n, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        uk = _load_view(UK, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
     uv = v
     if HAS_UV:
-        uv = _load_tile(UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn,
-                        rows_n, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        uv = _load_view(UV, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
     kb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     vb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW)
     for grp in range(0, GROUPS):
         h64 = hk64 * GROUPS + grp
-        q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
-        do_base = DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn
-        uq_base = UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn
-        row_off = b64 * stride_lb + h64 * stride_lh + q_start64
+        q_base = _tile_base(Q, b64, h64, q_start64)
+        do_base = _tile_base(DO, b64, h64, q_start64)
+        uq_base = _tile_base(UQ, b64, h64, q_start64)
+        row_off = _row_off(RS, b64, h64, q_start64)
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q, do, uq, p, h, r, dpc = _bob_kt_tile(
+            q, do, uq, p, h, r, dp_d = _bob_kt_tile(
                 k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-                ALPHA + row_off, EE + row_off, RHO + row_off, stride_qn, stride_dn, stride_uqn,
+                ALPHA + row_off, EE + row_off, RHO + row_off, Q[3], DO[3], UQ[3],
                 offs_m, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, scale,
                 qk_scale, HEAD_DIM, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
                 HAS_G, NEED_KB, ROWSUM, QMAJOR)
@@ -166,11 +140,9 @@ def _bob_col_kernel(
             if NEED_KB:
                 kb = _dot_acc(r, q, kb, PREC, SPLIT, QMAJOR)
                 if HAS_UQ:
-                    kb = _dot_acc(p * dpc, uq, kb, PREC, False, QMAJOR)
+                    kb = _dot_acc(p * dp_d, uq, kb, PREC, False, QMAJOR)
     if NEED_KB:
         kb = kb * scale
-        _store_tile(KB + b64 * stride_kbb + hk64 * stride_kbh + k_start64 * stride_kbn, rows_n,
-                    stride_kbn, kb.to(KB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_view(KB, b64, hk64, k_start64, rows_n, kb, n_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_VB:
-        _store_tile(VB + b64 * stride_vbb + hk64 * stride_vbh + k_start64 * stride_vbn, rows_n,
-                    stride_vbn, vb.to(VB.dtype.element_ty), n_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_view(VB, b64, hk64, k_start64, rows_n, vb, n_ok, offs_d, HEAD_DIM, EVEN_D)

@@ -24,16 +24,21 @@ import triton
 import triton.language as tl
 
 from .common import (
+    _key_tile,
+    _row_probs,
+    _row_scores,
     _NO_SPECIALIZE,
     _dot_acc,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
+    _load_view,
     _lse_log2,
-    _row_tile_id,
+    _row_off,
+    _row_program,
     _rows,
-    _seq_info,
-    _store_tile,
+    _store_view,
+    _tile_base,
     _visible,
 )
 
@@ -42,17 +47,39 @@ from .common import (
 
 
 @triton.jit
-def _row_program(CU_Q, CU_K, N_Q, N_K, GROUPS, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
-                 IS_VARLEN: tl.constexpr):
-    """Query tile, head and sequence of a row program: (m0, n_q, n_k, b64, h64, hk64,
-    q_start64, k_start64); the caller returns when m0 >= n_q."""
-    pid_m = _row_tile_id(CAUSAL)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    return (pid_m * BLOCK_M, n_q, n_k, b.to(tl.int64), h.to(tl.int64),
-            (h // GROUPS).to(tl.int64), q_start.to(tl.int64), k_start.to(tl.int64))
+def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr):
+    """What every row program loads first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
+    lse2, delta), U_Q a placeholder (q) without HAS_UQ."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    rows_m = _rows(offs_m, LONG)
+    row_off = _row_off(RS, b64, h64, q_start64)
+    q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    uq = q
+    if HAS_UQ:
+        uq = _load_view(UQ, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    return offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta
+
+
+@triton.jit
+def _bob_key_side(K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """The key-side bases of a row program (K, V, U_K, U_V of its kv head and sequence) and
+    the key tiles it visits: (k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi)."""
+    k_base = _tile_base(K, b64, hk64, k_start64)
+    v_base = _tile_base(V, b64, hk64, k_start64)
+    uk_base = _tile_base(UK, b64, hk64, k_start64)
+    uv_base = _tile_base(UV, b64, hk64, k_start64)
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    return k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi
 
 
 @triton.jit
@@ -64,21 +91,16 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
                   PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
                   HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr):
     """Key tile [start_n, start_n + BLOCK_N) of a row program: loads K, V (U_K, U_V) and
-    returns (k, v, uk, uv, p, dp, g, bm), (queries x keys): P (masked outside [mid_lo,
+    returns (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo,
     mid_hi)), dP and B when NEED_DP, G (scaled by τ) when HAS_G. Absent values are
     placeholders (never read)."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < n_k
-    rows = _rows(offs_n, LONG)
-    k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                  BLOCK_N, EVEN_D, LONG)
     v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    p = tl.exp2(s - lse2[:, None])
-    if (start_n < mid_lo) | (start_n >= mid_hi):
-        vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
-        p = tl.where(vis, p, 0.0)
+    p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                   window, qk_scale, PREC, CAUSAL, WINDOW)
     dp = p
-    bm = p
+    b_tile = p
     g = p
     uk = k
     uv = v
@@ -89,7 +111,7 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
     if HAS_UV:
         uv = _load_tile(uv_base, rows, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         if NEED_DP:
-            bm = tl.dot(do, tl.trans(uv), input_precision=PREC)
+            b_tile = tl.dot(do, tl.trans(uv), input_precision=PREC)
     if HAS_G:
         if HAS_UK:
             g = tl.dot(q, tl.trans(uk), input_precision=PREC)
@@ -98,7 +120,7 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
         else:
             g = tl.dot(uq, tl.trans(k), input_precision=PREC)
         g = g * scale
-    return k, v, uk, uv, p, dp, g, bm
+    return k, v, uk, uv, p, dp, g, b_tile
 
 
 @triton.jit
@@ -111,7 +133,7 @@ def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
 
 
 @triton.jit
-def _bob_stats_sweep(q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
+def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                      stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                      lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -125,7 +147,7 @@ def _bob_stats_sweep(q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
     r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, uk, uv, p, dp, g, bm = _bob_row_tile(
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
@@ -136,19 +158,19 @@ def _bob_stats_sweep(q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
             r_alpha += tl.sum(p * g, 1)
             if NEED_E:
                 if HAS_UV:
-                    r_e += tl.sum(p * (g * dp + bm), 1)
+                    r_e += tl.sum(p * (g * dp + b_tile), 1)
                 else:
                     r_e += tl.sum(p * (g * dp), 1)
         elif NEED_E:
-            r_e += tl.sum(p * bm, 1)
+            r_e += tl.sum(p * b_tile, 1)
     rho = _rowsum_scale(r_p, ROWSUM)
-    al = r_alpha * rho
-    ee = r_e * rho - al * di  # E + αD = rowsum(P∘(G∘dP + B)) − αD
-    return al, ee, rho
+    alpha = r_alpha * rho
+    e_ad = r_e * rho - alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
+    return alpha, e_ad, rho
 
 
 @triton.jit
-def _bob_direct_sweep(q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_base,
+def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
                       stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                       lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -157,36 +179,36 @@ def _bob_direct_sweep(q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_b
                       HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
                       HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
                       SPLIT: tl.constexpr):
-    """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``al`` and
-    E + αD = ``ee`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
+    """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
+    E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
     ρ for the corrected P)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, uk, uv, p, dp, g, bm = _bob_row_tile(
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB)
         if HAS_G:
-            g = g - al[:, None]  # G − α
+            g = g - alpha[:, None]  # G − α
         if NEED_DOB:
             if HAS_G:
                 a_dob = _dot_acc(p * g, v, a_dob, PREC, SPLIT)
             if HAS_UV:
                 a_dob = tl.dot(p.to(uv.dtype), uv, a_dob, input_precision=PREC)
         if NEED_QB:
-            dpc = dp - di[:, None]
+            dp_d = dp - delta[:, None]
             if HAS_G:
-                r = g * dpc
+                r = g * dp_d
                 if HAS_UV:
-                    r += bm
+                    r += b_tile
             else:
-                r = bm
-            r = p * (r - ee[:, None])
+                r = b_tile
+            r = p * (r - e_ad[:, None])
             a_qb = _dot_acc(r, k, a_qb, PREC, SPLIT)
             if HAS_UK:
-                a_qb = tl.dot((p * dpc).to(uk.dtype), uk, a_qb, input_precision=PREC)
+                a_qb = tl.dot((p * dp_d).to(uk.dtype), uk, a_qb, input_precision=PREC)
     return a_qb, a_dob
 
 
@@ -195,15 +217,7 @@ def _bob_direct_sweep(q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_b
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_stats_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_db, stride_dh, stride_dn,
-    stride_uqb, stride_uqh, stride_uqn,
-    stride_ukb, stride_ukh, stride_ukn,
-    stride_uvb, stride_uvh, stride_uvn,
-    stride_lb, stride_lh,
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -211,58 +225,34 @@ def _bob_stats_kernel(
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_E: tl.constexpr, ROWSUM: tl.constexpr,
 ):
-    """Statistics pass: writes α, E + αD (and ρ with ROWSUM) of one query tile."""
+    """Statistics pass: writes α, E + αD (and ρ with ROWSUM) of one query tile. Tiles: views
+    (common.py); LSE ... RHO: row vectors with strides RS."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
-        CU_Q, CU_K, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
-    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
-                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
-                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    uq = q
-    if HAS_UQ:
-        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn, rows_m,
-                        stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
-    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-                                             CAUSAL, WINDOW)
-    al, ee, rho = _bob_stats_sweep(
-        q, do, uq, lse2, di,
-        K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn,
-        V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn,
-        UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn,
-        UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn,
-        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
+    alpha, e_ad, rho = _bob_stats_sweep(
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
+        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
         HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
-    tl.store(ALPHA + row_off + offs_m, al, mask=m_ok)
-    tl.store(EE + row_off + offs_m, ee, mask=m_ok)
+    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
     if ROWSUM:
         tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_direct_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, QB, DOB, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_db, stride_dh, stride_dn,
-    stride_uqb, stride_uqh, stride_uqn,
-    stride_ukb, stride_ukh, stride_ukn,
-    stride_uvb, stride_uvh, stride_uvn,
-    stride_qbb, stride_qbh, stride_qbn,
-    stride_dobb, stride_dobh, stride_dobn,
-    stride_lb, stride_lh,
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -275,80 +265,52 @@ def _bob_direct_kernel(
     come from the statistics pass, or (STATS_FIRST) from this program's own statistics sweep
     over the same keys, then written when WRITE_STATS (a key-tile pass follows)."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
-        CU_Q, CU_K, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
-    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
-                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
-                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    uq = q
-    if HAS_UQ:
-        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn, rows_m,
-                        stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
-    uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
-    uv_base = UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn
-    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-                                             CAUSAL, WINDOW)
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
     if STATS_FIRST:
-        al, ee, rho = _bob_stats_sweep(
-            q, do, uq, lse2, di, k_base, v_base, uk_base, uv_base,
-            stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+        alpha, e_ad, rho = _bob_stats_sweep(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
+            K[3], V[3], UK[3], UV[3], offs_m, offs_d,
             lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
         if WRITE_STATS:
-            tl.store(ALPHA + row_off + offs_m, al, mask=m_ok)
-            tl.store(EE + row_off + offs_m, ee, mask=m_ok)
+            tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+            tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
             if ROWSUM:
                 tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
     else:
-        al = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
-        ee = _load_rowvec(EE + row_off, offs_m, m_ok, True)
+        alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
+        e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
         if ROWSUM:
             rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
         else:
             rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, di, al, ee, k_base, v_base, uk_base, uv_base,
-        stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+        q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
+        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
         HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT)
     if NEED_QB:
         qb = a_qb * (rho * scale)[:, None]
-        _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn, rows_m,
-                    stride_qbn, qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_DOB:
         dob = a_dob * rho[:, None]
-        _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + q_start64 * stride_dobn, rows_m,
-                    stride_dobn, dob.to(DOB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_view(DOB, b64, h64, q_start64, rows_m, dob, m_ok, offs_d, HEAD_DIM, EVEN_D)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_affine_kernel(
-    Q, K, V, O, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, QB, DOB, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_db, stride_dh, stride_dn,
-    stride_uqb, stride_uqh, stride_uqn,
-    stride_ukb, stride_ukh, stride_ukn,
-    stride_uvb, stride_uvh, stride_uvn,
-    stride_qbb, stride_qbh, stride_qbn,
-    stride_dobb, stride_dobh, stride_dobn,
-    stride_lb, stride_lh,
+    Q, K, V, O, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -366,31 +328,16 @@ def _bob_affine_kernel(
     Writes α, E + αD, ρ when WRITE_STATS (the column pass follows). NEED_E: dP and B are
     needed (for Q̄ or for E)."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
-        CU_Q, CU_K, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
-    row_off = b64 * stride_lb + h64 * stride_lh + q_start64
-    q = _load_tile(Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn, rows_m,
-                   stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    do = _load_tile(DO + b64 * stride_db + h64 * stride_dh + q_start64 * stride_dn, rows_m,
-                    stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    uq = q
-    if HAS_UQ:
-        uq = _load_tile(UQ + b64 * stride_uqb + h64 * stride_uqh + q_start64 * stride_uqn, rows_m,
-                        stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    di = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
-    uk_base = UK + b64 * stride_ukb + hk64 * stride_ukh + k_start64 * stride_ukn
-    uv_base = UV + b64 * stride_uvb + hk64 * stride_uvh + k_start64 * stride_uvn
-    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-                                             CAUSAL, WINDOW)
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
     a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_pdpk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -402,9 +349,9 @@ def _bob_affine_kernel(
     r_gdp = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
-        k, v, uk, uv, p, dp, g, bm = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
-            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
+            UK[3], UV[3], offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
         if ROWSUM:
@@ -418,14 +365,14 @@ def _bob_affine_kernel(
                 r_gdp += tl.sum(pg * dp, 1)
         if HAS_UV:
             if NEED_E:
-                pb = p * bm
+                pb = p * b_tile
                 r_b += tl.sum(pb, 1)
         if NEED_QB:
             if HAS_UK:
-                ds = p * (dp - di[:, None])
+                ds = p * (dp - delta[:, None])
                 a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
             if HAS_G:
-                t = pg * (dp - di[:, None])
+                t = pg * (dp - delta[:, None])
                 if HAS_UV:
                     t += pb
                 a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
@@ -440,21 +387,18 @@ def _bob_affine_kernel(
                 a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
     rho = _rowsum_scale(r_p, ROWSUM)
     alpha = r_alpha * rho
-    ee = (r_gdp + r_b) * rho - 2.0 * alpha * di  # E
+    e = (r_gdp + r_b) * rho - 2.0 * alpha * delta  # E
     if NEED_QB:
-        qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - ee[:, None] * a_pk) * (rho * scale)[:, None]
-        _store_tile(QB + b64 * stride_qbb + h64 * stride_qbh + q_start64 * stride_qbn, rows_m,
-                    stride_qbn, qb.to(QB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+        qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - e[:, None] * a_pk) * (rho * scale)[:, None]
+        _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
     if NEED_DOB:
         dob = (a_pgv + a_puv) * rho[:, None]
         if HAS_G:
-            o = _load_tile(O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on,
-                           rows_m, stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            o = _load_view(O, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
             dob -= alpha[:, None] * o.to(tl.float32)
-        _store_tile(DOB + b64 * stride_dobb + h64 * stride_dobh + q_start64 * stride_dobn, rows_m,
-                    stride_dobn, dob.to(DOB.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+        _store_view(DOB, b64, h64, q_start64, rows_m, dob, m_ok, offs_d, HEAD_DIM, EVEN_D)
     if WRITE_STATS:
         tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-        tl.store(EE + row_off + offs_m, ee + alpha * di, mask=m_ok)  # E + αD
+        tl.store(EE + row_off + offs_m, e + alpha * delta, mask=m_ok)  # E + αD
         if ROWSUM:
             tl.store(RHO + row_off + offs_m, rho, mask=m_ok)

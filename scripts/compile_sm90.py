@@ -2,11 +2,11 @@
 print registers / spills / shared memory per kernel (ptxas via ``cuobjdump -res-usage``).
 
 The composers run on CPU tensors with each kernel replaced by a recorder (no launch); each
-recorded launch is then compiled with ``triton.compile`` for ``GPUTarget("cuda", 90, 64)``
-with the tiles of the sm_90 table (``plan.capability`` told (9, 0); no Gluon pass), with the
-divisibility hints the GPU's launcher gives (pointers, integers divisible by 16; an integer
-equal to 1 stays a runtime value here), so the numbers are close to the GPU's. Catches
-compile errors before device time is spent::
+recorded launch is then compiled for sm_90 by ``JITFunction.warmup`` under a stub driver
+(scripts/gluon_compile_sm90.py), with the tiles of the sm_90 table (``plan.capability`` told
+(9, 0); no Gluon pass) and the launcher's own argument specialisation, so the numbers are
+close to the GPU's (the triton installed here, not the GPU machine's). Catches compile errors
+before device time is spent::
 
     python scripts/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal] [--dump DIR]
 
@@ -27,14 +27,12 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime import driver  # noqa: E402
 
 from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, attn_jvp, attn_tangent  # noqa: E402
 from ttt_flash.kernels import configs, plan  # noqa: E402
 
 MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("attn_fwd", "attn_bwd", "bob", "attn_jvp")]
-_DT = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
 
 
 class Recorder:
@@ -47,36 +45,24 @@ class Recorder:
         return launch
 
 
+def _stub_driver():
+    """The sm_90 stub driver of scripts/gluon_compile_sm90.py: ``JITFunction.warmup``
+    compiles for sm_90 without a GPU, with the launcher's own specialisation."""
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("_gluon_compile_sm90",
+                                                  os.path.join(here, "gluon_compile_sm90.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._Sm90Stub()
+
+
 def compile_launch(fn, args, kwargs):
-    names = fn.arg_names
-    sig, consts, attrs = {}, {}, {}
-    skip = set(getattr(fn, "do_not_specialize", None) or ())
-    for i, (name, a) in enumerate(zip(names, args)):
-        # the GPU's hints: 16-byte aligned pointers, integers divisible by 16 marked so
-        if (isinstance(a, torch.Tensor) or (isinstance(a, int) and not isinstance(a, bool)
-                                            and a > 0 and a % 16 == 0)) \
-                and i not in skip and name not in skip:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        if isinstance(a, torch.Tensor):
-            sig[name] = _DT[a.dtype]
-        elif isinstance(a, bool):
-            sig[name] = "i1"
-        elif isinstance(a, int):
-            sig[name] = "i64" if abs(a) >= 2**31 else "i32"
-        else:
-            sig[name] = "fp32"
-    opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
-    for name, val in kwargs.items():
-        if name in opts:
-            continue
-        sig[name] = "constexpr"
-        consts[name] = val
-    for name, p in zip(names, fn.params):  # constexpr defaults not passed
-        if name not in sig and p.is_constexpr:
-            sig[name] = "constexpr"
-            consts[name] = p.default
-    src = ASTSource(fn, sig, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=opts)
+    """Compile one recorded launch for sm_90 as the GPU's launcher would (its argument
+    specialisation: 16-byte aligned pointers, integers divisible by 16, tuples element by
+    element) and return the compiled kernel."""
+    return fn.warmup(*args, grid=(1,), **kwargs)
 
 
 def res_usage(ck):
@@ -134,6 +120,7 @@ def main() -> int:
     dtype = getattr(torch, a.dtype)
     if a.no_rowsum:
         configs.ROWSUM_CORRECTION[dtype] = False
+    driver.set_active(_stub_driver())
     plan.capability = lambda device: (9, 0)  # the sm_90 table's tiles
     plan._gluon_capability = lambda device: None  # the Triton passes only
     plan.clear_cache()
@@ -173,7 +160,7 @@ def main() -> int:
                   f"{kwargs.get('BLOCK_M')}x{kwargs.get('BLOCK_N')}/{kwargs.get('num_warps')} {flags}", flush=True)
         except Exception as e:  # noqa: BLE001 - report every failing kernel
             bad += 1
-            print(f"{name:<24} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            print(f"{name:<24} FAILED: {type(e).__name__}: {str(e)[:3000]}", flush=True)
     return 1 if bad else 0
 
 

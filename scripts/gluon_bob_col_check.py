@@ -88,7 +88,7 @@ def triton_col_launcher(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, causal):
 
     bob = importlib.import_module("ttt_flash.kernels.bob_cols")
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
-                                          long_rows, rowvec_strides, strides)
+                                          long_rows, rowvec_strides, view)
     from ttt_flash.kernels.plan import tiles as get_config
 
     lay = layout(q, k, None, None, None, None)
@@ -106,11 +106,9 @@ def triton_col_launcher(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, causal):
 
     def run():
         bob._bob_col_kernel[grid](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, kb, vb, cu, cu,
-            *strides(q, False), *strides(k, False), *strides(v, False), *strides(do, False),
-            *strides(uq, False), *strides(uk, False), *strides(uv, False),
-            *strides(kb, False), *strides(vb, False), *rowvec_strides(lay),
-            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
+            *(view(x, False) for x in (q, k, v, do, uq, uk, uv, kb, vb)),
+            lse, delta, alpha, ee, lse, rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k,
+            lay.groups, scale, scale * LOG2E, 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_KB=True, NEED_VB=True,
             SPLIT=False, QMAJOR=cfg.qmajor, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **flags)

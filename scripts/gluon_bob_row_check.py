@@ -61,7 +61,7 @@ def triton_launchers(q, k, v, do, uq, uk, uv, causal):
     bob = importlib.import_module("ttt_flash.kernels.bob_rows")
     from ttt_flash.kernels import attn_bwd, attn_fwd
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
-                                          long_rows, rowvec_strides, strides)
+                                          long_rows, rowvec_strides, view)
     from ttt_flash.kernels.plan import tiles as get_config
 
     kw = dict(scale=None, causal=causal, window=None)
@@ -78,24 +78,21 @@ def triton_launchers(q, k, v, do, uq, uk, uv, causal):
                  PREC=dot_precision(q.dtype), HAS_UQ=True, HAS_UK=True, HAS_UV=True,
                  HAS_G=True, ROWSUM=False,
                  LONG=long_rows(lay, q, k, v, do, uq, uk, uv, qb, dob))
-    args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0)
-    st = [strides(x, False) for x in (q, k, v, do, uq, uk, uv)]
+    args = (rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0)
+    ins = [view(x, False) for x in (q, k, v, do, uq, uk, uv)]
     cs = get_config("bob_stats", bd, q.dtype, q.device)
     cd = get_config("bob_direct", bd, q.dtype, q.device)
 
     def stats():
         bob._bob_stats_kernel[(triton.cdiv(lay.n_q, cs.block_m), lay.h_q, lay.batch)](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, cu, cu,
-            *[s for t in st for s in t], *rowvec_strides(lay), *args,
+            *ins, lse, delta, alpha, ee, lse, *args,
             BLOCK_M=cs.block_m, BLOCK_N=cs.block_n, NEED_E=True, num_warps=cs.num_warps,
             num_stages=cs.num_stages, **flags)
         return alpha, ee
 
     def direct():
         bob._bob_direct_kernel[(triton.cdiv(lay.n_q, cd.block_m), lay.h_q, lay.batch)](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, qb, dob, cu, cu,
-            *[s for t in st for s in t], *strides(qb, False), *strides(dob, False),
-            *rowvec_strides(lay), *args,
+            *ins, view(qb, False), view(dob, False), lse, delta, alpha, ee, lse, *args,
             BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, NEED_QB=True, NEED_DOB=True, SPLIT=False,
             STATS_FIRST=False, WRITE_STATS=False, NEED_E=True, num_warps=cd.num_warps,
             num_stages=cd.num_stages, **flags)

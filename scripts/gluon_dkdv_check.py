@@ -47,7 +47,7 @@ def triton_dkdv_launcher(q, k, v, do, lse, delta, causal):
 
     # the module itself: ttt_flash.kernels re-exports the composer under the same name
     ab = importlib.import_module("ttt_flash.kernels.attn_bwd")
-    from ttt_flash.kernels.common import LOG2E, block_d, cu_or_dummy, layout, long_rows, strides
+    from ttt_flash.kernels.common import LOG2E, block_d, cu_or_dummy, layout, long_rows, view
     from ttt_flash.kernels.common import dot_precision, rowvec_strides
     from ttt_flash.kernels.plan import tiles as get_config
 
@@ -64,10 +64,8 @@ def triton_dkdv_launcher(q, k, v, do, lse, delta, causal):
 
     def run():
         ab._attn_bwd_dkdv_kernel[grid](
-            q, k, v, do, lse, delta, delta, dk, dv, cu, cu,
-            *strides(q, False), *strides(k, False), *strides(v, False), *strides(do, False),
-            *strides(dk, False), *strides(dv, False), *rowvec_strides(lay),
-            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
+            *(view(x, False) for x in (q, k, v, do, dk, dv)), lse, delta, delta,
+            rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, QMAJOR=cfg.qmajor, ROWSUM=False,
             **common)

@@ -288,3 +288,25 @@ def test_the_docs_floor_table_is_this_one():
             assert floor(module) == level, f"{row[:60]}...: {module} is floor {floor(module)}"
             seen.add(module)
     assert {"ttt_flash.kernels", "ttt_flash.attention", "ttt_flash.cli"} <= seen
+
+
+def _kernels():
+    """(module, kernel name, parameter count) of every @triton.jit / @gluon.jit kernel in
+    kernels/ (a function named ``*_kernel``)."""
+    out = []
+    for module in sorted(m for m in MODULES if m.startswith("ttt_flash.kernels")):
+        tree = ast.parse(MODULES[module].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                out.append((module, node.name, len(node.args.args)))
+    return out
+
+
+def test_kernels_take_few_parameters():
+    # a tensor travels as one view tuple (pointer, strides), cu_seqlens as one pair
+    found = _kernels()
+    assert {"_bob_direct_kernel", "_bob_col_kernel", "_gluon_bob_row_kernel"} <= {
+        name for _, name, _ in found}
+    over = [f"{m}.{name}: {n}" for m, name, n in found if n > 45]
+    assert not over, "kernels over 45 parameters: " + ", ".join(over)

@@ -4,7 +4,7 @@ tile loads.
 A kernel takes each (batch, head, token, d) tensor as a *view*, the tuple (pointer, batch
 stride, head stride, token stride) (:func:`view` on the host, :func:`_tile_base` in the
 kernel), the float32 row vectors as pointers sharing one (batch stride, head stride) pair
-(:func:`row_strides`, :func:`_row_off`), and cu_seqlens as the pair ``CU`` = (CU_Q, CU_K);
+(:func:`rowvec_strides`, :func:`_row_off`), and cu_seqlens as the pair ``CU`` = (CU_Q, CU_K);
 :func:`_row_program` / :func:`_kt_program` give a query-tile / key-tile program its
 coordinates.
 
@@ -13,11 +13,10 @@ both BoB passes. :func:`_key_tile_range` / :func:`_query_tile_range` give each p
 its loop bounds: tiles entirely outside the causal band / window are never visited, and
 inside the loop only boundary tiles (the diagonal, the window edge, the ragged tail: those
 outside [mid_lo, mid_hi)) pay for the mask, through a runtime-uniform branch. One loop per
-kernel keeps register pressure lower than separate masked/unmasked loops (checked with
-ptxas on sm_90).
+kernel keeps register pressure lower than separate masked/unmasked loops.
 
-The host half of this file turns dense (B, H, N, D) and varlen (T, H, D) tensors into
-the (batch, head, token) strides the kernels take, so both layouts share the kernels.
+The host half turns dense (B, H, N, D) and varlen (T, H, D) tensors into views, so both
+layouts share the kernels.
 """
 
 from __future__ import annotations
@@ -474,13 +473,6 @@ def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     if x.stride(-1) != 1 or any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
         x = x.contiguous()
     return x
-
-
-def strides(x: torch.Tensor, varlen: bool):
-    """(batch, head, token) strides of a dense (B, H, N, D) or varlen (T, H, D) tensor."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0)
-    return x.stride(0), x.stride(1), x.stride(2)
 
 
 def rowvec_strides(lay: Layout):

@@ -310,3 +310,18 @@ def test_kernels_take_few_parameters():
         name for _, name, _ in found}
     over = [f"{m}.{name}: {n}" for m, name, n in found if n > 45]
     assert not over, "kernels over 45 parameters: " + ", ".join(over)
+
+
+def test_no_timings_or_planning_in_kernels():
+    # timings, issue numbers and dated notes belong in docs/benchmarks.md and commit messages
+    import re
+
+    pattern = re.compile(r"[0-9](\.[0-9]+)? ?ms\b|\b[Ii]ssue [0-9]+|\bitem [0-9]\b|"
+                         r"step (one|two|three|four)|[0-9]\.[0-9]+x (faster|slower)|"
+                         r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b")
+    bad = []
+    for module in (m for m in MODULES if m.startswith("ttt_flash.kernels")):
+        for n, line in enumerate(MODULES[module].read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{_where(module)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)

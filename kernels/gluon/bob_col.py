@@ -115,6 +115,29 @@ if HAVE_GLUON:
         _tma_load(r_desc, [0, row], bar, vecs.index(slot))
 
     @gluon.jit
+    def _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NVEC: gl.constexpr, STAGES: gl.constexpr):
+        """The shared memory of a column program: the key-side tiles, the rings of query
+        tiles and packed row vectors, the key-side barrier and the ring's "ready" barriers
+        (initialised)."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
+        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        return k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar, ready
+
+    @gluon.jit
     def _query_vec(vecs, i: gl.constexpr, layout: gl.constexpr):
         """Row vector ``i`` of a ring slot's packed vectors, broadcast along the keys of a
         (keys x queries) tile (read from shared memory where it is used: held in registers
@@ -206,19 +229,9 @@ if HAVE_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
-        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+        (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
+         ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
 
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
                         kv_bar, row0 + n0)
@@ -342,20 +355,11 @@ if HAVE_GLUON:
         n0 = gl.program_id(0) * BLOCK_N
         row0 = gl.program_id(1) * N
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
-        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
+         ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         gl.warp_specialize([
             (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,

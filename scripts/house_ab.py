@@ -100,14 +100,14 @@ def _worker(spec: dict) -> dict:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = [torch.randn(b, hh, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
              for hh in (h, hk, hk, h, h, hk, hk)]
-        q, k, v = (t.requires_grad_() for t in x[:3])
-        do, u = x[3], x[4:]
+        q, k, v, do = (t.requires_grad_() for t in x[:4])
+        u = x[4:]
 
-        def chain():
+        def chain():  # as scripts/gpu_suite.py: Q̄, K̄, V̄ and dŌ
             o = flash_attention(q, k, v, causal=causal)
             gr = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
             inner = sum((a * w).sum() for a, w in zip(gr, u))
-            return torch.autograd.grad(inner, (q, k, v))
+            return torch.autograd.grad(inner, (q, k, v, do))
 
         for _ in range(spec["warmup"]):
             chain()

@@ -1,8 +1,9 @@
-"""Triton kernels of ttt-flash: forward, first backward and exact backward-over-backward.
+"""Triton kernels of ttt-flash: forward, tangent forward, first backward and exact
+backward-over-backward.
 
 Exports the composer contract of ``docs/architecture.md`` (same signatures as
-``ttt_flash.reference``): :func:`attn_fwd`, :func:`attn_bwd`, :func:`attn_bob`.
-Imports torch and triton only.
+``ttt_flash.reference``): :func:`attn_fwd`, :func:`attn_bwd`, :func:`attn_bob`,
+:func:`attn_tangent` and :func:`attn_jvp`. Imports torch and triton only.
 """
 
 from .attn_bwd import attn_bwd

@@ -10,14 +10,18 @@ import triton
 import triton.language as tl
 
 from .common import (
+    _key_tile,
+    _row_probs,
+    _row_scores,
     LOG2E,
     _NO_SPECIALIZE,
     _key_tile_range,
     _load_tile,
+    _row_base,
+    _row_program,
     _rows,
-    _row_tile_id,
-    _seq_info,
     _store_tile,
+    _tile_base,
     _visible,
     block_d,
     cu_or_dummy,
@@ -29,9 +33,9 @@ from .common import (
     on_input_device,
     prep,
     rowvec_strides,
-    strides,
+    view,
 )
-from .configs import get_config
+from . import plan as _plan
 
 
 @triton.jit
@@ -43,15 +47,10 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
     """Online-softmax accumulation over key tiles [lo, hi); only tiles outside
     [mid_lo, mid_hi) (band edges, ragged tail) are masked."""
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_k
-        rows = _rows(offs_n, LONG)
-        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            s = tl.where(vis, s, float("-inf"))
+        offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                      BLOCK_N, EVEN_D, LONG)
+        s = _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
+                        qk_scale, PREC, CAUSAL, WINDOW)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp2(s - m_use[:, None])
@@ -66,37 +65,25 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_lb, stride_lh,
-    N_Q, N_K, GROUPS, qk_scale, window,
+    Q, K, V, O, LSE, RS, CU, N_Q, N_K, GROUPS, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
 ):
-    pid_m = _row_tile_id(CAUSAL)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    """O and L of one query tile. Q, K, V, O: views (common.py); LSE: a row vector with
+    strides RS; CU: (cu_seqlens_q, cu_seqlens_k)."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    hk64 = (h // GROUPS).to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    k_start64 = k_start.to(tl.int64)
     # int64 bases of this (batch, head, sequence); tiles add int32 in-sequence offsets
-    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
-    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
-    l_base = LSE + b64 * stride_lb + h64 * stride_lh + q_start64
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
+    q_base = _tile_base(Q, b64, h64, q_start64)
+    o_base = _tile_base(O, b64, h64, q_start64)
+    l_base = _row_base(LSE, RS, b64, h64, q_start64)
+    k_base = _tile_base(K, b64, hk64, k_start64)
+    v_base = _tile_base(V, b64, hk64, k_start64)
+    stride_qn, stride_kn, stride_vn, stride_on = Q[3], K[3], V[3], O[3]
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -120,7 +107,8 @@ def _attn_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    _store_tile(o_base, rows_m, stride_on, o.to(O.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
+    _store_tile(o_base, rows_m, stride_on, o.to(O[0].dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+                EVEN_D)
     tl.store(l_base + offs_m, lse, mask=m_ok)
 
 
@@ -143,12 +131,11 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
             lse.fill_(float("-inf"))
         return o.zero_(), lse
     bd = block_d(lay.head_dim)
-    cfg = get_config("fwd", bd, q.dtype, q.device)
+    cfg = _plan.tiles("fwd", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),
-        *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-        *strides(o, lay.varlen), *rowvec_strides(lay),
+        view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),
+        lse, rowvec_strides(lay), (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
         lay.n_q, lay.n_k, lay.groups, scale * LOG2E, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,

@@ -19,7 +19,8 @@ needs no correction).
 Per (query, key) pair: 2d flops for S, 2d per present Q̇ / K̇ for Ṡ, 2d each for P V,
 (P∘Ṡ) V and P V̇: 12d with every tangent (the forward alone: 4d).
 
-Tiles: ``configs.tile_overrides({"jvp": ...})`` if active, otherwise the table below (no autotuning).
+Tiles: the ``jvp`` kind of configs.py (both kernels), through ``plan.tiles``; an override
+``configs.tile_overrides({"jvp": ...})`` wins, as for every kind.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ import triton
 import triton.language as tl
 
 from .common import (
+    _key_tile,
+    _row_probs,
+    _row_scores,
     _NO_SPECIALIZE,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
     _lse_log2,
-    _row_tile_id,
+    _row_off,
+    _row_program,
     _rows,
-    _seq_info,
     _store_tile,
+    _tile_base,
     _visible,
     block_d,
     cu_or_dummy,
@@ -48,62 +53,62 @@ from .common import (
     on_input_device,
     prep,
     rowvec_strides,
-    strides,
+    view,
 )
-from . import configs
+from . import plan as _plan
 
 __all__ = ["attn_jvp", "attn_tangent"]
 
 
+@triton.jit
+def _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64, k_start64,
+                      m0, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+                      HAS_QD: tl.constexpr):
+    """What both tangent programs set up first: the bases of O, Ȯ, the row vectors and the
+    key side, the query tile's offsets, and its Q (and Q̇; a placeholder without HAS_QD)."""
+    q_base = _tile_base(Q, b64, h64, q_start64)
+    qd_base = _tile_base(QD, b64, h64, q_start64)
+    o_base = _tile_base(O, b64, h64, q_start64)
+    od_base = _tile_base(OD, b64, h64, q_start64)
+    l_off = _row_off(RS, b64, h64, q_start64)
+    k_base = _tile_base(K, b64, hk64, k_start64)
+    v_base = _tile_base(V, b64, hk64, k_start64)
+    kd_base = _tile_base(KD, b64, hk64, k_start64)
+    vd_base = _tile_base(VD, b64, hk64, k_start64)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    rows_m = _rows(offs_m, LONG)
+    q = _load_tile(q_base, rows_m, Q[3], m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    qd = q
+    if HAS_QD:
+        qd = _load_tile(qd_base, rows_m, QD[3], m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    return (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok,
+            rows_m, q, qd)
+
+
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_jvp_kernel(
-    Q, K, V, QD, KD, VD, O, LSE, OD, LSED, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_qdb, stride_qdh, stride_qdn,
-    stride_kdb, stride_kdh, stride_kdn,
-    stride_vdb, stride_vdh, stride_vdn,
-    stride_ob, stride_oh, stride_on,
-    stride_odb, stride_odh, stride_odn,
-    stride_lb, stride_lh,
-    N_Q, N_K, GROUPS, scale, window,
+    Q, K, V, QD, KD, VD, O, OD, LSE, LSED, RS, CU, N_Q, N_K, GROUPS, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr,
 ):
-    pid_m = _row_tile_id(CAUSAL)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    """O, L, Ȯ, L̇ of one query tile. Tiles: views (common.py); LSE, LSED: row vectors with
+    strides RS."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    hk64 = (h // GROUPS).to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    k_start64 = k_start.to(tl.int64)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
-    qd_base = QD + b64 * stride_qdb + h64 * stride_qdh + q_start64 * stride_qdn
-    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
-    od_base = OD + b64 * stride_odb + h64 * stride_odh + q_start64 * stride_odn
-    l_off = b64 * stride_lb + h64 * stride_lh + q_start64
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
-    kd_base = KD + b64 * stride_kdb + hk64 * stride_kdh + k_start64 * stride_kdn
-    vd_base = VD + b64 * stride_vdb + hk64 * stride_vdh + k_start64 * stride_vdn
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
-    q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    if HAS_QD:
-        qd = _load_tile(qd_base, rows_m, stride_qdn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok, rows_m,
+     q, qd) = _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
+                                k_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LONG,
+                                HAS_QD)
+    stride_on, stride_odn = O[3], OD[3]
+    stride_kn, stride_vn, stride_kdn, stride_vdn = K[3], V[3], KD[3], VD[3]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -117,15 +122,10 @@ def _attn_jvp_kernel(
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_k
-        rows = _rows(offs_n, LONG)
-        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            s = tl.where(vis, s, float("-inf"))
+        offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                      BLOCK_N, EVEN_D, LONG)
+        s = _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
+                        qk_scale, PREC, CAUSAL, WINDOW)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
         p = tl.exp2(s - m_use[:, None])
@@ -168,8 +168,9 @@ def _attn_jvp_kernel(
     od = acc_t * inv[:, None] - sbar[:, None] * o
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     lsed = tl.where(empty, 0.0, sbar + ref)
-    _store_tile(o_base, rows_m, stride_on, o.to(O.dtype.element_ty), m_ok, offs_d, HEAD_DIM, EVEN_D)
-    _store_tile(od_base, rows_m, stride_odn, od.to(OD.dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+    _store_tile(o_base, rows_m, stride_on, o.to(O[0].dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+                EVEN_D)
+    _store_tile(od_base, rows_m, stride_odn, od.to(OD[0].dtype.element_ty), m_ok, offs_d, HEAD_DIM,
                 EVEN_D)
     tl.store(LSE + l_off + offs_m, lse, mask=m_ok)
     tl.store(LSED + l_off + offs_m, lsed, mask=m_ok)
@@ -177,17 +178,7 @@ def _attn_jvp_kernel(
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _attn_tangent_kernel(
-    Q, K, V, QD, KD, VD, O, LSE, OD, LSED, RHO, CU_Q, CU_K,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_qdb, stride_qdh, stride_qdn,
-    stride_kdb, stride_kdh, stride_kdn,
-    stride_vdb, stride_vdh, stride_vdn,
-    stride_ob, stride_oh, stride_on,
-    stride_odb, stride_odh, stride_odn,
-    stride_lb, stride_lh,
-    N_Q, N_K, GROUPS, scale, window,
+    Q, K, V, QD, KD, VD, O, OD, LSE, LSED, RHO, RS, CU, N_Q, N_K, GROUPS, scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
@@ -197,37 +188,17 @@ def _attn_tangent_kernel(
     P = exp(S − L) needs no online softmax and no P V: one tile x d accumulator of
     (P∘(Ṡ − c)) V + P V̇, the row sums of P∘(Ṡ − c) and of P (ρ = 1 / rowsum(P) normalises the
     recomputed rows, as in the backward passes)."""
-    pid_m = _row_tile_id(CAUSAL)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU_Q, b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU_K, b, N_K, IS_VARLEN)
-    m0 = pid_m * BLOCK_M
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    hk64 = (h // GROUPS).to(tl.int64)
-    q_start64 = q_start.to(tl.int64)
-    k_start64 = k_start.to(tl.int64)
-    q_base = Q + b64 * stride_qb + h64 * stride_qh + q_start64 * stride_qn
-    qd_base = QD + b64 * stride_qdb + h64 * stride_qdh + q_start64 * stride_qdn
-    o_base = O + b64 * stride_ob + h64 * stride_oh + q_start64 * stride_on
-    od_base = OD + b64 * stride_odb + h64 * stride_odh + q_start64 * stride_odn
-    l_off = b64 * stride_lb + h64 * stride_lh + q_start64
-    k_base = K + b64 * stride_kb + hk64 * stride_kh + k_start64 * stride_kn
-    v_base = V + b64 * stride_vb + hk64 * stride_vh + k_start64 * stride_vn
-    kd_base = KD + b64 * stride_kdb + hk64 * stride_kdh + k_start64 * stride_kdn
-    vd_base = VD + b64 * stride_vdb + hk64 * stride_vdh + k_start64 * stride_vdn
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
-    q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    if HAS_QD:
-        qd = _load_tile(qd_base, rows_m, stride_qdn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok, rows_m,
+     q, qd) = _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
+                                k_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LONG,
+                                HAS_QD)
+    stride_on, stride_odn = O[3], OD[3]
+    stride_kn, stride_vn, stride_kdn, stride_vdn = K[3], V[3], KD[3], VD[3]
     lse2 = _lse_log2(_load_rowvec(LSE + l_off, offs_m, m_ok, True))
 
     acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # Σ (P∘(Ṡ − c)) V + P V̇
@@ -240,16 +211,10 @@ def _attn_tangent_kernel(
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < n_k
-        rows = _rows(offs_n, LONG)
-        k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.exp2(s - lse2[:, None])
-        if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window,
-                           CAUSAL, WINDOW)
-            p = tl.where(vis, p, 0.0)
+        offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                      BLOCK_N, EVEN_D, LONG)
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, qk_scale, PREC, CAUSAL, WINDOW)
         p_sum = tl.sum(p, 1)
         r_p += p_sum
         if HAS_QD or HAS_KD:
@@ -280,46 +245,10 @@ def _attn_tangent_kernel(
     o = _load_tile(o_base, rows_m, stride_on, m_ok, offs_d, HEAD_DIM, True, EVEN_D).to(tl.float32)
     od = acc_t * rho[:, None] - sbar[:, None] * o
     lsed = tl.where(empty, 0.0, sbar + ref)
-    _store_tile(od_base, rows_m, stride_odn, od.to(OD.dtype.element_ty), m_ok, offs_d, HEAD_DIM,
+    _store_tile(od_base, rows_m, stride_odn, od.to(OD[0].dtype.element_ty), m_ok, offs_d, HEAD_DIM,
                 EVEN_D)
     tl.store(LSED + l_off + offs_m, lsed, mask=m_ok)
     tl.store(RHO + l_off + offs_m, rho, mask=m_ok)
-
-
-# --------------------------------------------------------------------------- tiles
-#
-# Two tile x d accumulators and two query-side tiles (Q, Q̇): about twice the forward's
-# registers. Chosen offline by compiling for sm_90 and reading ptxas' register and spill counts
-# (scripts/jvp_tiles_ptxas.py, Triton 3.9), not by timing: 16-bit inputs spill
-# nothing at d <= 64 (128 x 64 tiles, 255 registers) and d = 256 (32 x 16), 12 bytes at
-# d = 128 (64 x 32; 64 x 64 spills 332); float32 with IEEE dots spills at every tile tried
-# (these spill least). A sweep on the GPU may replace them: set
-# ``with configs.tile_overrides({"jvp": configs.TileConfig(...)})`` to try others.
-
-_T = configs.TileConfig
-_HALF = {16: _T(128, 64, 8, 3), 32: _T(128, 64, 8, 3), 64: _T(128, 64, 8, 3),
-         128: _T(64, 32, 8, 2), 256: _T(32, 16, 8, 1)}
-_FP32 = {16: _T(32, 32, 8, 1), 32: _T(32, 32, 8, 1), 64: _T(32, 32, 8, 1),
-         128: _T(16, 32, 8, 1), 256: _T(16, 16, 8, 1)}
-_OTHER = {16: _T(32, 32, 4, 1), 32: _T(32, 32, 4, 1), 64: _T(32, 32, 4, 1),
-          128: _T(16, 32, 4, 1), 256: _T(16, 16, 4, 1)}
-_INTERPRETER = _T(32, 16, 4, 1)
-
-
-def _tiles(bd: int, dtype, device) -> "configs.TileConfig":
-    if "jvp" in configs._OVERRIDES:  # configs.tile_overrides({"jvp": ...})
-        return configs._OVERRIDES["jvp"]
-    if configs.interpreting() or device.type != "cuda":
-        return _INTERPRETER
-    import torch
-
-    major = torch.cuda.get_device_capability(device)[0]
-    if major not in (8, 9, 10):
-        return _OTHER[bd]
-    cfg = (_FP32 if dtype == torch.float32 else _HALF)[bd]
-    if major == 8:  # 99 KiB of shared memory on 8.6 / 8.9 (K, K̇, V, V̇ tiles per stage)
-        cfg = _T(cfg.block_m, cfg.block_n, cfg.num_warps, min(cfg.num_stages, 2 if bd <= 64 else 1))
-    return cfg
 
 
 # --------------------------------------------------------------------------- launcher
@@ -351,15 +280,13 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
             lsed.zero_()
         return o.zero_(), lse, od.zero_(), lsed
     bd = block_d(lay.head_dim)
-    cfg = _tiles(bd, q.dtype, q.device)
+    cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_jvp_kernel[grid](
-        q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,
-        o, lse, od, lsed, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),
-        *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-        *strides(q if qd is None else qd, lay.varlen), *strides(k if kd is None else kd, lay.varlen),
-        *strides(v if vd is None else vd, lay.varlen),
-        *strides(o, lay.varlen), *strides(od, lay.varlen), *rowvec_strides(lay),
+        *(view(x, lay.varlen, like) for x, like in ((q, q), (k, k), (v, v), (qd, q), (kd, k),
+                                                     (vd, v), (o, o), (od, od))),
+        lse, lsed, rowvec_strides(lay),
+        (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
         lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
@@ -398,15 +325,13 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
             rho.fill_(1.0)
         return od.zero_(), lsed, rho
     bd = block_d(lay.head_dim)
-    cfg = _tiles(bd, q.dtype, q.device)
+    cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_tangent_kernel[grid](
-        q, k, v, q if qd is None else qd, k if kd is None else kd, v if vd is None else vd,
-        o, lse, od, lsed, rho, cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q),
-        *strides(q, lay.varlen), *strides(k, lay.varlen), *strides(v, lay.varlen),
-        *strides(q if qd is None else qd, lay.varlen), *strides(k if kd is None else kd, lay.varlen),
-        *strides(v if vd is None else vd, lay.varlen),
-        *strides(o, lay.varlen), *strides(od, lay.varlen), *rowvec_strides(lay),
+        *(view(x, lay.varlen, like) for x, like in ((q, q), (k, k), (v, v), (qd, q), (kd, k),
+                                                     (vd, v), (o, o), (od, od))),
+        lse, lsed, rho, rowvec_strides(lay),
+        (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
         lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,

@@ -1,15 +1,22 @@
-"""Helpers shared by every kernel: masks, sequence bounds, tile ranges, tile loads.
+"""Helpers shared by every kernel: program prologues, masks, sequence bounds, tile ranges,
+tile loads.
+
+A kernel takes each (batch, head, token, d) tensor as a *view*, the tuple (pointer, batch
+stride, head stride, token stride) (:func:`view` on the host, :func:`_tile_base` in the
+kernel), the float32 row vectors as pointers sharing one (batch stride, head stride) pair
+(:func:`rowvec_strides`, :func:`_row_off`), and cu_seqlens as the pair ``CU`` = (CU_Q, CU_K);
+:func:`_row_program` / :func:`_kt_program` give a query-tile / key-tile program its
+coordinates.
 
 One mask implementation (:func:`_visible`) serves the forward, the first backward and
 both BoB passes. :func:`_key_tile_range` / :func:`_query_tile_range` give each program
 its loop bounds: tiles entirely outside the causal band / window are never visited, and
 inside the loop only boundary tiles (the diagonal, the window edge, the ragged tail: those
 outside [mid_lo, mid_hi)) pay for the mask, through a runtime-uniform branch. One loop per
-kernel keeps register pressure lower than separate masked/unmasked loops (checked with
-ptxas on sm_90).
+kernel keeps register pressure lower than separate masked/unmasked loops.
 
-The host half of this file turns dense (B, H, N, D) and varlen (T, H, D) tensors into
-the (batch, head, token) strides the kernels take, so both layouts share the kernels.
+The host half turns dense (B, H, N, D) and varlen (T, H, D) tensors into views, so both
+layouts share the kernels.
 """
 
 from __future__ import annotations
@@ -44,6 +51,27 @@ POISON_OUTPUTS = False
 
 
 @triton.jit
+def _tile_base(X, b64, h64, start64):
+    """Pointer to token ``start64`` of (batch ``b64``, head ``h64``) of the view ``X`` =
+    (pointer, batch stride, head stride, token stride)."""
+    return X[0] + b64 * X[1] + h64 * X[2] + start64 * X[3]
+
+
+@triton.jit
+def _row_base(R, RS, b64, h64, start64):
+    """Pointer to token ``start64`` of (batch, head) of the row vector ``R`` with strides
+    ``RS`` = (batch stride, head stride)."""
+    return R + b64 * RS[0] + h64 * RS[1] + start64
+
+
+@triton.jit
+def _row_off(RS, b64, h64, start64):
+    """Offset of token ``start64`` of (batch, head) in a row vector with strides ``RS`` =
+    (batch stride, head stride)."""
+    return b64 * RS[0] + h64 * RS[1] + start64
+
+
+@triton.jit
 def _seq_info(cu_ptr, b, n_dense, IS_VARLEN: tl.constexpr):
     """(start token, length) of sequence ``b``: from cu_seqlens, or (0, n_dense)."""
     if IS_VARLEN:
@@ -63,6 +91,47 @@ def _row_tile_id(CAUSAL: tl.constexpr):
         return tl.num_programs(0) - 1 - tl.program_id(0)
     else:
         return tl.program_id(0)
+
+
+@triton.jit
+def _row_program(CU, N_Q, N_K, GROUPS, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr,
+                 IS_VARLEN: tl.constexpr):
+    """Query tile, head and sequence of a query-tile program: (m0, n_q, n_k, b64, h64, hk64,
+    q_start64, k_start64); the caller returns when m0 >= n_q."""
+    pid_m = _row_tile_id(CAUSAL)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    return (pid_m * BLOCK_M, n_q, n_k, b.to(tl.int64), h.to(tl.int64),
+            (h // GROUPS).to(tl.int64), q_start.to(tl.int64), k_start.to(tl.int64))
+
+
+@triton.jit
+def _kt_program(CU, N_Q, N_K, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Key tile, key head and sequence of a key-tile program: (n0, n_q, n_k, b64, hk64,
+    q_start64, k_start64); the caller returns when n0 >= n_k."""
+    pid_n = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    return (pid_n * BLOCK_N, n_q, n_k, b.to(tl.int64), hk.to(tl.int64), q_start.to(tl.int64),
+            k_start.to(tl.int64))
+
+
+@triton.jit
+def _kt_prologue(K, V, b64, hk64, k_start64, n0, n_k, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+                 LONG: tl.constexpr):
+    """What every key-tile program loads first: (offs_n, offs_d, n_ok, rows_n, k, v)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < n_k
+    rows_n = _rows(offs_n, LONG)
+    k = _load_view(K, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
+    v = _load_view(V, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
+    return offs_n, offs_d, n_ok, rows_n, k, v
 
 
 @triton.jit
@@ -184,6 +253,24 @@ def _load_tile(base, rows, stride_row, row_ok, offs_d, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
+def _load_view(X, b64, h64, start64, rows, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Load the (rows, BLOCK_D) tile ``rows`` (row-masked by ``row_ok``) of (batch, head,
+    sequence start) of the view ``X``."""
+    return _load_tile(_tile_base(X, b64, h64, start64), rows, X[3], row_ok, offs_d, HEAD_DIM,
+                      True, EVEN_D)
+
+
+@triton.jit
+def _store_view(X, b64, h64, start64, rows, x, row_ok, offs_d, HEAD_DIM: tl.constexpr,
+                EVEN_D: tl.constexpr):
+    """Store the float32 tile ``x`` in X's dtype at ``rows`` of (batch, head, sequence start)
+    of the view ``X`` (rows masked by ``row_ok``)."""
+    _store_tile(_tile_base(X, b64, h64, start64), rows, X[3], x.to(X[0].dtype.element_ty),
+                row_ok, offs_d, HEAD_DIM, EVEN_D)
+
+
+@triton.jit
 def _store_tile(base, rows, stride_row, x, row_ok, offs_d, HEAD_DIM: tl.constexpr,
                 EVEN_D: tl.constexpr):
     """Store a (rows, BLOCK_D) tile at ``base + rows * stride_row``, rows masked by ``row_ok``."""
@@ -274,6 +361,42 @@ def _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shi
 
 
 @triton.jit
+def _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM: tl.constexpr,
+              BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr):
+    """Key tile [start_n, start_n + BLOCK_N) of a query-tile program: (offs_n, n_ok, rows, k)."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_k
+    rows = _rows(offs_n, LONG)
+    k = _load_tile(k_base, rows, stride_kn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    return offs_n, n_ok, rows, k
+
+
+@triton.jit
+def _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
+                qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """S·τ·log2e of one (query tile, key tile) pair, -inf where masked (key tiles outside
+    [mid_lo, mid_hi) only): the online-softmax passes' scores."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if (start_n < mid_lo) | (start_n >= mid_hi):
+        vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+        s = tl.where(vis, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
+               qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """P = exp(S − L) of one (query tile, key tile) pair in a query-tile program, (queries x
+    keys); key tiles outside [mid_lo, mid_hi) are masked."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if (start_n < mid_lo) | (start_n >= mid_hi):
+        vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
+        p = tl.where(vis, p, 0.0)
+    return p
+
+
+@triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""
     lse2 = lse * 1.4426950408889634
@@ -352,18 +475,21 @@ def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return x
 
 
-def strides(x: torch.Tensor, varlen: bool):
-    """(batch, head, token) strides of a dense (B, H, N, D) or varlen (T, H, D) tensor."""
-    if varlen:
-        return 0, x.stride(1), x.stride(0)
-    return x.stride(0), x.stride(1), x.stride(2)
-
-
 def rowvec_strides(lay: Layout):
     """(batch, head) strides of a contiguous row vector: (B, H, N) dense or (H, T) varlen."""
     if lay.varlen:
         return 0, lay.t_q
     return lay.h_q * lay.n_q, lay.n_q
+
+
+def view(x: torch.Tensor, varlen: bool, like: Optional[torch.Tensor] = None) -> tuple:
+    """The kernels' view of a tile tensor: (x, batch stride, head stride, token stride); for
+    an absent ``x`` (None) the view of ``like`` (never read: a constexpr flag says so)."""
+    if x is None:
+        x = like
+    if varlen:
+        return x, 0, x.stride(1), x.stride(0)
+    return x, x.stride(0), x.stride(1), x.stride(2)
 
 
 def new_empty(shape, dtype, device) -> torch.Tensor:

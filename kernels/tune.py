@@ -1,7 +1,7 @@
 """Offline tile sweep: the source of the numbers in ``configs.py``. Never runs at call time.
 
-For each kernel kind it times the composer that launches it (``attn_fwd``, ``attn_bwd`` or
-``attn_bob``) with ``configs.tile_overrides({kind: candidate})`` for each candidate, all other kernels on
+For each kernel kind it times the composer that launches it (``attn_fwd``, ``attn_bwd``,
+``attn_bob`` or ``attn_jvp``) with ``configs.tile_overrides({kind: candidate})`` for each candidate, all other kernels on
 their table entries, and prints the fastest candidate per kind next to the current entry::
 
     python -m ttt_flash.kernels.tune --head-dim 64 --dtype bfloat16 --seq-len 16384 --heads 12
@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import configs
+from . import configs, plan
 from .attn_bwd import attn_bwd
 from .attn_fwd import attn_fwd
+from .attn_jvp import attn_jvp
 from .bob import attn_bob
 from .common import block_d
 
@@ -36,16 +37,15 @@ KIND_COMPOSER = {
     "fwd": ("fwd", {}),
     "bwd_dq": ("bwd", {}),
     "bwd_dkdv": ("bwd", {}),
-    "bwd_fused": ("bwd", {"deterministic": False}),
     "bob_row": ("bob", {"precise": False}),
     "bob_stats": ("bob", {"precise": True}),
     "bob_direct": ("bob", {"precise": True}),
     "bob_col": ("bob", {"precise": True}),
-    "bob_fused": ("bob", {"precise": True, "deterministic": False}),
+    "jvp": ("jvp", {}),
 }
 
 #: kinds whose kernels come in both tile orientations (``TileConfig.qmajor``)
-QMAJOR_KINDS = ("bwd_dkdv", "bwd_fused", "bob_col", "bob_fused")
+QMAJOR_KINDS = ("bwd_dkdv", "bob_col")
 
 
 def candidates(kind: str, grid: str = "default"):
@@ -75,6 +75,8 @@ def run_composer(kind: str, x: dict):
         extra = dict(extra, **x.get("bob_kw", {}))
     if which == "fwd":
         return attn_fwd(x["q"], x["k"], x["v"], **x["kw"])
+    if which == "jvp":  # the tangent of every input: the kernel's most work
+        return attn_jvp(x["q"], x["k"], x["v"], x["uq"], x["uk"], x["uv"], **x["kw"])
     if which == "bwd":
         return attn_bwd(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"], **x["kw"], **extra)
     return attn_bob(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"], x["delta"], x["uq"], x["uk"], x["uv"],
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
     x["bob_kw"] = dict(split_row=split_row, split_col=split_col)
     results = {"args": vars(a), "device": torch.cuda.get_device_name(), "kinds": {}}
     for kind in kinds:
-        base_cfg = configs.get_config(kind, block_d(a.head_dim), dtype, x["q"].device)
+        base_cfg = plan.tiles(kind, block_d(a.head_dim), dtype, x["q"].device)
         ref = run_composer(kind, x)
         base_ms = triton.testing.do_bench(lambda: run_composer(kind, x), warmup=10, rep=50, return_mode="median")
         rows = []

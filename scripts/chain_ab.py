@@ -1,13 +1,10 @@
 """Chain time (forward, create_graph backward, BoB) and per-kernel CUDA time of the installed
-ttt_flash, per variant, in one process: the input to the atomic / atomic-free choice of the
-tile table (``configs.ATOMIC_MIN_KEYS``) and to the cost of the row-sum correction.
+ttt_flash, per variant, in one process: the input to the cost of the row-sum correction.
 
-    python scripts/chain_ab.py --n 4096,16384,65536 [--causal] --variants det,atomic,norho --tag new
+    python scripts/chain_ab.py --n 4096,16384,65536 [--causal] --variants det,rho --tag new
 
-Variants (each skipped where the installed code lacks it): ``det`` deterministic=True;
-``atomic`` deterministic=False with the atomic passes forced at every length; ``bwdatomic`` /
-``bobatomic`` only one of them; ``norho`` det without the row-sum correction for 16-bit inputs;
-``default`` the call as users make it. Prints one line per (N, variant) and, with --profile,
+Variants: ``det`` deterministic=True; ``rho`` det with the row-sum correction forced on for
+16-bit inputs; ``default`` the call as users make it. Prints one line per (N, variant) and, with --profile,
 the per-kernel table of one chain at the first N.
 """
 
@@ -23,26 +20,18 @@ import torch
 
 @contextlib.contextmanager
 def variant(name):
-    from ttt_flash.kernels import configs
+    from ttt_flash.kernels import configs, plan
 
-    saved_a = dict(getattr(configs, "ATOMIC_MIN_KEYS", {}))
-    saved_r = dict(getattr(configs, "ROWSUM_CORRECTION", {}))
+    saved_r = dict(configs.ROWSUM_CORRECTION)
     try:
-        if name in ("atomic", "bwdatomic", "bobatomic"):
-            for key in configs.ATOMIC_MIN_KEYS:
-                if name == "atomic" or key[0] == name[:3]:
-                    configs.ATOMIC_MIN_KEYS[key] = 0
-            configs._atomic_from.cache_clear()
-        if name == "norho":
-            configs.ROWSUM_CORRECTION[torch.bfloat16] = False
-            configs.ROWSUM_CORRECTION[torch.float16] = False
+        if name == "rho":
+            configs.ROWSUM_CORRECTION[torch.bfloat16] = True
+            configs.ROWSUM_CORRECTION[torch.float16] = True
+            plan.clear_cache()
         yield
     finally:
-        if saved_a:
-            configs.ATOMIC_MIN_KEYS.update(saved_a)
-            configs._atomic_from.cache_clear()
-        if saved_r:
-            configs.ROWSUM_CORRECTION.update(saved_r)
+        configs.ROWSUM_CORRECTION.update(saved_r)
+        plan.clear_cache()
 
 
 def main() -> int:
@@ -52,7 +41,7 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--variants", default="det,atomic")
+    p.add_argument("--variants", default="det,rho")
     p.add_argument("--tag", default="")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
@@ -70,7 +59,7 @@ def main() -> int:
         q, k, v, do = (t.requires_grad_(True) for t in x[:4])
         u = x[4:]
         for name in names:
-            kw = {} if name == "default" else {"deterministic": name in ("det", "norho")}
+            kw = {} if name == "default" else {"deterministic": True}
 
             def chain():
                 o = flash_attention(q, k, v, causal=a.causal, **kw)

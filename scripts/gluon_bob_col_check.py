@@ -1,4 +1,4 @@
-"""One-call GPU check of the experimental Gluon BoB column pass (kernels/gluon_bob_col.py).
+"""One-call GPU check of the experimental Gluon BoB column pass (kernels/gluon/bob_col.py).
 
 Stages, each guarded so that a failure prints its error and the run goes on; single-partition
 variants run before warp-specialised ones (a hang in the latter then costs only the stages
@@ -83,13 +83,13 @@ def triton_reference(q, k, v, do, uq, uk, uv, causal):
 
 
 def triton_col_launcher(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, causal):
-    """The composer's column-pass launch alone (bob.py ``col_pass``), for timing."""
+    """The composer's column-pass launch alone (bob.py's column-pass launch), for timing."""
     import triton
 
-    bob = importlib.import_module("ttt_flash.kernels.bob")
+    bob = importlib.import_module("ttt_flash.kernels.bob_cols")
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
-                                          long_rows, rowvec_strides, strides)
-    from ttt_flash.kernels.configs import get_config
+                                          long_rows, rowvec_strides, view)
+    from ttt_flash.kernels.plan import tiles as get_config
 
     lay = layout(q, k, None, None, None, None)
     scale = lay.head_dim ** -0.5
@@ -106,11 +106,9 @@ def triton_col_launcher(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, causal):
 
     def run():
         bob._bob_col_kernel[grid](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, kb, vb, cu, cu,
-            *strides(q, False), *strides(k, False), *strides(v, False), *strides(do, False),
-            *strides(uq, False), *strides(uk, False), *strides(uv, False),
-            *strides(kb, False), *strides(vb, False), *rowvec_strides(lay),
-            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
+            *(view(x, False) for x in (q, k, v, do, uq, uk, uv, kb, vb)),
+            lse, delta, alpha, ee, lse, rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k,
+            lay.groups, scale, scale * LOG2E, 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NEED_KB=True, NEED_VB=True,
             SPLIT=False, QMAJOR=cfg.qmajor, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages, **flags)
@@ -132,7 +130,7 @@ def float64_bob(q, k, v, do, uq, uk, uv, causal):
 
 
 def call(var, x, rows, causal):
-    from ttt_flash.kernels.gluon_bob_col import gluon_bob_col
+    from ttt_flash.kernels.gluon.bob_col import gluon_bob_col
 
     bn, bm, w, st, ws, mr = var
     return gluon_bob_col(*x, *rows, causal=causal, block_n=bn, block_m=bm, num_warps=w,
@@ -205,7 +203,7 @@ def main():
     record("env", f"torch {torch.__version__} triton {triton.__version__} "
                   f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
     guarded("import", lambda: record("gluon available", importlib.import_module(
-        "ttt_flash.kernels.gluon_bob_col").available()))
+        "ttt_flash.kernels.gluon.bob_col").available()))
     guarded("small single", lambda: correctness_small(single))
     for causal in (False, True):
         guarded(f"16K setup causal={causal}", lambda c=causal: big_setup(c))

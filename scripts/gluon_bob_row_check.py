@@ -1,4 +1,4 @@
-"""One-call GPU check of the experimental Gluon BoB row passes (kernels/gluon_bob_row.py).
+"""One-call GPU check of the experimental Gluon BoB row passes (kernels/gluon/bob_row.py).
 
 Stages, each guarded so that a failure prints its error and the run goes on; single-partition
 variants run before warp-specialised ones (a hang in the latter then costs only the stages
@@ -54,15 +54,15 @@ def inputs(b, h, n, d, dtype, seed=0):
 
 
 def triton_launchers(q, k, v, do, uq, uk, uv, causal):
-    """The composer's statistics and direct launches (bob.py ``stats_pass`` / ``direct_pass``
+    """The composer's statistics and direct launches (bob.py's statistics and direct launches
     with all cotangents, Q̄ and dŌ wanted, no ρ), each alone for timing, and L, D."""
     import triton
 
-    bob = importlib.import_module("ttt_flash.kernels.bob")
+    bob = importlib.import_module("ttt_flash.kernels.bob_rows")
     from ttt_flash.kernels import attn_bwd, attn_fwd
     from ttt_flash.kernels.common import (LOG2E, block_d, cu_or_dummy, dot_precision, layout,
-                                          long_rows, rowvec_strides, strides)
-    from ttt_flash.kernels.configs import get_config
+                                          long_rows, rowvec_strides, view)
+    from ttt_flash.kernels.plan import tiles as get_config
 
     kw = dict(scale=None, causal=causal, window=None)
     o, lse = attn_fwd(q, k, v, **kw)
@@ -78,24 +78,21 @@ def triton_launchers(q, k, v, do, uq, uk, uv, causal):
                  PREC=dot_precision(q.dtype), HAS_UQ=True, HAS_UK=True, HAS_UV=True,
                  HAS_G=True, ROWSUM=False,
                  LONG=long_rows(lay, q, k, v, do, uq, uk, uv, qb, dob))
-    args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0)
-    st = [strides(x, False) for x in (q, k, v, do, uq, uk, uv)]
+    args = (rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0)
+    ins = [view(x, False) for x in (q, k, v, do, uq, uk, uv)]
     cs = get_config("bob_stats", bd, q.dtype, q.device)
     cd = get_config("bob_direct", bd, q.dtype, q.device)
 
     def stats():
         bob._bob_stats_kernel[(triton.cdiv(lay.n_q, cs.block_m), lay.h_q, lay.batch)](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, cu, cu,
-            *[s for t in st for s in t], *rowvec_strides(lay), *args,
+            *ins, lse, delta, alpha, ee, lse, *args,
             BLOCK_M=cs.block_m, BLOCK_N=cs.block_n, NEED_E=True, num_warps=cs.num_warps,
             num_stages=cs.num_stages, **flags)
         return alpha, ee
 
     def direct():
         bob._bob_direct_kernel[(triton.cdiv(lay.n_q, cd.block_m), lay.h_q, lay.batch)](
-            q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, lse, qb, dob, cu, cu,
-            *[s for t in st for s in t], *strides(qb, False), *strides(dob, False),
-            *rowvec_strides(lay), *args,
+            *ins, view(qb, False), view(dob, False), lse, delta, alpha, ee, lse, *args,
             BLOCK_M=cd.block_m, BLOCK_N=cd.block_n, NEED_QB=True, NEED_DOB=True, SPLIT=False,
             STATS_FIRST=False, WRITE_STATS=False, NEED_E=True, num_warps=cd.num_warps,
             num_stages=cd.num_stages, **flags)
@@ -126,7 +123,7 @@ def rel(a, b):
 
 
 def correctness_small(variants):
-    from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats
+    from ttt_flash.kernels.gluon.bob_row import gluon_bob_direct, gluon_bob_stats
 
     for causal in (False, True):
         x = inputs(1, 2, 1024, 64, torch.bfloat16, seed=1)
@@ -168,7 +165,7 @@ def big_setup(causal):
 def big(causal, variants):
     import triton
 
-    from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats
+    from ttt_flash.kernels.gluon.bob_row import gluon_bob_direct, gluon_bob_stats
 
     x, lse, delta, al_t, ee_t, qb_t, dob_t, s_ms, d_ms = BIG[causal]
     for var in variants:
@@ -213,7 +210,7 @@ def main():
     record("env", f"torch {torch.__version__} triton {triton.__version__} "
                   f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
     guarded("import", lambda: record("gluon available", importlib.import_module(
-        "ttt_flash.kernels.gluon_bob_row").available()))
+        "ttt_flash.kernels.gluon.bob_row").available()))
     guarded("small single", lambda: correctness_small(single))
     for causal in (False, True):
         guarded(f"16K setup causal={causal}", lambda c=causal: big_setup(c))

@@ -4,7 +4,7 @@
 
 Per (N, causal): the chain of ``ttt_flash.bench`` (forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) of ``flash_attention`` with the Gluon passes on
-(the table's choice, ``configs.use_gluon``) and off (``configs.use_gluon_passes(False)``),
+(the plan's choice, ``kernels/plan.py``) and off (``configs.use_gluon_passes(False)``),
 and SDPA flash forward + backward on the same shapes; the three are timed in interleaved
 rounds (one call of each per round, CUDA events), so drifts of the machine hit all three.
 Prints one line per measurement, then a table: medians, the ratios chain / SDPA, the on / off
@@ -37,12 +37,12 @@ import torch
 
 
 def _counter():
-    """Wrap the Gluon entry points; return the list their calls append to."""
-    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+    """Wrap the Gluon launchers; return the list their calls append to."""
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
 
     calls = []
-    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col"),
-                      (gluon_bob_row, "gluon_bob_stats"), (gluon_bob_row, "gluon_bob_direct")):
+    for mod, name in ((dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
+                      (bob_row, "launch_bob_row")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -88,7 +88,7 @@ def parse_variant(text):
 @contextlib.contextmanager
 def gluon_table(changes, head_dim):
     """``configs.GLUON`` with ``changes`` ({kind: fields or None}) applied at ``head_dim``."""
-    from ttt_flash.kernels import configs
+    from ttt_flash.kernels import configs, plan
 
     saved = configs.GLUON
     table = dict(saved)
@@ -100,10 +100,12 @@ def gluon_table(changes, head_dim):
             base = saved.get(key) or configs.GluonConfig(64, 64, 4, min_keys=16384)
             table[key] = dataclasses.replace(base, **fields)
     configs.GLUON = table
+    plan.clear_cache()
     try:
         yield
     finally:
         configs.GLUON = saved
+        plan.clear_cache()
 
 
 def _maxrel(outs, ref):

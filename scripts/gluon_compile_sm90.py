@@ -1,4 +1,4 @@
-"""Compile the experimental Gluon kernels (kernels/gluon_*.py) for sm_90 on a machine without
+"""Compile the experimental Gluon kernels (kernels/gluon/) for sm_90 on a machine without
 a GPU and print registers, spills and shared memory per variant.
 
 The active Triton driver is replaced by a stub that reports an sm_90 target; each kernel is
@@ -11,7 +11,7 @@ them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 ma
 
 (``--groups G``: GQA inputs, G query heads per kv head.)
 
-(``bob_direct`` / ``bob_stats``: kernels/gluon_bob_row.py; their variants read
+(``bob_direct`` / ``bob_stats``: kernels/gluon/bob_row.py; their variants read
 block_m (query tile) first: ``qt x kt / warps``.)
 """
 
@@ -64,15 +64,16 @@ class _Sm90Stub:
 
 
 def load_module(name):
-    """kernels/<name>.py by path (this script may run under an interpreter where the package
-    is not installed), as a module of a bare package over kernels/ (so that its relative
-    import of gluon_common.py resolves; kernels/__init__.py is not run)."""
+    """kernels/gluon/<name>.py by path (this script may run under an interpreter where the
+    package is not installed), as a module of a bare package over kernels/ (so that its
+    relative imports of gluon/common.py, configs.py and common.py resolve; kernels/__init__.py
+    is not run)."""
     pkg = "_gluon_kernels"
     if pkg not in sys.modules:
         package = types.ModuleType(pkg)
         package.__path__ = [os.path.join(HERE, "..", "kernels")]
         sys.modules[pkg] = package
-    return importlib.import_module(f"{pkg}.{name}")
+    return importlib.import_module(f"{pkg}.gluon.{name}")
 
 
 def _tool(name):
@@ -147,7 +148,7 @@ def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnre
 
 def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats,
                     groups=1):
-    """The row passes of gluon_bob_row.py (ws: 0 single partition, 1 warp-specialised)."""
+    """The row passes of gluon/bob_row.py (ws: 0 single partition, 1 warp-specialised)."""
     b, n = 1, 4 * max(block_n, block_m)
     x = [torch.zeros(b, hh, n, d, dtype=torch.bfloat16)
          for hh in _heads(groups, (1, 2, 5, 6))]
@@ -207,7 +208,7 @@ def main() -> int:
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
     row = a.kernel in ("bob_direct", "bob_stats")
-    mod = load_module("gluon_bob_row" if row else f"gluon_{a.kernel}")
+    mod = load_module("bob_row" if row else a.kernel)
     if not mod.HAVE_GLUON:
         print(f"triton {triton.__version__}: Gluon's Hopper ops are missing")
         return 1

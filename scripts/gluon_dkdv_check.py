@@ -1,4 +1,4 @@
-"""One-call GPU check of the experimental Gluon dK/dV pass (kernels/gluon_dkdv.py).
+"""One-call GPU check of the experimental Gluon dK/dV pass (kernels/gluon/dkdv.py).
 
 Stages, each guarded so that a failure prints its error and the run goes on:
   1. correctness at B=1, H=2, N=1024, d=64 bf16 (full and causal): max error of dK, dV of the
@@ -47,9 +47,9 @@ def triton_dkdv_launcher(q, k, v, do, lse, delta, causal):
 
     # the module itself: ttt_flash.kernels re-exports the composer under the same name
     ab = importlib.import_module("ttt_flash.kernels.attn_bwd")
-    from ttt_flash.kernels.common import LOG2E, block_d, cu_or_dummy, layout, long_rows, strides
+    from ttt_flash.kernels.common import LOG2E, block_d, cu_or_dummy, layout, long_rows, view
     from ttt_flash.kernels.common import dot_precision, rowvec_strides
-    from ttt_flash.kernels.configs import get_config
+    from ttt_flash.kernels.plan import tiles as get_config
 
     lay = layout(q, k, None, None, None, None)
     scale = lay.head_dim ** -0.5
@@ -64,12 +64,10 @@ def triton_dkdv_launcher(q, k, v, do, lse, delta, causal):
 
     def run():
         ab._attn_bwd_dkdv_kernel[grid](
-            q, k, v, do, lse, delta, delta, dk, dv, dk, cu, cu,
-            *strides(q, False), *strides(k, False), *strides(v, False), *strides(do, False),
-            *strides(dk, False), *strides(dv, False), *strides(dk, False), *rowvec_strides(lay),
-            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
+            *(view(x, False) for x in (q, k, v, do, dk, dv)), lse, delta, delta,
+            rowvec_strides(lay), (cu, cu), lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, 0,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, QMAJOR=cfg.qmajor, ROWSUM=False, ATOMIC_DQ=False,
+            num_stages=cfg.num_stages, QMAJOR=cfg.qmajor, ROWSUM=False,
             **common)
         return dk, dv
 
@@ -95,7 +93,7 @@ VARIANTS = [  # (block_n, block_m, num_warps, maxnreg)
 
 
 def correctness_small():
-    from ttt_flash.kernels.gluon_dkdv import gluon_dkdv
+    from ttt_flash.kernels.gluon.dkdv import gluon_dkdv
     from ttt_flash.reference import naive_attention
 
     for causal in (False, True):
@@ -119,7 +117,7 @@ def correctness_small():
 
 def big(causal):
     import triton
-    from ttt_flash.kernels.gluon_dkdv import gluon_dkdv
+    from ttt_flash.kernels.gluon.dkdv import gluon_dkdv
 
     q, k, v, do = inputs(1, 12, 16384, 64, torch.bfloat16, seed=2)
     lse, delta, dk_t, dv_t = fwd_and_delta(q, k, v, do, causal)
@@ -150,7 +148,7 @@ def main():
     record("env", f"torch {torch.__version__} triton {triton.__version__} "
                   f"{torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
     guarded("import", lambda: record("gluon available",
-                                     __import__("ttt_flash.kernels.gluon_dkdv",
+                                     __import__("ttt_flash.kernels.gluon.dkdv",
                                                 fromlist=["available"]).available()))
     guarded("small", correctness_small)
     guarded("16K full", lambda: big(False))

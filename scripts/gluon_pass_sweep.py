@@ -1,4 +1,4 @@
-"""Time each Gluon pass (kernels/gluon_*.py) alone over a list of tile variants, at one shape.
+"""Time each Gluon pass (kernels/gluon/) alone over a list of tile variants, at one shape.
 
     python scripts/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
         [--causal] [--kinds bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
@@ -48,7 +48,9 @@ FLOPS_PER_PAIR_D = {"bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col":
 
 
 def run_kind(kind, variants, x, r, causal):
-    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+    from ttt_flash.kernels.gluon import bob_col as gluon_bob_col
+    from ttt_flash.kernels.gluon import bob_row as gluon_bob_row
+    from ttt_flash.kernels.gluon import dkdv as gluon_dkdv
 
     q, k, v, do, uq, uk, uv = x
     lse, delta, alpha, ee = r

@@ -232,3 +232,98 @@ def test_one_attention_vocabulary():
     assert get_args(AttentionName) == ATTENTION_IMPLS == MODEL_IMPLS
     assert get_args(MemoryAttentionName) == MEMORY_ATTENTION_IMPLS
     assert set(MEMORY_ATTENTION_IMPLS) <= set(ATTENTION_IMPLS)
+
+
+# --------------------------------------------------------------------------- kernels/ house rules
+
+
+def test_kernel_configs_are_data():
+    # configs.py holds tables and thresholds: it imports no kernel module (the plan reads it)
+    assert not [n for n, _ in imports("ttt_flash.kernels.configs") if _library(n)]
+    assert "ttt_flash.kernels.plan" in MODULES and "ttt_flash.kernels.gluon.scope" in MODULES
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("ttt_flash.kernels")))
+def test_kernel_modules_stay_small(module):
+    lines = MODULES[module].read_text().count("\n")
+    assert lines <= 550, f"{_where(module)} has {lines} lines: split it by pass family"
+
+
+def test_house_ab_shim_imports_the_named_tree(tmp_path, capsys):
+    # scripts/house_ab.py --dry-run: each tree's packages come from that tree's folders
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("house_ab", ROOT / "scripts" / "house_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.package_dirs(str(ROOT))["ttt_flash.kernels"] == str(ROOT / "kernels")
+    assert mod.main(["--trees", str(ROOT), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for name, rel in (("ttt_flash.kernels.bob ", "kernels/bob.py"),
+                      ("ttt_flash.attention ", "ttt_flash/attention.py")):
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name))
+        assert line.split()[-1] == str(ROOT / rel)
+
+
+def test_the_docs_floor_table_is_this_one():
+    # docs/architecture.md's table of floors states FLOORS (one table: a row that disagrees fails)
+    import re
+
+    rows = [ln for ln in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+            if re.match(r"\| \d \| ", ln)]
+    seen = set()
+    for row in rows:
+        cells = [c.strip() for c in row.split("|")]
+        level, where = int(cells[1]), re.findall(r"`([^`]+)`", cells[2])
+        folder = ""
+        for token in where:
+            if "/" in token:
+                folder = token if token.endswith("/") else token.rpartition("/")[0] + "/"
+                path = token
+            else:
+                path = folder + token
+            parts = path.rstrip("/").removesuffix(".py").split("/")
+            parts = [p for p in parts if p != "__init__"]
+            if parts[0] != "ttt_flash":
+                parts = ["ttt_flash", *parts]
+            module = ".".join(parts)
+            assert floor(module) == level, f"{row[:60]}...: {module} is floor {floor(module)}"
+            seen.add(module)
+    assert {"ttt_flash.kernels", "ttt_flash.attention", "ttt_flash.cli"} <= seen
+
+
+def _kernels():
+    """(module, kernel name, parameter count) of every @triton.jit / @gluon.jit kernel in
+    kernels/ (a function named ``*_kernel``)."""
+    out = []
+    for module in sorted(m for m in MODULES if m.startswith("ttt_flash.kernels")):
+        tree = ast.parse(MODULES[module].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                out.append((module, node.name, len(node.args.args)))
+    return out
+
+
+def test_kernels_take_few_parameters():
+    # a tensor travels as one view tuple (pointer, strides), cu_seqlens as one pair
+    found = _kernels()
+    assert {"_bob_direct_kernel", "_bob_col_kernel", "_gluon_bob_row_kernel"} <= {
+        name for _, name, _ in found}
+    over = [f"{m}.{name}: {n}" for m, name, n in found if n > 45]
+    assert not over, "kernels over 45 parameters: " + ", ".join(over)
+
+
+def test_no_timings_or_planning_in_kernels():
+    # timings, issue numbers and dated notes belong in docs/benchmarks.md and commit messages
+    import re
+
+    pattern = re.compile(r"[0-9](\.[0-9]+)? ?ms\b|\b[Ii]ssue [0-9]+|\bitem [0-9]\b|"
+                         r"step (one|two|three|four)|[0-9]\.[0-9]+x (faster|slower)|"
+                         r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b")
+    bad = []
+    for module in (m for m in MODULES if m.startswith("ttt_flash.kernels")):
+        for n, line in enumerate(MODULES[module].read_text().splitlines(), 1):
+            if pattern.search(line):
+                bad.append(f"{_where(module)}:{n}: {line.strip()}")
+    assert not bad, "\n".join(bad)

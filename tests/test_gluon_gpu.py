@@ -1,4 +1,4 @@
-"""GPU tests of the Gluon passes (kernels/gluon_dkdv.py, gluon_bob_col.py, gluon_bob_row.py)
+"""GPU tests of the Gluon passes (kernels/gluon/dkdv.py, bob_col.py, bob_row.py)
 on sm_90.
 
 dK and dV of the Gluon pass, fed the Triton forward's LSE and the Triton backward's
@@ -11,7 +11,7 @@ four bf16 units. Q̄ and dŌ of the Gluon BoB direct pass (fed float64 α, E + �
 Gluon statistics pass feeding it, meet the same bounds against the Triton statistics and
 direct passes and float64 double backward. The library chain (``flash_attention`` forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
-``configs.use_gluon`` selects them; checked by counting their calls) and off: every output
+the plan (kernels/plan.py) selects them; checked by counting their calls) and off: every output
 within the float64 bound, the two within a few bf16 units of each other. The same at
 d = 128 and with GQA (H_q a multiple of H_kv), with the table's tiles. Skipped where
 Gluon's Hopper ops or an sm_90 device are missing.
@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from ttt_flash.kernels import attn_bwd, attn_fwd, configs  # noqa: E402
-from ttt_flash.kernels.gluon_dkdv import available, gluon_dkdv  # noqa: E402
+from ttt_flash.kernels.gluon.dkdv import available, gluon_dkdv  # noqa: E402
 from ttt_flash.reference import naive_attention  # noqa: E402
 
 if not available():
@@ -68,7 +68,7 @@ def test_gluon_dkdv_rejects_unsupported_shapes():
 # --------------------------------------------------------------------------- BoB column pass
 
 from ttt_flash.kernels import attn_bob  # noqa: E402
-from ttt_flash.kernels.gluon_bob_col import gluon_bob_col  # noqa: E402
+from ttt_flash.kernels.gluon.bob_col import gluon_bob_col  # noqa: E402
 
 
 def _bob_inputs(causal, n=512, heads=(3, 3), d=64):
@@ -150,9 +150,10 @@ def test_gluon_bob_col_rejects_unsupported_inputs():
 # --------------------------------------------------------------------------- library chain
 
 from ttt_flash import flash_attention  # noqa: E402
-from ttt_flash.kernels import gluon_bob_col as gluon_bob_col_mod  # noqa: E402
-from ttt_flash.kernels import gluon_bob_row as gluon_bob_row_mod  # noqa: E402
-from ttt_flash.kernels import gluon_dkdv as gluon_dkdv_mod  # noqa: E402
+from ttt_flash.kernels import plan  # noqa: E402
+from ttt_flash.kernels.gluon import bob_col as gluon_bob_col_mod  # noqa: E402
+from ttt_flash.kernels.gluon import bob_row as gluon_bob_row_mod  # noqa: E402
+from ttt_flash.kernels.gluon import dkdv as gluon_dkdv_mod  # noqa: E402
 
 #: the Gluon launches of one in-scope chain, in order, and their table kinds
 GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
@@ -187,19 +188,22 @@ def _gluon_at_test_lengths(monkeypatch):
 
     monkeypatch.setattr(configs, "GLUON", {key: dataclasses.replace(c, min_keys=0)
                                            for key, c in configs.GLUON.items()})
+    plan.clear_cache()  # plans are cached per call shape
+    yield
+    plan.clear_cache()
 
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Names of the Gluon passes the library calls during the test."""
+    """Names of the Gluon passes the library launches during the test."""
     calls = []
-    for mod, name in ((gluon_dkdv_mod, "gluon_dkdv"), (gluon_bob_col_mod, "gluon_bob_col"),
-                      (gluon_bob_row_mod, "gluon_bob_stats"),
-                      (gluon_bob_row_mod, "gluon_bob_direct")):
+    for mod, name, label in ((gluon_dkdv_mod, "launch_dkdv", "gluon_dkdv"),
+                             (gluon_bob_col_mod, "launch_bob_col", "gluon_bob_col"),
+                             (gluon_bob_row_mod, "launch_bob_row", None)):
         real = getattr(mod, name)
 
-        def counted(*a, _real=real, _name=name, **kw):
-            calls.append(_name)
+        def counted(*a, _real=real, _label=label, **kw):
+            calls.append(_label or ("gluon_bob_stats" if kw["stats"] else "gluon_bob_direct"))
             return _real(*a, **kw)
 
         monkeypatch.setattr(mod, name, counted)
@@ -258,10 +262,10 @@ def test_chain_outside_gluon_scope_runs_triton(case, gluon_calls):
 
 
 # --------------------------------------------------------------------------- BoB row passes
-# (kernels/gluon_bob_row.py; the chain tests above see them through attn_bob)
+# (kernels/gluon/bob_row.py; the chain tests above see them through attn_bob)
 
 from ttt_flash.kernels import bob as bob_mod  # noqa: E402
-from ttt_flash.kernels.gluon_bob_row import gluon_bob_direct, gluon_bob_stats  # noqa: E402
+from ttt_flash.kernels.gluon.bob_row import gluon_bob_direct, gluon_bob_stats  # noqa: E402
 
 
 def _float64_row(x, causal):
@@ -474,6 +478,7 @@ def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monk
     table = dict(configs.GLUON)
     table.pop(("bob_direct", 128), None)
     monkeypatch.setattr(configs, "GLUON", table)
+    plan.clear_cache()
     torch.manual_seed(0)
     x = [torch.randn(1, hh, 512, 128, device="cuda", dtype=torch.bfloat16)
          for hh in (4, 1, 1, 4, 4, 1, 1)]

@@ -1,13 +1,14 @@
 """CPU tests of the choice between the Gluon (sm_90) passes and the Triton ones.
 
-``configs.use_gluon`` is exercised with the GPU capability, the interpreter check and the
-Gluon import mocked: the in-scope call selects the table's Gluon tiles, and every condition
-outside the Gluon kernels' scope (or the switch, or a tile override) selects Triton. The call
-sites in ``attn_bwd`` and ``attn_bob`` are run under the interpreter with the real selection
-(told the tensors are on an sm_90 device) and the Gluon functions replaced by float64
-implementations of their documented formulas: the results must equal the Triton pass's, so
-the arguments handed over mean what the Gluon kernels expect. Gluon itself is never
-compiled here (no GPU), and nothing here needs it to import.
+The verifiers of ``kernels/gluon/scope.py`` and the plans of ``kernels/plan.py`` are exercised
+with the GPU capability, the interpreter check and the Gluon import mocked: the in-scope call
+selects the table's Gluon tiles, and every condition outside the Gluon kernels' scope (or the
+switch, or a tile override) selects Triton, with a reason. The call sites in ``attn_bwd`` and
+``attn_bob`` are run under the interpreter with the real plans (told the tensors are on an
+sm_90 device) and the Gluon launchers replaced by float64 implementations of their
+documented formulas: the results must equal the Triton pass's, so the arguments handed over
+mean what the Gluon kernels expect. Gluon itself is never compiled here (no GPU), and nothing
+here needs it to import.
 """
 
 from __future__ import annotations
@@ -18,34 +19,69 @@ import importlib
 import pytest
 import torch
 
-from ttt_flash.kernels import attn_bob, attn_fwd, configs
+from ttt_flash.kernels import attn_bob, attn_fwd, configs, plan
 from ttt_flash.kernels.common import Layout
+from ttt_flash.kernels.gluon import scope
 
 attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
 CUDA0 = torch.device("cuda", 0)
+KINDS = ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    plan.clear_cache()
+    yield
+    plan.clear_cache()
 
 
 @pytest.fixture
 def sm90(monkeypatch):
     """Pretend: a capability-9.0 GPU, no interpreter, Gluon importable."""
-    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(plan, "device_capability", lambda index: (9, 0))
     monkeypatch.setattr(configs, "interpreting", lambda: False)
-    monkeypatch.setattr(configs, "_gluon_importable", lambda kind: True)
+    monkeypatch.setattr(scope, "importable", lambda kind: True)
 
 
 def _lay(b=1, h_q=2, h_kv=2, d=64, n_q=16384, n_k=16384, varlen=False):
     return Layout(varlen, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
 
 
+def _plan_pass(kind, lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
+               contiguous=True, complete=True):
+    """The plan's pass for ``kind`` (a ``plan.Pass``); ``complete``: the caller's own
+    conditions for the Gluon pass hold (all three cotangents, every output wanted)."""
+    lay = lay or _lay()
+    if kind == "bwd_dkdv":
+        return plan.bwd(lay, dtype, device, window=window, contiguous=contiguous).dkdv
+    needs = (True, True, True, True)
+    if not complete:
+        needs = {"bob_col": (True, False, True, True), "bob_direct": (True, True, True, False)
+                 }.get(kind, needs)
+    p = plan.bob(lay, dtype, device, window=window,
+                 has_u=(True, True, True) if complete or kind != "bob_stats" else (False, True, True),
+                 needs=needs, precise=True, known=(False, False), split_row=False,
+                 split_col=False, contiguous=contiguous, rows_work=True, cols_work=True)
+    return {"bob_col": p.col, "bob_stats": p.stats, "bob_direct": p.direct}[kind]
+
+
 def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
-            rowsum=False, tensors=None, complete=True):
-    if tensors is None:
-        tensors = (torch.empty(2, 3, 4), torch.empty(5))
-    return configs.use_gluon(kind, lay or _lay(), dtype, device, window=window, rowsum=rowsum,
-                             tensors=tensors, complete=complete)
+            rowsum=False, contiguous=True, complete=True):
+    """The Gluon tiles the plan takes for ``kind``, or None (Triton); ``rowsum`` forces the
+    ρ correction on for the dtype."""
+    with contextlib.ExitStack() as stack:
+        if rowsum:
+            mp = stack.enter_context(pytest.MonkeyPatch.context())
+            mp.setitem(configs.ROWSUM_CORRECTION, dtype, True)
+            plan.clear_cache()
+        ps = _plan_pass(kind, lay, dtype, device, window, contiguous, complete)
+        plan.clear_cache()
+    if ps is None or not ps.gluon:
+        return None
+    return ps.tiles
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lay", [_lay(), _lay(b=2, h_q=12, h_kv=12, n_q=65536, n_k=65536),
                                  _lay(h_q=32, h_kv=8), _lay(h_q=4, h_kv=1),
@@ -54,6 +90,19 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
                               "GQA-32-8-d128"])
 def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
     assert _select(kind, lay, dtype) == configs.GLUON[(kind, lay.head_dim)]
+    assert plan.explain(kind, lay, dtype, CUDA0, **_flags(kind)) == "Gluon"
+
+
+def _flags(kind, **over):
+    flags = dict(window=False, rowsum=False, contiguous=True)
+    if kind != "bwd_dkdv":
+        flags.update(precise=True, all_u=True)
+    if kind == "bob_direct":
+        flags.update(need_qb=True, need_dob=True, split=False)
+    if kind == "bob_col":
+        flags.update(need_kb=True, need_vb=True, split=False)
+    flags.update(over)
+    return flags
 
 
 def test_table_tiles_are_the_measured_ones():
@@ -86,7 +135,6 @@ OUT_OF_SCOPE = {
     "cpu-device": dict(device=torch.device("cpu")),
     "gluon-not-importable": dict(importable=False),
     "float32": dict(dtype=torch.float32),
-    "float64": dict(dtype=torch.float64),
     "d96": dict(lay=_lay(d=96)),
     "d32": dict(lay=_lay(d=32)),
     "d256": dict(lay=_lay(d=256)),
@@ -100,25 +148,36 @@ OUT_OF_SCOPE = {
     "window": dict(window=True),
     "rowsum": dict(rowsum=True),
     "caller-incomplete": dict(complete=False),
-    "missing-tensor": dict(tensors=(torch.empty(2, 3), None)),
-    "non-contiguous": dict(tensors=(torch.empty(4, 6).t(),)),
+    "non-contiguous": dict(contiguous=False),
 }
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
-@pytest.mark.parametrize("case", list(OUT_OF_SCOPE))
+@pytest.mark.parametrize("kind,case", [(kind, case) for kind in KINDS for case in OUT_OF_SCOPE
+                                       # the dK/dV pass has no caller conditions
+                                       if (kind, case) != ("bwd_dkdv", "caller-incomplete")])
 def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     spec = dict(OUT_OF_SCOPE[case])
     cap = spec.pop("cap", (9, 0))
-    monkeypatch.setattr(configs, "_capability", lambda index: cap)
+    monkeypatch.setattr(plan, "device_capability", lambda index: cap)
     interp = spec.pop("interp", False)
     monkeypatch.setattr(configs, "interpreting", lambda: interp)
     importable = spec.pop("importable", True)
-    monkeypatch.setattr(configs, "_gluon_importable", lambda k: importable)
+    monkeypatch.setattr(scope, "importable", lambda k: importable)
     assert _select(kind, **spec) is None
 
 
-@pytest.mark.parametrize("kind", ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("flag,value,words", [
+    ("window", True, "window"), ("rowsum", True, "row-sum"), ("contiguous", False, "contiguous")])
+def test_the_verifiers_say_why(sm90, kind, flag, value, words):
+    """Each verifier names the condition that fails (plan.explain prints it)."""
+    text = plan.explain(kind, _lay(), torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
+    assert text.startswith("Triton: ") and words in text
+    why = plan.explain(kind, _lay(d=96), torch.bfloat16, CUDA0, **_flags(kind))
+    assert "head dim 96" in why
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_switch_and_tile_override_select_triton(sm90, kind):
     assert configs.gluon_passes_enabled()
     with configs.use_gluon_passes(False):
@@ -138,37 +197,49 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
     assert configs.gluon_passes_enabled()  # restored after an exception
 
 
+def test_plans_are_cached_and_follow_the_switches(sm90):
+    """One plan per call shape (the same object back), a new one when a switch changes."""
+    lay = _lay()
+    a = plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
+    assert plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True) is a
+    assert a.dkdv.gluon
+    with configs.use_gluon_passes(False):
+        b = plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
+        assert not b.dkdv.gluon
+    assert plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True).dkdv.gluon
+
+
 def test_unmocked_cpu_and_interpreter_never_select_gluon():
     assert configs.interpreting()  # tests/conftest.py on a machine without CUDA
     for device in (torch.device("cpu"), CUDA0):
-        for kind in ("bwd_dkdv", "bob_col", "bob_stats", "bob_direct"):
+        for kind in KINDS:
             assert _select(kind, device=device) is None
 
 
 @pytest.mark.parametrize("version,ok", [((3, 5), False), ((3, 6), True), ((3, 9), True),
                                         ((3, 10), False), ((4, 0), False)])
 def test_triton_version_range(monkeypatch, version, ok):
-    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+    from ttt_flash.kernels.gluon import common
 
-    monkeypatch.setattr(configs, "_triton_version", lambda: version)
-    configs._gluon_importable.cache_clear()
+    monkeypatch.setattr(scope, "_triton_version", lambda: version)
+    scope.importable.cache_clear()
     try:
-        assert configs._gluon_importable("bwd_dkdv") is (ok and gluon_dkdv.HAVE_GLUON)
-        assert configs._gluon_importable("bob_col") is (ok and gluon_bob_col.HAVE_GLUON)
-        for kind in ("bob_stats", "bob_direct"):
-            assert configs._gluon_importable(kind) is (ok and gluon_bob_row.HAVE_GLUON)
+        assert scope.importable("bwd_dkdv") is (ok and common.HAVE_GLUON)
+        for kind in ("bob_col", "bob_stats", "bob_direct"):
+            assert scope.importable(kind) is (ok and common.HAVE_GLUON
+                                              and common.HAVE_WARP_SPECIALIZE)
     finally:
-        configs._gluon_importable.cache_clear()
+        scope.importable.cache_clear()
 
 
 def test_gluon_modules_import_without_gpu():
-    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
 
-    assert not gluon_dkdv.available() and not gluon_bob_col.available()
-    assert not gluon_bob_row.available()
+    assert not dkdv.available() and not bob_col.available()
+    assert not bob_row.available()
     with pytest.raises(RuntimeError, match="sm_90"):
-        gluon_dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
-                              torch.empty(1, 1, 64), torch.empty(1, 1, 64))
+        dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
+                        torch.empty(1, 1, 64), torch.empty(1, 1, 64))
 
 
 # --------------------------------------------------------------------------- call sites
@@ -276,33 +347,38 @@ def _probs(q, k, lse, scale, causal):
     return torch.exp(s - lse.double()[..., None])
 
 
+def _fake_bob_row(calls):
+    """launch_bob_row: the statistics (``stats=True``: into ``alpha``, ``ee``) or the direct
+    pass (into ``out``), as the two stand-ins above."""
+    stats_fake, direct_fake = _fake_bob_stats(calls), _fake_bob_direct(calls)
+
+    def fake(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, stats, out=None, **kw):
+        if stats:
+            return stats_fake(q, k, v, do, uq, uk, uv, lse, delta, out=(alpha, ee), **kw)
+        return direct_fake(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, out=out, **kw)
+
+    return fake
+
+
 @contextlib.contextmanager
 def _gluon_on_cpu(monkeypatch, calls):
-    """The real selection, told the CPU tensors sit on an sm_90 GPU, with d = 16 / 32-wide
-    tiles in the table (interpreter-sized), and the float64 stand-ins for the kernels."""
-    from ttt_flash.kernels import bob, gluon_bob_col, gluon_bob_row, gluon_dkdv
+    """The real plans, told the CPU tensors sit on an sm_90 GPU (the Gluon verifiers' view
+    only: the Triton passes keep the interpreter's tiles), with d = 16 / 32-wide tiles in the
+    Gluon table (interpreter-sized), and the float64 stand-ins for the Gluon launchers."""
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
 
-    real = configs.use_gluon
-
-    def select(kind, lay, dtype, device, **kw):
-        with monkeypatch.context() as m:
-            m.setattr(configs, "interpreting", lambda: False)
-            m.setattr(configs, "_capability", lambda index: (9, 0))
-            m.setattr(configs, "_gluon_importable", lambda k: True)
-            return real(kind, lay, dtype, CUDA0, **kw)
-
+    monkeypatch.setattr(plan, "_gluon_capability", lambda device: (9, 0))
+    monkeypatch.setattr(scope, "importable", lambda kind: True)
     monkeypatch.setattr(configs, "GLUON", {
         ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
                                              maxnreg=128),
         ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
         ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
-    monkeypatch.setattr(attn_bwd_mod, "use_gluon", select)
-    monkeypatch.setattr(bob, "use_gluon", select)
-    monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", _fake_dkdv(calls))
-    monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", _fake_bob_col(calls))
-    monkeypatch.setattr(gluon_bob_row, "gluon_bob_stats", _fake_bob_stats(calls))
-    monkeypatch.setattr(gluon_bob_row, "gluon_bob_direct", _fake_bob_direct(calls))
+    monkeypatch.setattr(dkdv, "launch_dkdv", _fake_dkdv(calls))
+    monkeypatch.setattr(bob_col, "launch_bob_col", _fake_bob_col(calls))
+    monkeypatch.setattr(bob_row, "launch_bob_row", _fake_bob_row(calls))
+    plan.clear_cache()
     yield
 
 
@@ -361,6 +437,7 @@ def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, dro
         table = dict(configs.GLUON)
         del table[(drop, 16)]
         monkeypatch.setattr(configs, "GLUON", table)
+        plan.clear_cache()
         got = _chain(ts, kw)
     kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
     assert [c[0] for c in calls] == ["bwd_dkdv", kept, "bob_col"]
@@ -405,13 +482,12 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     import json
     import pathlib
 
-    from ttt_flash.kernels import gluon_bob_col, gluon_bob_row, gluon_dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
 
-    # the script wraps the entry points to count launches: put them back afterwards
-    monkeypatch.setattr(gluon_dkdv, "gluon_dkdv", gluon_dkdv.gluon_dkdv)
-    monkeypatch.setattr(gluon_bob_col, "gluon_bob_col", gluon_bob_col.gluon_bob_col)
-    monkeypatch.setattr(gluon_bob_row, "gluon_bob_stats", gluon_bob_row.gluon_bob_stats)
-    monkeypatch.setattr(gluon_bob_row, "gluon_bob_direct", gluon_bob_row.gluon_bob_direct)
+    # the script wraps the launchers to count launches: put them back afterwards
+    monkeypatch.setattr(dkdv, "launch_dkdv", dkdv.launch_dkdv)
+    monkeypatch.setattr(bob_col, "launch_bob_col", bob_col.launch_bob_col)
+    monkeypatch.setattr(bob_row, "launch_bob_row", bob_row.launch_bob_row)
 
     path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_chain_ab.py"
     spec = importlib.util.spec_from_file_location("gluon_chain_ab", path)

@@ -160,22 +160,25 @@ def test_tangent_from_saved_forward_gpu(case, dt):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_jvp_then_backward_gluon_passes_gpu(causal, monkeypatch):
+def test_jvp_then_backward_gluon_passes_gpu(causal, monkeypatch, request):
     """Backward through (o, ȯ) where the Gluon passes run (sm_90; their shortest-sequence
     threshold lifted): the BoB takes the tangent forward's statistics (no statistics pass)
     and the Gluon column pass; within the float64 bound, and within a few bf16 units of the
     Triton-only path."""
     import dataclasses
 
-    from ttt_flash.kernels import configs, gluon_bob_col, gluon_bob_row, gluon_dkdv
+    from ttt_flash.kernels import configs, plan
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
 
-    if not gluon_dkdv.available():
+    if not dkdv.available():
         pytest.skip("needs triton.experimental.gluon and an sm_90 GPU")
     monkeypatch.setattr(configs, "GLUON", {key: dataclasses.replace(c, min_keys=0)
                                            for key, c in configs.GLUON.items()})
+    plan.clear_cache()  # plans are cached per call shape: none made with the lifted thresholds stays
+    request.addfinalizer(plan.clear_cache)
     calls = []
-    for mod, name in ((gluon_dkdv, "gluon_dkdv"), (gluon_bob_col, "gluon_bob_col"),
-                      (gluon_bob_row, "gluon_bob_stats"), (gluon_bob_row, "gluon_bob_direct")):
+    for mod, name in ((dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
+                      (bob_row, "launch_bob_row")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -199,7 +202,7 @@ def test_jvp_then_backward_gluon_passes_gpu(causal, monkeypatch):
 
     exact = grad(loss, argnums=tuple(range(6)))(*x[:6])
     on = step(flash_attention, torch.bfloat16)
-    assert calls == ["gluon_dkdv", "gluon_bob_col", "gluon_dkdv"]
+    assert calls == ["launch_dkdv", "launch_bob_col", "launch_dkdv"]
     with configs.use_gluon_passes(False):
         off = step(flash_attention, torch.bfloat16)
     for name, a, b, e in zip(("q", "k", "v", "qd", "kd", "vd"), on, off, exact):

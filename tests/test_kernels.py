@@ -31,6 +31,17 @@ from ttt_flash.kernels import (  # noqa: E402
 )
 from ttt_flash.reference import naive_attention  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _fresh_plans():
+    """Plans are cached per call shape: tests that patch a ``configs`` threshold start and
+    end with an empty cache."""
+    from ttt_flash.kernels import plan
+
+    plan.clear_cache()
+    yield
+    plan.clear_cache()
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -562,7 +573,7 @@ def test_tune_candidates_cover_both_orientations():
     for kind in configs.KINDS:
         orient = {c.qmajor for c in tune.candidates(kind)}
         assert orient == ({False, True} if kind in tune.QMAJOR_KINDS else {False}), kind
-    assert set(tune.QMAJOR_KINDS) == {"bwd_dkdv", "bwd_fused", "bob_col", "bob_fused"}
+    assert set(tune.QMAJOR_KINDS) == {"bwd_dkdv", "bob_col"}
     assert set(configs.KINDS) == set(tune.KIND_COMPOSER)
 
 
@@ -570,22 +581,22 @@ def test_tile_overrides_nest_and_restore(tmp_path):
     """configs.tile_overrides: wins over the table inside the block, nests, restores on exit
     (also after an exception), rejects unknown kinds; read_tile_overrides reads tune.py's
     ``*.best.json``."""
-    from ttt_flash.kernels import configs
+    from ttt_flash.kernels import configs, plan
 
     dev = torch.device(DEVICE)
-    table = configs.get_config("bob_col", 64, torch.float16, dev)
+    table = plan.tiles("bob_col", 64, torch.float16, dev)
     a, b = configs.TileConfig(16, 16, 4, 1, True), configs.TileConfig(16, 32, 2, 1, False)
-    assert configs.get_config("fwd", 64, torch.float16, dev) != b
+    assert plan.tiles("fwd", 64, torch.float16, dev) != b
     with configs.tile_overrides({"bob_col": a}):
-        assert configs.get_config("bob_col", 64, torch.float16, dev) == a
+        assert plan.tiles("bob_col", 64, torch.float16, dev) == a
         with pytest.raises(RuntimeError):
             with configs.tile_overrides({"bob_col": b, "fwd": b}):
-                assert configs.get_config("bob_col", 64, torch.float16, dev) == b
-                assert configs.get_config("fwd", 64, torch.float16, dev) == b
+                assert plan.tiles("bob_col", 64, torch.float16, dev) == b
+                assert plan.tiles("fwd", 64, torch.float16, dev) == b
                 raise RuntimeError
-        assert configs.get_config("bob_col", 64, torch.float16, dev) == a
-        assert configs.get_config("fwd", 64, torch.float16, dev) != b
-    assert configs.get_config("bob_col", 64, torch.float16, dev) == table
+        assert plan.tiles("bob_col", 64, torch.float16, dev) == a
+        assert plan.tiles("fwd", 64, torch.float16, dev) != b
+    assert plan.tiles("bob_col", 64, torch.float16, dev) == table
     with pytest.raises(ValueError, match="unknown kernel kinds"):
         with configs.tile_overrides({"bob_colum": a}):
             pass
@@ -612,28 +623,28 @@ DET_CASE = Case("Nq40-Nk70-d32-causal-gqa2", nq=40, nk=70, d=32, hq=2, hkv=1, ca
     pytest.param(DET_CASE, torch.float32, id=DET_CASE.id + "-fp32"),
     pytest.param(DET_CASE, torch.float16, id=DET_CASE.id + "-fp16"),
     pytest.param(VARLEN[2], torch.float16, id=VARLEN[2].id + "-fp16")])
-def test_deterministic_false_atomic_paths(case, dtype, monkeypatch):
-    """deterministic=False (the interpreter's table takes the atomic passes): the fused BoB
-    key-tile pass and (16-bit) dQ from the dK/dV programs run, and every output equals the
-    float64 reference as the atomic-free path does."""
+def test_deterministic_false_runs_the_atomic_free_passes(case, dtype, monkeypatch):
+    """Every pass is atomic-free: deterministic=False launches the same kernels as True
+    (the dQ row pass, the direct row pass) and gives bitwise-identical results."""
     import sys
 
-    from ttt_flash.kernels import bob
-
+    bob_mod = sys.modules["ttt_flash.kernels.bob"]
     bwd_mod = sys.modules["ttt_flash.kernels.attn_bwd"]
-    fused = _LaunchCounter(bob._bob_fused_kernel)
-    direct = _LaunchCounter(bob._bob_direct_kernel)
+    direct = _LaunchCounter(bob_mod._bob_direct_kernel)
     dq_pass = _LaunchCounter(bwd_mod._attn_bwd_dq_kernel)
-    monkeypatch.setattr(bob, "_bob_fused_kernel", fused)
-    monkeypatch.setattr(bob, "_bob_direct_kernel", direct)
+    monkeypatch.setattr(bob_mod, "_bob_direct_kernel", direct)
     monkeypatch.setattr(bwd_mod, "_attn_bwd_dq_kernel", dq_pass)
-    run_bwd(case, dtype, deterministic=False)
-    assert dq_pass.launches == (1 if dtype == torch.float32 else 0)  # fp32: row pass measures ρ
-    run_bob(case, dtype, precise=True, deterministic=False)
-    assert fused.launches == 1 and direct.launches == 0
-    run_bob(case, dtype, use=(False, False, True), needs=(True, False, False, True), precise=True,
-            deterministic=False)
-    assert fused.launches == 2
+    q, k, v, do, uq, uk, uv = _dev(case.tensors(), dtype)
+    kw = case.kw()
+    o, lse = attn_fwd(q, k, v, **kw)
+    runs = []
+    for det in (True, False):
+        grads = attn_bwd(q, k, v, o, lse, do, deterministic=det, **kw)
+        bob = attn_bob(q, k, v, o, lse, do, grads[3], uq, uk, uv, deterministic=det, **kw)
+        runs.append((*grads, *bob))
+    assert dq_pass.launches == 2 and direct.launches == 2
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_deterministic_true_is_bitwise_reproducible():
@@ -705,3 +716,55 @@ def test_fp32_large_logits(qk_scale, causal, deterministic):
     tol = max(4 * max(rel(a, r) for a, r in zip(math32, ref)), 1e-5)
     errs = {n: rel(a, r) for n, a, r in zip(("o", "dq", "dk", "dv", "qb", "kb", "vb", "dob"), ours, ref)}
     assert all(e <= tol for e in errs.values()), (f"max|logit| {logit:.0f}, tol {tol:.1e}", errs)
+
+
+class _TileRecorder:
+    """Stands in for a Triton kernel: records each launch's (BLOCK_M, BLOCK_N), then
+    launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.tiles = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.tiles.append((kw["BLOCK_M"], kw["BLOCK_N"]))
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
+def test_jvp_tile_override_reaches_both_kernels(monkeypatch):
+    """configs.tile_overrides({"jvp": ...}) sets the tiles of attn_jvp and attn_tangent (the
+    hook the jvp module documents), restores the table's on exit, and the results stay those
+    of the table's tiles."""
+    import sys
+
+    from ttt_flash.kernels import attn_jvp, attn_tangent, configs, plan
+
+    mod = sys.modules["ttt_flash.kernels.attn_jvp"]
+    jvp_rec, tan_rec = _TileRecorder(mod._attn_jvp_kernel), _TileRecorder(mod._attn_tangent_kernel)
+    monkeypatch.setattr(mod, "_attn_jvp_kernel", jvp_rec)
+    monkeypatch.setattr(mod, "_attn_tangent_kernel", tan_rec)
+    case = Case("Nq40-Nk70-d32-causal-gqa2", nq=40, nk=70, d=32, hq=2, hkv=1, causal=True)
+    q, k, v, _, qd, kd, vd = _dev(case.tensors(), torch.float32)
+    kw = case.kw()
+
+    def both():
+        o, lse, od, lsed = attn_jvp(q, k, v, qd, kd, vd, **kw)
+        od2, lsed2, rho = attn_tangent(q, k, v, o, lse, qd, kd, vd, **kw)
+        return o, lse, od, lsed, od2, lsed2
+
+    table = plan.tiles("jvp", 32, torch.float32, torch.device(DEVICE))
+    want = both()
+    over = configs.TileConfig(16, 32, 4, 1)
+    assert (over.block_m, over.block_n) != (table.block_m, table.block_n)
+    with configs.tile_overrides({"jvp": over}):
+        assert plan.tiles("jvp", 32, torch.float32, torch.device(DEVICE)) == over
+        got = both()
+    both()
+    assert jvp_rec.tiles == [(table.block_m, table.block_n), (16, 32), (table.block_m, table.block_n)]
+    assert tan_rec.tiles == jvp_rec.tiles
+    for a, b in zip(got, want):
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a))
+        assert torch.allclose(a[fin], b[fin], rtol=1e-5, atol=1e-6)

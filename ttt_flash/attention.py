@@ -683,13 +683,11 @@ def flash_attention(
             (bf16 ~2.4e-3 relative L2). False: the two-pass affine form of
             docs/bob-math.md (fewer products), whose 16-bit error grows where attention is
             peaked (terms cancel).
-        deterministic: Triton backend only. False (default): the backward passes may add
-            row results with float32 atomics where the static tile table
-            (``ttt_flash.kernels.configs``) finds that faster for the dtype, GPU and length
-            (fewer recomputed products); results then differ between runs in the last bits.
-            The table picks them on no GPU today (they measured slower on an H200,
-            docs/benchmarks.md), so both settings run the same kernels there. True:
-            atomic-free passes only, bitwise reproducible run to run.
+        deterministic: accepted for compatibility; it changes nothing. Every pass of both
+            backends is atomic-free (each output element is written by one program, its sums
+            taken in a fixed order), so results are bitwise reproducible run to run on one
+            device with the same torch and triton, whatever its value; different GPUs or
+            tile tables may round differently.
         layout: axis order of q, k, v and the output. ``"bhnd"``: (B, H, N, D), as
             ``torch.nn.functional.scaled_dot_product_attention`` (the shapes above).
             ``"bnhd"``: (B, N, H, D), as FlashAttention's ``flash_attn_func``; the inputs

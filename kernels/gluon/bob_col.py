@@ -1,14 +1,13 @@
-"""Hopper-native BoB column pass in Gluon (TMA + async wgmma, optional warp
-specialisation).
+"""BoB column pass in Gluon (TMA + async wgmma, optional warp specialisation), sm_90.
 
-``attn_bob``'s column pass calls :func:`gluon_bob_col` instead of the Triton
-``_bob_col_kernel`` (bob.py) where ``configs.use_gluon("bob_col", ...)`` selects it: sm_90,
-inputs in the scope below (the library's call: 16-bit inputs, no ρ), tiles from
-``configs.GLUON`` (warp-specialised 64 x 64 / 4, 2 slots, ``maxnreg=128``); everywhere else
-the Triton pass runs. Step two of issue 15 item 2 (after gluon_dkdv.py). Same inputs
-and outputs as the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K, U_V, the
-forward's L, D = rowsum(dO∘O) and the statistics pass's α and E + αD (and ρ where the
-row-sum correction is on), it writes K̄ and V̄ of every key tile (bob-math.md).
+``attn_bob`` launches it instead of the Triton ``_bob_col_kernel`` (bob_cols.py) where the
+plan (plan.py, with :func:`..scope.bob_col_reason`) finds the call in its scope, with the
+tiles of ``configs.GLUON``; everywhere else the Triton pass runs. Same inputs and outputs as
+the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K, U_V, the forward's L,
+D = rowsum(dO∘O) and the statistics pass's α and E + αD (and ρ where the row-sum correction
+is on), it writes K̄ and V̄ of every key tile (bob-math.md). It matches float64 double
+backward as closely as the Triton column pass (tests/test_gluon_gpu.py); its timings are in
+docs/benchmarks.md.
 
 One program owns one key tile (BLOCK_N keys of one (batch, kv head)): K, V, U_K, U_V come to
 shared memory once by TMA; the query tiles that can see the keys, of every query head that
@@ -38,26 +37,13 @@ Two program shapes:
   producer/consumer structure, in Gluon's ``warp_specialize``). With ``defer`` a tile's K̄
   products are retired by the next tile's first wait instead of its own last one.
 
-Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), second step"):
-matches float64 double backward as closely as the Triton column pass (bf16, full and causal,
-every variant); at N = 16K, H = 12, d = 64 the warp-specialised 64 keys x 64 queries / 4
-warps, 2 slots, ``maxnreg=128`` takes 5.72-5.75 ms against the Triton pass's 7.05 ms (1.23x);
-causal 2.9-3.3 ms against 3.6 ms, varying between runs. At d = 128 (H = 8, N = 16K; the
-32-query step keeps the two 128-wide accumulators in registers) the warp-specialised
-128 keys x 32 queries / 8 warps, ``maxnreg=168``, takes 8.1 ms in the chain against the
-Triton pass's 10.8 ms; GQA (the query heads of a kv head swept in turn) matches the Triton
-pass and float64 the same way (docs/benchmarks.md, "Gluon at d = 128 and GQA").
-
-Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k, N a multiple of ``block_n``, d in
-{64, 128}, bf16 or fp16, full or causal, all three cotangents present and both K̄ and V̄
-wanted, precise mode (α and E + αD from the statistics pass). Not covered: varlen, window,
-missing cotangents, ``precise=False``'s affine row pass (its column pass reads the same
-statistics, so the kernel would serve it too), float32.
+Scope: scope.py (``bob_col_reason``); :func:`gluon_bob_col` checks its arguments (a
+ValueError naming the argument), :func:`launch_bob_col` does not. Not covered: varlen,
+window, missing cotangents, ``precise=False``'s affine row pass, float32.
 
 Triton versions: Gluon's API moves. triton 3.6 names the TMA copies
 ``async_copy_global_to_shared`` / ``async_copy_shared_to_global``, later versions
-``async_load`` / ``async_store`` (gluon_common.py looks up both); ``gl.warp_specialize`` takes
+``async_load`` / ``async_store`` (common.py looks up both); ``gl.warp_specialize`` takes
 ``[(default_fn, args), (worker_fn, args), ...], worker_num_warps, worker_num_regs`` in 3.6
 and 3.9 (3.9 makes the register list optional; earlier releases took the default and worker
 partitions as separate arguments, which this module does not support).
@@ -67,24 +53,28 @@ from __future__ import annotations
 
 import torch
 
-from . import gluon_common as _gc
+from . import common as _gc
+from .common import check_args, flat, lse_log2, tile_descriptors
 
 if _gc.HAVE_GLUON:
-    from .gluon_common import (  # noqa: F401 - names the kernels below resolve
+    from .common import (  # noqa: F401 - names the kernels below resolve
         gluon,
         gl,
         fence_async_shared,
         mbarrier,
+        query_pos,
+        query_range,
+        query_row,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
         TensorDescriptor,
     )
-    from .gluon_common import tma_load as _tma_load
-    from .gluon_common import tma_store as _tma_store
+    from .common import tma_load as _tma_load
+    from .common import tma_store as _tma_store
 
-#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (gluon_common.py)
+#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (common.py)
 HAVE_GLUON = _gc.HAVE_GLUON and _gc.HAVE_WARP_SPECIALIZE
 
 LOG2E = _gc.LOG2E
@@ -102,37 +92,6 @@ def available(device=None) -> bool:
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _query_range(n0, N, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """First query row and number of query tiles that see key tile [n0, n0 + BLOCK_N)."""
-        if CAUSAL:
-            lo = n0  # query tiles before the key tile see none of its keys
-        else:
-            lo = n0 * 0
-        return lo, (N - lo) // BLOCK_M
-
-    @gluon.jit
-    def _query_row(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
-        """(flat row, position in the sequence) of the first query of step ``i`` of the
-        sweep over the query tiles of every head of the group (head i // n_tiles); with one
-        head per group no division."""
-        if GROUPS == 1:
-            m0 = lo + i * BLOCK_M
-            row = qrow0 + m0
-        else:
-            m0 = lo + (i % n_tiles) * BLOCK_M
-            row = qrow0 + (i // n_tiles) * N + m0
-        return row, m0
-
-    @gluon.jit
-    def _query_pos(i, lo, n_tiles, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
-        """Position in the sequence of the first query of step ``i`` (see ``_query_row``)."""
-        if GROUPS == 1:
-            m0 = lo + i * BLOCK_M
-        else:
-            m0 = lo + (i % n_tiles) * BLOCK_M
-        return m0
 
     @gluon.jit
     def _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
@@ -154,6 +113,29 @@ if HAVE_GLUON:
         _tma_load(do_desc, [row, 0], bar, do_ring.index(slot))
         _tma_load(uq_desc, [row, 0], bar, uq_ring.index(slot))
         _tma_load(r_desc, [0, row], bar, vecs.index(slot))
+
+    @gluon.jit
+    def _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     NVEC: gl.constexpr, STAGES: gl.constexpr):
+        """The shared memory of a column program: the key-side tiles, the rings of query
+        tiles and packed row vectors, the key-side barrier and the ring's "ready" barriers
+        (initialised)."""
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
+        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
+        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
+        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        return k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar, ready
 
     @gluon.jit
     def _query_vec(vecs, i: gl.constexpr, layout: gl.constexpr):
@@ -247,27 +229,17 @@ if HAVE_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
 
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
-        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
+        (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
+         ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
 
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
                         kv_bar, row0 + n0)
-        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         total = GROUPS * n_tiles
         for s in gl.static_range(STAGES - 1):  # fill all slots but one
             if s < total:
-                qrow, _ = _query_row(qrow0, s, lo, n_tiles, N, BLOCK_M, GROUPS)
+                qrow, _ = query_row(qrow0, s, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
                                  vecs, ready.index(s), s, qrow)
 
@@ -279,7 +251,7 @@ if HAVE_GLUON:
             nxt = i + STAGES - 1
             if nxt < total:
                 ns = nxt % STAGES
-                nrow, _ = _query_row(qrow0, nxt, lo, n_tiles, N, BLOCK_M, GROUPS)
+                nrow, _ = query_row(qrow0, nxt, lo, n_tiles, N, BLOCK_M, GROUPS)
                 _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring,
                                  vecs, ready.index(ns), ns, nrow)
             slot = i % STAGES
@@ -287,7 +259,7 @@ if HAVE_GLUON:
             kb, vb, _, _ = _col_tile(k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot),
                                      do_ring.index(slot), uq_ring.index(slot),
                                      vecs.index(slot), kb, vb, None, None,
-                                     _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale,
+                                     query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale,
                                      qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, NVEC, False,
                                      s_layout, op_layout)
 
@@ -308,13 +280,13 @@ if HAVE_GLUON:
         ring, each slot refilled once the consumers have released it."""
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
                         kv_bar, row0 + n0)
-        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         for i in range(GROUPS * n_tiles):
             slot = i % STAGES
             # a fresh barrier counts as having completed the phase before phase 0, so the
             # first pass over the ring does not wait
             mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            qrow, _ = _query_row(row0 * GROUPS, i, lo, n_tiles, N, BLOCK_M, GROUPS)
+            qrow, _ = query_row(row0 * GROUPS, i, lo, n_tiles, N, BLOCK_M, GROUPS)
             _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
                              ready.index(slot), slot, qrow)
 
@@ -333,7 +305,7 @@ if HAVE_GLUON:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
-        lo, n_tiles = _query_range(n0, N, BLOCK_M, CAUSAL)
+        lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         total = GROUPS * n_tiles  # the query tiles of every head of the group
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -348,7 +320,7 @@ if HAVE_GLUON:
                 kb, vb, r_op, ds_op = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, r_op, ds_op,
-                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
                     BLOCK_N, CAUSAL, NVEC, True, s_layout, op_layout)
                 # the previous tile's products are complete (retired inside _col_tile)
                 fence_async_shared()
@@ -361,7 +333,7 @@ if HAVE_GLUON:
                 kb, vb, _, _ = _col_tile(
                     k_smem, v_smem, uk_smem, uv_smem, q_ring.index(slot), do_ring.index(slot),
                     uq_ring.index(slot), vecs.index(slot), kb, vb, None, None,
-                    _query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
+                    query_pos(i, lo, n_tiles, BLOCK_M, GROUPS), n0, scale, qk_scale2, BLOCK_M,
                     BLOCK_N, CAUSAL, NVEC, False, s_layout, op_layout)
                 # its products are complete; order this partition's reads of the row vectors
                 # (generic proxy) before the producer's next TMA write of the slot (async)
@@ -383,20 +355,11 @@ if HAVE_GLUON:
         n0 = gl.program_id(0) * BLOCK_N
         row0 = gl.program_id(1) * N
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
-        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
-        q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
-        uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
-        vecs = gl.allocate_shared_memory(gl.float32, [STAGES, NVEC, BLOCK_M], r_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
+         ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
         for s in gl.static_range(STAGES):
-            mbarrier.init(ready.index(s), count=1)
             mbarrier.init(empty.index(s), count=1)
         gl.warp_specialize([
             (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
@@ -417,21 +380,15 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     (scripts/gluon_compile_sm90.py builds CPU ones)."""
     b, h, n, d = q.shape
     hk = k.shape[1]
-    flat = [x.contiguous().view(-1, d) for x in (q, do, uq, k, v, uk, uv)]
+    rows_q = [flat(x) for x in (q, do, uq)]
+    rows_k = [flat(x) for x in (k, v, uk, uv)]
     if out is None:
-        kb, vb = torch.empty_like(flat[3]), torch.empty_like(flat[4])
+        kb, vb = torch.empty_like(rows_k[0]), torch.empty_like(rows_k[1])
     else:
         kb, vb = (x.view(b * hk * n, d) for x in out)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
-    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
-    tiles = [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
-             for x in flat[:3]]
-    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
-              for x in (*flat[3:], kb, vb)]
-    lse2 = lse.reshape(-1) * LOG2E  # log2 units; rows that see no key: +inf, so P = 0
-    lse2 = torch.where(lse2 == float("-inf"), float("inf"), lse2)
-    rows = [lse2] + [x.reshape(-1) for x in (delta, alpha, ee)]
+    tiles = tile_descriptors(rows_q, block_m, d, q.dtype)
+    tiles += tile_descriptors((*rows_k, kb, vb), block_n, d, q.dtype)
+    rows = [lse_log2(lse)] + [x.reshape(-1) for x in (delta, alpha, ee)]
     if rho is not None:  # 8 rows (power of two): ρ and three unread copies
         rows += [rho.reshape(-1)] * 4
     rows = torch.stack(rows)  # (NVEC, B·H·N): one TMA copy per query tile
@@ -444,14 +401,24 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     return args, meta, (kb, vb)
 
 
-def _check(name, x, like, heads=None):
-    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
-    (default: like's)."""
-    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
-    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"gluon_bob_col: {name} must have shape {want}, q's dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
-                         "supported here")
+def launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale,
+                   causal, block_n, block_m, num_warps, stages, warp_specialize=False,
+                   defer=False, maxnreg=None, out=None):
+    """Launch the pass without checks (the plan or :func:`gluon_bob_col` has verified the
+    call); returns (kb, vb), (B, H_kv, N, d)."""
+    b, h, n, d = q.shape
+    hk = k.shape[1]
+    args, meta, (kb, vb) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale,
+                                    causal, block_n, block_m, num_warps, stages, out)
+    if maxnreg is not None:
+        meta["maxnreg"] = int(maxnreg)
+    grid = (n // block_n, b * hk)
+    if warp_specialize:
+        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
+                                       **meta)
+    else:
+        _gluon_bob_col_kernel[grid](*args, **meta)
+    return kb.view(b, hk, n, d), vb.view(b, hk, n, d)
 
 
 def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
@@ -474,63 +441,20 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     one tile later (use 3 slots or more); ``maxnreg`` caps ptxas's
     registers per thread (None: no cap; with ``warp_specialize`` it sets the budget the
     partitions' registers are carved from). ``out``: optional (kb, vb) pair of contiguous
-    tensors like q to write into.
+    tensors like k to write into.
     """
-    if not available(q.device):
-        raise RuntimeError("gluon_bob_col: needs triton.experimental.gluon and an sm_90 GPU; "
-                           "use attn_bob elsewhere")
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"gluon_bob_col: q and k must be (B, H, N, d), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon_bob_col: q must be bf16 or fp16, got {q.dtype}")
-    b, h, n, d = q.shape
-    hk = k.shape[1]
-    if hk < 1 or h % hk:
-        raise ValueError(f"gluon_bob_col: q's heads ({h}) must be a multiple of k's ({hk})")
-    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
-        if x is None:
-            raise ValueError(f"gluon_bob_col: {name} is None; this pass needs all three "
-                             "cotangents (use attn_bob for the others)")
-        _check(name, x, q, hk if name in ("k", "v", "uk", "uv") else None)
-    if d not in (64, 128):
-        raise ValueError(f"gluon_bob_col: head dim must be 64 or 128, got {d}")
-    if num_warps not in (4, 8) or block_n != 16 * num_warps:
-        raise ValueError(f"gluon_bob_col: need num_warps in (4, 8) and block_n == 16*num_warps, "
-                         f"got block_n={block_n}, num_warps={num_warps}")
-    if block_m not in (32, 64, 128) or block_n % block_m:
-        raise ValueError(f"gluon_bob_col: block_m must be 32, 64 or 128 and divide block_n, "
-                         f"got {block_m}")
+    fn = "gluon_bob_col"
+    b, h, n, d = check_args(
+        fn, q, k, [(name, x, name in ("k", "v", "uk", "uv")) for name, x in
+                   (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv))],
+        (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee), ("rho?", rho)),
+        None if out is None else (("out[0]", out[0], True), ("out[1]", out[1], True)),
+        block_n=block_n, block_m=block_m, num_warps=num_warps, per_warp="block_n",
+        stages=stages, available=available(q.device))
     if defer and not warp_specialize:
-        raise ValueError("gluon_bob_col: defer=True needs warp_specialize=True")
-    if stages not in (2, 3, 4):
-        raise ValueError(f"gluon_bob_col: stages must be 2, 3 or 4, got {stages}")
-    if n % block_n:
-        raise ValueError(f"gluon_bob_col: sequence length must be a multiple of "
-                         f"block_n={block_n}, got {n}")
-    for name, x in (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee), ("rho", rho)):
-        if x is None and name == "rho":
-            continue
-        if x.shape != (b, h, n) or x.dtype != torch.float32 or x.device != q.device:
-            raise ValueError(f"gluon_bob_col: {name} must be float32 of shape {(b, h, n)} on "
-                             f"{q.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if b * h * n >= 2 ** 31:
-        raise ValueError(f"gluon_bob_col: B*H*N must be < 2**31 (int32 TMA coordinates), "
-                         f"got {b * h * n}")
-    if out is not None:
-        for name, x in zip(("out[0]", "out[1]"), out):
-            _check(name, x, q, hk)
-            if not x.is_contiguous():
-                raise ValueError(f"gluon_bob_col: {name} must be contiguous")
+        raise ValueError(f"{fn}: defer=True needs warp_specialize=True")
     scale = d ** -0.5 if scale is None else float(scale)
-    args, meta, (kb, vb) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale,
-                                    causal, block_n, block_m, num_warps, stages, out)
-    if maxnreg is not None:
-        meta["maxnreg"] = int(maxnreg)
-    grid = (n // block_n, b * hk)
-    if warp_specialize:
-        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
-                                       **meta)
-    else:
-        _gluon_bob_col_kernel[grid](*args, **meta)
-    return kb.view(b, hk, n, d), vb.view(b, hk, n, d)
+    return launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale=scale,
+                          causal=causal, block_n=block_n, block_m=block_m,
+                          num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,
+                          defer=defer, maxnreg=maxnreg, out=out)

@@ -1,25 +1,12 @@
-"""Hopper-native BoB row passes in Gluon (TMA key-tile ring + async wgmma, optional warp
-specialisation): the direct pass (Q̄, dŌ) and the statistics pass (α, E + αD).
+"""BoB row passes in Gluon (TMA key-tile ring + async wgmma, optional warp
+specialisation), sm_90: the direct pass (Q̄, dŌ) and the statistics pass (α, E + αD).
 
-``attn_bob``'s statistics and direct passes call :func:`gluon_bob_stats` and
-:func:`gluon_bob_direct` instead of the Triton ``_bob_stats_kernel`` / ``_bob_direct_kernel``
-(bob.py) where ``configs.use_gluon("bob_stats" / "bob_direct", ...)`` selects them: sm_90,
-inputs in the scope below, tiles from ``configs.GLUON`` (64 queries x 64 keys / 4 warps,
-single partition, 2 slots, from 16,384 keys); everywhere else the Triton passes run. Step
-four of issue 15 item 2 (after gluon_dkdv.py and gluon_bob_col.py).
-
-Measured on an H200 (triton 3.6; docs/benchmarks.md, "Gluon (item 2), fourth step"): Q̄, dŌ
-as close to float64 double backward as the Triton direct pass's (the same max errors to four
-digits, bf16, full and causal, every variant); α, E + αD within 4e-7 (relative) of the
-Triton statistics pass's. At N = 16K, H = 12, d = 64 the single-partition 64 x 64 / 4 tile
-takes 5.84 ms for the direct pass against the Triton pass's 6.32 ms (causal 3.20 vs 3.51)
-and 4.03 ms for the statistics pass against 4.42 ms (causal 2.05 vs 2.20); the
-warp-specialised 64 x 64 / 4 variant (``maxnreg=168``) was no faster than Triton, the
-warp-specialised 128 x 64 / 8 one 1.04-1.11x. At d = 128 (H = 8, N = 16K, in the chain):
-statistics 128 x 64 / 8 4.46 ms against 5.47 ms, direct 64 x 32 / 4 (the 32-key step keeps
-its two 128-wide accumulators in registers) ~7.6 ms against 8.1 ms; GQA reads kv head
-h // G and matches the Triton passes and float64 the same way (docs/benchmarks.md, "Gluon
-at d = 128 and GQA").
+``attn_bob`` launches them instead of the Triton ``_bob_stats_kernel`` / ``_bob_direct_kernel``
+(bob_rows.py) where the plan (plan.py, with :func:`..scope.bob_stats_reason` and
+:func:`..scope.bob_direct_reason`) finds the call in their scope, with the tiles of
+``configs.GLUON``; everywhere else the Triton passes run. Q̄, dŌ are as close to float64
+double backward as the Triton direct pass's, α, E + αD agree with the Triton statistics
+pass's to float32 rounding (tests/test_gluon_gpu.py); timings are in docs/benchmarks.md.
 
 Same inputs and outputs as the Triton passes they stand in for (bob.py,
 ``_bob_direct_kernel`` and ``_bob_stats_kernel``; bob-math.md): from Q, K, V, dO, the
@@ -47,7 +34,7 @@ are formed while B is on the tensor cores, then dŌ's two products and dP are is
 B is waited for. H, P, R and dS enter as register A operands. The statistics pass issues
 the five score-shaped products only and keeps three row sums.
 
-Two program shapes, as in gluon_bob_col.py:
+Two program shapes, as in bob_col.py:
 
 - single partition (``warp_specialize=False``): every warp issues the TMA copies itself;
 - warp-specialised (``warp_specialize=True``): a one-warp producer partition issues the
@@ -58,37 +45,39 @@ Two program shapes, as in gluon_bob_col.py:
 Causal: the query tiles are taken longest row first (program 0 gets the last query tile);
 only the key tiles that reach past the tile's first query are masked.
 
-Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q a multiple of H_kv (MHA, GQA, MQA: query head h reads kv head h // (H_q / H_kv)),
-N_q == N_k, N a multiple of both tiles, d in {64, 128}, bf16 or fp16, full or causal, all
-three cotangents present, precise mode, no ρ row-sum correction (16-bit inputs do not use
-it). Not covered: varlen, window, missing cotangents, float32.
+Scope: scope.py (``bob_stats_reason``, ``bob_direct_reason``); :func:`gluon_bob_stats` and
+:func:`gluon_bob_direct` check their arguments (a ValueError naming the argument),
+:func:`launch_bob_row` does not. GQA: query head h reads kv head h // (H_q / H_kv). Not
+covered: varlen, window, missing cotangents, the ρ row-sum correction, float32.
 
-Triton versions: as gluon_bob_col.py (``async_copy_global_to_shared`` in 3.6,
-``async_load`` later, both looked up in gluon_common.py; ``gl.warp_specialize`` with the 3.6 / 3.9 list form).
+Triton versions: as bob_col.py (common.py looks up the TMA copy names; ``gl.warp_specialize``
+with the 3.6 / 3.9 list form).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import gluon_common as _gc
+from . import common as _gc
+from .common import check_args, flat, lse_log2, tile_descriptors
 
 if _gc.HAVE_GLUON:
-    from .gluon_common import (  # noqa: F401 - names the kernels below resolve
+    from .common import (  # noqa: F401 - names the kernels below resolve
         gluon,
         gl,
         fence_async_shared,
+        key_tiles,
         mbarrier,
+        row_tile,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
         TensorDescriptor,
     )
-    from .gluon_common import tma_load as _tma_load
-    from .gluon_common import tma_store as _tma_store
+    from .common import tma_load as _tma_load
+    from .common import tma_store as _tma_store
 
-#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (gluon_common.py)
+#: Gluon's Hopper ops and its list-form ``warp_specialize`` import (common.py)
 HAVE_GLUON = _gc.HAVE_GLUON and _gc.HAVE_WARP_SPECIALIZE
 
 LOG2E = _gc.LOG2E
@@ -106,24 +95,6 @@ def available(device=None) -> bool:
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _query_tile(N, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-        """First query row of this program's tile (causal: longest rows first)."""
-        pid = gl.program_id(0)
-        if CAUSAL:
-            pid = N // BLOCK_M - 1 - pid
-        return pid * BLOCK_M
-
-    @gluon.jit
-    def _key_tiles(m0, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   CAUSAL: gl.constexpr):
-        """Number of key tiles [0, n_tiles·BLOCK_N) that query tile [m0, m0 + BLOCK_M) sees."""
-        if CAUSAL:
-            n_tiles = (m0 + BLOCK_M + BLOCK_N - 1) // BLOCK_N
-        else:
-            n_tiles = N // BLOCK_N
-        return n_tiles
 
     @gluon.jit
     def _load_query_tiles(q_desc, do_desc, uq_desc, q_smem, do_smem, uq_smem, bar, row):
@@ -248,7 +219,7 @@ if HAVE_GLUON:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
-        n_tiles = _key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
         if not WS:
             for s in gl.static_range(STAGES - 1):  # fill all slots but one
                 if s < n_tiles:
@@ -302,7 +273,7 @@ if HAVE_GLUON:
         """Producer partition (one warp): the query-side copy, then the key tiles into the
         ring, each slot refilled once the consumers have released it."""
         _load_query_tiles(q_desc, do_desc, uq_desc, q_s, do_s, uq_s, q_bar, row0 + m0)
-        n_tiles = _key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
         for i in range(n_tiles):
             slot = i % STAGES
             # a fresh barrier counts as having completed the phase before phase 0, so the
@@ -325,7 +296,7 @@ if HAVE_GLUON:
         float32 pointers. WS adds the one-warp TMA producer."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
         krow0 = (gl.program_id(1) // GROUPS) * N
-        m0 = _query_tile(N, BLOCK_M, CAUSAL)
+        m0 = row_tile(N, BLOCK_M, CAUSAL)
         dtype: gl.constexpr = q_desc.dtype
         q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
         do_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -368,30 +339,23 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stat
     (B·H_q·N, d), written into ``out`` if given; ``alpha``, ``ee`` are read. Stats: outputs
     (alpha, ee), (B·H_q·N,) float32, written into ``alpha``, ``ee`` (allocated if None)."""
     b, h, n, d = q.shape
-    flat = [x.contiguous().view(-1, d) for x in (q, do, uq, k, v, uk, uv)]
+    rows = [flat(x) for x in (q, do, uq, k, v, uk, uv)]
     if stats:
         alpha = torch.empty(b * h * n, dtype=torch.float32, device=q.device) if alpha is None \
             else alpha
         ee = torch.empty_like(alpha) if ee is None else ee
         outs = (alpha.view(-1), ee.view(-1))
-        tile_out = (flat[0], flat[1])  # not written
+        tile_out = (rows[0], rows[1])  # not written
     else:
         if out is None:
-            outs = (torch.empty_like(flat[0]), torch.empty_like(flat[1]))
+            outs = (torch.empty_like(rows[0]), torch.empty_like(rows[1]))
         else:
             outs = tuple(x.view(b * h * n, d) for x in out)
         tile_out = outs
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
-    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
-    tiles = [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
-             for x in flat[:3]]
-    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
-              for x in flat[3:]]
-    tiles += [TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, d], lay_m)
-              for x in tile_out]
-    lse2 = lse.reshape(-1) * LOG2E  # log2 units; rows that see no key: +inf, so P = 0
-    lse2 = torch.where(lse2 == float("-inf"), float("inf"), lse2)
+    tiles = tile_descriptors(rows[:3], block_m, d, q.dtype)
+    tiles += tile_descriptors(rows[3:], block_n, d, q.dtype)
+    tiles += tile_descriptors(tile_out, block_m, d, q.dtype)
+    lse2 = lse_log2(lse)
     if stats:
         vecs = (lse2, delta.reshape(-1), *outs)
     else:
@@ -402,63 +366,28 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stat
     return args, meta, outs
 
 
-def _check(fn, name, x, like, heads=None):
-    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
-    (default: like's)."""
-    if x is None:
-        raise ValueError(f"{fn}: {name} is None; this pass needs all three cotangents "
-                         "(use attn_bob for the others)")
-    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
-    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"{fn}: {name} must have shape {want}, q's dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
-                         "supported here")
-
-
-def _check_common(fn, q, k, v, do, uq, uk, uv, vecs, block_n, block_m, num_warps, stages):
-    if not available(q.device):
-        raise RuntimeError(f"{fn}: needs triton.experimental.gluon and an sm_90 GPU; "
-                           "use attn_bob elsewhere")
-    if q.dim() != 4 or k is None or k.dim() != 4:
-        raise ValueError(f"{fn}: q and k must be (B, H, N, d), got shapes {tuple(q.shape)}, "
-                         f"{None if k is None else tuple(k.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{fn}: q must be bf16 or fp16, got {q.dtype}")
+def launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, stats, scale, causal,
+                   block_n, block_m, num_warps, stages, warp_specialize=False, maxnreg=None,
+                   out=None):
+    """Launch the statistics pass (``stats``: writes α, E + αD into ``alpha``, ``ee``) or
+    the direct pass (reads them, writes Q̄, dŌ into ``out``) without checks (the plan or
+    the public entry point has verified the call)."""
     b, h, n, d = q.shape
-    hk = k.shape[1]
-    if hk < 1 or h % hk:
-        raise ValueError(f"{fn}: q's heads ({h}) must be a multiple of k's ({hk})")
-    for name, x in (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv)):
-        _check(fn, name, x, q, hk if name in ("k", "v", "uk", "uv") else None)
-    if d not in (64, 128):
-        raise ValueError(f"{fn}: head dim must be 64 or 128, got {d}")
-    if num_warps not in (4, 8) or block_m != 16 * num_warps:
-        raise ValueError(f"{fn}: need num_warps in (4, 8) and block_m == 16*num_warps, "
-                         f"got block_m={block_m}, num_warps={num_warps}")
-    if block_n not in (32, 64, 128):
-        raise ValueError(f"{fn}: block_n must be 32, 64 or 128, got {block_n}")
-    if stages not in (2, 3, 4):
-        raise ValueError(f"{fn}: stages must be 2, 3 or 4, got {stages}")
-    if n % block_n or n % block_m:
-        raise ValueError(f"{fn}: sequence length must be a multiple of block_m={block_m} and "
-                         f"block_n={block_n}, got {n}")
-    for name, x in vecs:
-        if x is None or x.shape != (b, h, n) or x.dtype != torch.float32 or \
-                x.device != q.device or not x.is_contiguous():
-            got = "None" if x is None else f"{x.dtype} {tuple(x.shape)} on {x.device}"
-            raise ValueError(f"{fn}: {name} must be contiguous float32 of shape {(b, h, n)} "
-                             f"on {q.device}, got {got}")
-    if b * h * n >= 2 ** 31:
-        raise ValueError(f"{fn}: B*H*N must be < 2**31 (int32 TMA coordinates), "
-                         f"got {b * h * n}")
-    return b, h, n, d
-
-
-def _launch(args, meta, grid, warp_specialize, maxnreg):
+    args, meta, outs = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal,
+                                stats, block_n, block_m, num_warps, stages, out)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
-    _gluon_bob_row_kernel[grid](*args, WS=bool(warp_specialize), PRODUCER_REGS=PRODUCER_REGS,
-                                **meta)
+    _gluon_bob_row_kernel[(n // block_m, b * h)](*args, WS=bool(warp_specialize),
+                                                 PRODUCER_REGS=PRODUCER_REGS, **meta)
+    return outs
+
+
+def _check(fn, q, k, v, do, uq, uk, uv, vecs, out, block_n, block_m, num_warps, stages):
+    tiles = [(name, x, name in ("k", "v", "uk", "uv")) for name, x in
+             (("k", k), ("v", v), ("do", do), ("uq", uq), ("uk", uk), ("uv", uv))]
+    return check_args(fn, q, k, tiles, vecs, out, block_n=block_n, block_m=block_m,
+                      num_warps=num_warps, per_warp="block_m", stages=stages,
+                      available=available(q.device))
 
 
 def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=None,
@@ -479,18 +408,16 @@ def gluon_bob_direct(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, *, scale=No
     ``out``: optional (qb, dob) pair of contiguous tensors like q to write into.
     """
     fn = "gluon_bob_direct"
-    b, h, n, d = _check_common(fn, q, k, v, do, uq, uk, uv,
-                               (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee)),
-                               block_n, block_m, num_warps, stages)
-    if out is not None:
-        for name, x in zip(("out[0]", "out[1]"), out):
-            _check(fn, name, x, q)
-            if not x.is_contiguous():
-                raise ValueError(f"{fn}: {name} must be contiguous")
+    vecs = (("lse", lse), ("delta", delta), ("alpha", alpha), ("ee", ee))
+    b, h, n, d = _check(fn, q, k, v, do, uq, uk, uv, vecs,
+                        None if out is None else (("out[0]", out[0], False),
+                                                  ("out[1]", out[1], False)),
+                        block_n, block_m, num_warps, stages)
     scale = d ** -0.5 if scale is None else float(scale)
-    args, meta, (qb, dob) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale,
-                                     causal, False, block_n, block_m, num_warps, stages, out)
-    _launch(args, meta, (n // block_m, b * h), warp_specialize, maxnreg)
+    qb, dob = launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, stats=False,
+                             scale=scale, causal=causal, block_n=block_n, block_m=block_m,
+                             num_warps=num_warps, stages=stages,
+                             warp_specialize=warp_specialize, maxnreg=maxnreg, out=out)
     return qb.view(b, h, n, d), dob.view(b, h, n, d)
 
 
@@ -505,9 +432,9 @@ def gluon_bob_stats(q, k, v, do, uq, uk, uv, lse, delta, *, scale=None, causal=F
     tensors to write into.
     """
     fn = "gluon_bob_stats"
-    b, h, n, d = _check_common(fn, q, k, v, do, uq, uk, uv,
-                               (("lse", lse), ("delta", delta)),
-                               block_n, block_m, num_warps, stages)
+    vecs = (("lse", lse), ("delta", delta))
+    b, h, n, d = _check(fn, q, k, v, do, uq, uk, uv, vecs, None, block_n, block_m, num_warps,
+                        stages)
     if out is None:
         out = tuple(torch.empty(b, h, n, dtype=torch.float32, device=q.device)
                     for _ in range(2))
@@ -517,7 +444,8 @@ def gluon_bob_stats(q, k, v, do, uq, uk, uv, lse, delta, *, scale=None, causal=F
             raise ValueError(f"{fn}: {name} must be contiguous float32 of shape {(b, h, n)} "
                              f"on {q.device}")
     scale = d ** -0.5 if scale is None else float(scale)
-    args, meta, _ = _prepare(q, k, v, do, uq, uk, uv, lse, delta, out[0], out[1], scale,
-                             causal, True, block_n, block_m, num_warps, stages)
-    _launch(args, meta, (n // block_m, b * h), warp_specialize, maxnreg)
+    launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, out[0], out[1], stats=True,
+                   scale=scale, causal=causal, block_n=block_n, block_m=block_m,
+                   num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,
+                   maxnreg=maxnreg)
     return out

@@ -1,15 +1,10 @@
-"""Hopper-native first-backward dK/dV pass in Gluon (TMA + async wgmma).
+"""First-backward dK/dV pass in Gluon (TMA + async wgmma), sm_90.
 
-``attn_bwd`` calls :func:`gluon_dkdv` instead of the Triton ``_attn_bwd_dkdv_kernel``
-(attn_bwd.py) where ``configs.use_gluon("bwd_dkdv", ...)`` selects it: sm_90, inputs in the
-scope below, tiles from ``configs.GLUON``; everywhere else (interpreter, other GPUs, other
-inputs) the Triton pass runs. Measured on an H200 (triton 3.6): matches float64 autograd as
-closely as the Triton pass (bf16, full and causal, every tile variant); at N = 16K, H = 12,
-d = 64 its best tile (64 keys x 64 queries, 4 warps) takes 3.29 ms against the Triton pass's
-3.60 ms (causal 1.76 vs 1.85 ms) (``scripts/gluon_dkdv_check.py``; docs/benchmarks.md,
-"Gluon (item 2), first step"). At d = 128 (H = 8, N = 16K) 64 x 64 / 4 takes 3.3 ms in the
-chain against 4.0 ms; with GQA the query heads of a kv head are swept in turn ("Gluon at
-d = 128 and GQA").
+``attn_bwd`` launches it instead of the Triton ``_attn_bwd_dkdv_kernel`` (attn_bwd.py) where
+the plan (plan.py, with :func:`..scope.dkdv_reason`) finds the call in its scope, with the
+tiles of ``configs.GLUON``; everywhere else the Triton pass runs. It matches float64 autograd
+as closely as the Triton pass (tests/test_gluon_gpu.py); its timings are in
+docs/benchmarks.md.
 
 One program owns one key tile (BLOCK_N keys of one (batch, kv head)): K and V come to shared
 memory once by TMA; the query tiles that can see the keys, of every query head that reads
@@ -21,35 +16,36 @@ tile's MMAs). Per query tile, in (keys x queries) orientation, with τ = ``scale
     dV += Pᵀ dO,   dK += dSᵀ Q        (dK scaled by τ at the end)
 
 The four products are ``warpgroup_mma`` (Sᵀ and dPᵀ issued together asynchronously; Pᵀ and
-dSᵀ as register A operands). No warp specialisation yet (single partition).
+dSᵀ as register A operands). Single partition (no warp specialisation).
 
-Scope (checked, with a ValueError naming the argument): dense (B, H, N, D) inputs with
-H_q a multiple of H_kv (MHA, GQA, MQA), N_q == N_k, N a multiple of the key tile, d in
-{64, 128}, bf16 or fp16, full or causal (no window, no varlen, no ρ row-sum correction, which
-16-bit inputs do not use).
+Scope: scope.py (``dkdv_reason``); :func:`gluon_dkdv` checks its arguments (a ValueError
+naming the argument), :func:`launch_dkdv` does not.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import gluon_common as _gc
+from . import common as _gc
+from .common import check_args, flat, tile_descriptors
 
 if _gc.HAVE_GLUON:
-    from .gluon_common import (  # noqa: F401 - names the kernels below resolve
+    from .common import (  # noqa: F401 - names the kernels below resolve
         gluon,
         gl,
         fence_async_shared,
         mbarrier,
+        query_range,
+        query_row,
         tma,
         warpgroup_mma,
         warpgroup_mma_wait,
         TensorDescriptor,
     )
-    from .gluon_common import tma_load as _tma_load
-    from .gluon_common import tma_store as _tma_store
+    from .common import tma_load as _tma_load
+    from .common import tma_store as _tma_store
 
-#: Gluon's Hopper ops import (gluon_common.py)
+#: Gluon's Hopper ops import (common.py)
 HAVE_GLUON = _gc.HAVE_GLUON
 
 LOG2E = _gc.LOG2E
@@ -64,19 +60,6 @@ def available(device=None) -> bool:
 
 
 if HAVE_GLUON:
-
-    @gluon.jit
-    def _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M: gl.constexpr, GROUPS: gl.constexpr):
-        """(flat row of the first query, its position in the sequence) of step ``i`` of the
-        sweep over the query tiles of every head of the group (head i // n_tiles); with one
-        head per group no division."""
-        if GROUPS == 1:
-            m0 = lo + i * BLOCK_M
-            row = qrow0 + m0
-        else:
-            m0 = lo + (i % n_tiles) * BLOCK_M
-            row = qrow0 + (i // n_tiles) * N + m0
-        return row, m0
 
     @gluon.jit
     def _gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
@@ -116,11 +99,7 @@ if HAVE_GLUON:
         _tma_load(k_desc, [row0 + n0, 0], kv_bar, k_smem)
         _tma_load(v_desc, [row0 + n0, 0], kv_bar, v_smem)
 
-        if CAUSAL:
-            lo = n0  # query tiles before the key tile see none of its keys
-        else:
-            lo = 0
-        n_tiles = (N - lo) // BLOCK_M
+        lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         # one sweep over the query tiles of every head of the group (tile i: head
         # i // n_tiles), so that the ring streams across heads
         total = GROUPS * n_tiles
@@ -137,11 +116,11 @@ if HAVE_GLUON:
 
         for i in range(total):
             slot = i % 2
-            qrow, m0 = _query_tile(qrow0, i, lo, n_tiles, N, BLOCK_M, GROUPS)
+            qrow, m0 = query_row(qrow0, i, lo, n_tiles, N, BLOCK_M, GROUPS)
             qrow = qrow - m0  # the head's first row
             if i + 1 < total:  # prefetch the next tile into the other slot
                 nxt = 1 - slot
-                nrow, _ = _query_tile(qrow0, i + 1, lo, n_tiles, N, BLOCK_M, GROUPS)
+                nrow, _ = query_row(qrow0, i + 1, lo, n_tiles, N, BLOCK_M, GROUPS)
                 mbarrier.expect(ld_bar.index(nxt), tile_bytes)
                 _tma_load(q_desc, [nrow, 0], ld_bar.index(nxt), q_smem.index(nxt))
                 _tma_load(do_desc, [nrow, 0], ld_bar.index(nxt), do_smem.index(nxt))
@@ -184,14 +163,24 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
 
-def _check(name, x, like, heads=None):
-    """``x`` like ``like`` in dtype, device, batch, length and head dim, with ``heads`` heads
-    (default: like's)."""
-    want = tuple(like.shape) if heads is None else (like.shape[0], heads, *like.shape[2:])
-    if tuple(x.shape) != want or x.dtype != like.dtype or x.device != like.device:
-        raise ValueError(f"gluon_dkdv: {name} must have shape {want}, q's dtype and device "
-                         f"(got {tuple(x.shape)}, {x.dtype}, {x.device}); varlen is not "
-                         "supported here")
+def launch_dkdv(q, k, v, do, lse, delta, *, scale, causal, block_n, block_m, num_warps,
+                maxnreg=None, out):
+    """Launch the pass without checks (the plan has verified the call): contiguous
+    (B, H, N, d) inputs, ``out`` the contiguous (dk, dv) to write into."""
+    b, h, n, d = q.shape
+    hk = k.shape[1]
+    q2, do2 = flat(q), flat(do)
+    k2, v2 = flat(k), flat(v)
+    dk, dv = (x.view(b * hk * n, d) for x in out)
+    q_desc, do_desc = tile_descriptors((q2, do2), block_m, d, q.dtype)
+    k_desc, v_desc, dk_desc, dv_desc = tile_descriptors((k2, v2, dk, dv), block_n, d, q.dtype)
+    grid = (n // block_n, b * hk)
+    _gluon_dkdv_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse.contiguous(),
+        delta.contiguous(), n, scale, scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=d, CAUSAL=bool(causal), GROUPS=h // hk, num_warps=num_warps,
+        **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
+    return out
 
 
 def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLOCK_N,
@@ -207,61 +196,16 @@ def gluon_dkdv(q, k, v, do, lse, delta, *, scale=None, causal=False, block_n=BLO
     block_n); ``maxnreg`` caps ptxas's registers per thread (None: no cap).
     ``out``: optional (dk, dv) pair of contiguous tensors like k to write into.
     """
-    if not available(q.device):
-        raise RuntimeError("gluon_dkdv: needs triton.experimental.gluon and an sm_90 GPU; "
-                           "use attn_bwd elsewhere")
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"gluon_dkdv: q and k must be (B, H, N, d), got shapes "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"gluon_dkdv: q must be bf16 or fp16, got {q.dtype}")
-    b, h, n, d = q.shape
-    hk = k.shape[1]
-    if hk < 1 or h % hk:
-        raise ValueError(f"gluon_dkdv: q's heads ({h}) must be a multiple of k's ({hk})")
-    _check("do", do, q)
-    for name, x in (("k", k), ("v", v)):
-        _check(name, x, q, hk)
-    if d not in (64, 128):
-        raise ValueError(f"gluon_dkdv: head dim must be 64 or 128, got {d}")
-    if num_warps not in (4, 8) or block_n != 16 * num_warps:
-        raise ValueError(f"gluon_dkdv: need num_warps in (4, 8) and block_n == 16*num_warps, "
-                         f"got block_n={block_n}, num_warps={num_warps}")
-    if block_m not in (32, 64, 128) or block_n % block_m:
-        raise ValueError(f"gluon_dkdv: block_m must be 32, 64 or 128 and divide block_n, "
-                         f"got {block_m}")
-    if n % block_n:
-        raise ValueError(f"gluon_dkdv: sequence length must be a multiple of block_n={block_n}, "
-                         f"got {n}")
-    for name, x in (("lse", lse), ("delta", delta)):
-        if x.shape != (b, h, n) or x.dtype != torch.float32:
-            raise ValueError(f"gluon_dkdv: {name} must be float32 of shape {(b, h, n)}, "
-                             f"got {x.dtype} {tuple(x.shape)}")
-    if b * h * n >= 2 ** 31:
-        raise ValueError(f"gluon_dkdv: B*H*N must be < 2**31 (int32 TMA coordinates), got {b * h * n}")
+    b, h, n, d = check_args("gluon_dkdv", q, k, (("do", do, False), ("k", k, True),
+                                                  ("v", v, True)),
+                            (("lse", lse), ("delta", delta)),
+                            None if out is None else (("out[0]", out[0], True),
+                                                      ("out[1]", out[1], True)),
+                            block_n=block_n, block_m=block_m, num_warps=num_warps,
+                            per_warp="block_n", available=available(q.device))
     scale = d ** -0.5 if scale is None else float(scale)
-    q2, do2 = (x.contiguous().view(b * h * n, d) for x in (q, do))
-    k2, v2 = (x.contiguous().view(b * hk * n, d) for x in (k, v))
     if out is None:
-        dk, dv = torch.empty_like(k2), torch.empty_like(k2)
-    else:
-        for name, x in zip(("out[0]", "out[1]"), out):
-            _check(name, x, q, hk)
-            if not x.is_contiguous():
-                raise ValueError(f"gluon_dkdv: {name} must be contiguous")
-        dk, dv = (x.view(b * hk * n, d) for x in out)
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    lay_m = gl.NVMMASharedLayout.get_default_for([block_m, d], gdt)
-    lay_n = gl.NVMMASharedLayout.get_default_for([block_n, d], gdt)
-    q_desc = TensorDescriptor(q2, list(q2.shape), list(q2.stride()), [block_m, d], lay_m)
-    do_desc = TensorDescriptor(do2, list(do2.shape), list(do2.stride()), [block_m, d], lay_m)
-    k_desc, v_desc, dk_desc, dv_desc = (
-        TensorDescriptor(x, list(x.shape), list(x.stride()), [block_n, d], lay_n)
-        for x in (k2, v2, dk, dv))
-    grid = (n // block_n, b * hk)
-    _gluon_dkdv_kernel[grid](
-        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse.contiguous(),
-        delta.contiguous(), n, scale, scale * LOG2E, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=d, CAUSAL=bool(causal), GROUPS=h // hk, num_warps=num_warps,
-        **({} if maxnreg is None else {"maxnreg": int(maxnreg)}))
-    return dk.view(b, hk, n, d), dv.view(b, hk, n, d)
+        out = (torch.empty_like(k, memory_format=torch.contiguous_format),
+               torch.empty_like(k, memory_format=torch.contiguous_format))
+    return launch_dkdv(q, k, v, do, lse, delta, scale=scale, causal=causal, block_n=block_n,
+                       block_m=block_m, num_warps=num_warps, maxnreg=maxnreg, out=out)

@@ -1,0 +1,404 @@
+"""BoB row passes: one program per (query tile, query head, batch), looping over key tiles.
+
+With the cotangents U_Q, U_K, U_V of (dQ, dK, dV), per tile (bob-math.md)
+
+    P = exp(S − L)   dP = dO Vᵀ   G = τ (U_Q Kᵀ + Q U_Kᵀ)   B = dO U_Vᵀ
+    α = rowsum(P∘G)  E = rowsum(P∘G∘dP) − 2αD + rowsum(P∘B)
+    R = P∘((G−α)∘(dP−D) + B − (E+αD))   H = P∘(G−α)
+    Q̄ = τ (dS U_K + R K)   dŌ = H V + P U_V
+
+- ``_bob_stats_kernel``: the row statistics α, E + αD and the row-sum correction ρ
+  (bob-math.md, "Row sums of the recomputed P"), no tile accumulators;
+- ``_bob_direct_kernel`` (α and E + αD known): Q̄ and dŌ with R and H formed per tile; with
+  ``STATS_FIRST`` the same program first runs the statistics sweep itself (one launch less);
+- ``_bob_affine_kernel`` (``precise=False``): the two-pass affine form of bob-math.md, six
+  α-free accumulators, α and E formed at the end of the row.
+
+The row passes scale their accumulators by ρ at the end. A missing cotangent removes its
+products at compile time (constexpr flags).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (
+    _key_tile,
+    _row_probs,
+    _row_scores,
+    _NO_SPECIALIZE,
+    _dot_acc,
+    _key_tile_range,
+    _load_rowvec,
+    _load_tile,
+    _load_view,
+    _lse_log2,
+    _row_off,
+    _row_program,
+    _rows,
+    _store_view,
+    _tile_base,
+    _visible,
+)
+
+
+# --------------------------------------------------------------------------- row-program helpers
+
+
+@triton.jit
+def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr):
+    """What every row program loads first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
+    lse2, delta), U_Q a placeholder (q) without HAS_UQ."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n_q
+    rows_m = _rows(offs_m, LONG)
+    row_off = _row_off(RS, b64, h64, q_start64)
+    q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    uq = q
+    if HAS_UQ:
+        uq = _load_view(UQ, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    return offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta
+
+
+@triton.jit
+def _bob_key_side(K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr):
+    """The key-side bases of a row program (K, V, U_K, U_V of its kv head and sequence) and
+    the key tiles it visits: (k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi)."""
+    k_base = _tile_base(K, b64, hk64, k_start64)
+    v_base = _tile_base(V, b64, hk64, k_start64)
+    uk_base = _tile_base(UK, b64, hk64, k_start64)
+    uv_base = _tile_base(UV, b64, hk64, k_start64)
+    lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+                                             CAUSAL, WINDOW)
+    return k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+                  stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d, start_n,
+                  mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+                  PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
+                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr):
+    """Key tile [start_n, start_n + BLOCK_N) of a row program: loads K, V (U_K, U_V) and
+    returns (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo,
+    mid_hi)), dP and B when NEED_DP, G (scaled by τ) when HAS_G. Absent values are
+    placeholders (never read)."""
+    offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
+                                  BLOCK_N, EVEN_D, LONG)
+    v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                   window, qk_scale, PREC, CAUSAL, WINDOW)
+    dp = p
+    b_tile = p
+    g = p
+    uk = k
+    uv = v
+    if NEED_DP:
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    if HAS_UK:
+        uk = _load_tile(uk_base, rows, stride_ukn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+    if HAS_UV:
+        uv = _load_tile(uv_base, rows, stride_uvn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        if NEED_DP:
+            b_tile = tl.dot(do, tl.trans(uv), input_precision=PREC)
+    if HAS_G:
+        if HAS_UK:
+            g = tl.dot(q, tl.trans(uk), input_precision=PREC)
+            if HAS_UQ:
+                g = tl.dot(uq, tl.trans(k), g, input_precision=PREC)
+        else:
+            g = tl.dot(uq, tl.trans(k), input_precision=PREC)
+        g = g * scale
+    return k, v, uk, uv, p, dp, g, b_tile
+
+
+@triton.jit
+def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
+    """ρ = 1 / rowsum(P) (1 for rows that see no key, or without ROWSUM)."""
+    if ROWSUM:
+        return 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
+    else:
+        return tl.full(r_p.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
+                     stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+                     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                     LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                     HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                     NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
+    """Row statistics of one query tile over key tiles [lo, hi): (α, E + αD, ρ), all with the
+    corrected P·ρ. Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
+            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
+        if ROWSUM:
+            r_p += tl.sum(p, 1)
+        if HAS_G:
+            r_alpha += tl.sum(p * g, 1)
+            if NEED_E:
+                if HAS_UV:
+                    r_e += tl.sum(p * (g * dp + b_tile), 1)
+                else:
+                    r_e += tl.sum(p * (g * dp), 1)
+        elif NEED_E:
+            r_e += tl.sum(p * b_tile, 1)
+    rho = _rowsum_scale(r_p, ROWSUM)
+    alpha = r_alpha * rho
+    e_ad = r_e * rho - alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
+    return alpha, e_ad, rho
+
+
+@triton.jit
+def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
+                      stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+                      lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                      EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+                      HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+                      HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
+                      SPLIT: tl.constexpr):
+    """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
+    E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
+    ρ for the corrected P)."""
+    a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
+            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB)
+        if HAS_G:
+            g = g - alpha[:, None]  # G − α
+        if NEED_DOB:
+            if HAS_G:
+                a_dob = _dot_acc(p * g, v, a_dob, PREC, SPLIT)
+            if HAS_UV:
+                a_dob = tl.dot(p.to(uv.dtype), uv, a_dob, input_precision=PREC)
+        if NEED_QB:
+            dp_d = dp - delta[:, None]
+            if HAS_G:
+                r = g * dp_d
+                if HAS_UV:
+                    r += b_tile
+            else:
+                r = b_tile
+            r = p * (r - e_ad[:, None])
+            a_qb = _dot_acc(r, k, a_qb, PREC, SPLIT)
+            if HAS_UK:
+                a_qb = tl.dot((p * dp_d).to(uk.dtype), uk, a_qb, input_precision=PREC)
+    return a_qb, a_dob
+
+
+# --------------------------------------------------------------------------- row kernels
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_stats_kernel(
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_E: tl.constexpr, ROWSUM: tl.constexpr,
+):
+    """Statistics pass: writes α, E + αD (and ρ with ROWSUM) of one query tile. Tiles: views
+    (common.py); LSE ... RHO: row vectors with strides RS."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
+    alpha, e_ad, rho = _bob_stats_sweep(
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
+        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
+        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
+    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
+    if ROWSUM:
+        tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_direct_kernel(
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
+    STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
+):
+    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD, ρ
+    come from the statistics pass, or (STATS_FIRST) from this program's own statistics sweep
+    over the same keys, then written when WRITE_STATS (a key-tile pass follows)."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
+    if STATS_FIRST:
+        alpha, e_ad, rho = _bob_stats_sweep(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
+            K[3], V[3], UK[3], UV[3], offs_m, offs_d,
+            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
+        if WRITE_STATS:
+            tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+            tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
+            if ROWSUM:
+                tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+    else:
+        alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
+        e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
+        if ROWSUM:
+            rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
+        else:
+            rho = tl.full([BLOCK_M], 1.0, tl.float32)
+    a_qb, a_dob = _bob_direct_sweep(
+        q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
+        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
+        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT)
+    if NEED_QB:
+        qb = a_qb * (rho * scale)[:, None]
+        _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    if NEED_DOB:
+        dob = a_dob * rho[:, None]
+        _store_view(DOB, b64, h64, q_start64, rows_m, dob, m_ok, offs_d, HEAD_DIM, EVEN_D)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_affine_kernel(
+    Q, K, V, O, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_E: tl.constexpr,
+    WRITE_STATS: tl.constexpr, ROWSUM: tl.constexpr,
+):
+    """Affine row pass (bob-math.md, "Why two passes suffice"): six α-free accumulators
+
+        dS U_K,  (P∘(G∘(dP−D)+B)) K,  (P∘dP) K,  P K,  (P∘G) V,  P U_V
+
+    and the row sums rowsum(P), α, rowsum(P∘G∘dP), rowsum(P∘B); at the end of the row
+    Q̄ = τ [dS U_K + (P∘(G∘(dP−D)+B)) K − α (P∘dP) K − E (P K)], dŌ = (P∘G) V + P U_V − α O.
+    Writes α, E + αD, ρ when WRITE_STATS (the column pass follows). NEED_E: dP and B are
+    needed (for Q̄ or for E)."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
+        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
+        EVEN_D, LONG, HAS_UQ)
+    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
+        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
+        CAUSAL, WINDOW)
+    a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pdpk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_pgv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    a_puv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_gdp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
+            UK[3], UV[3], offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
+        if ROWSUM:
+            r_p += tl.sum(p, 1)
+        pg = p
+        pb = p
+        if HAS_G:
+            pg = p * g
+            r_alpha += tl.sum(pg, 1)
+            if NEED_E:
+                r_gdp += tl.sum(pg * dp, 1)
+        if HAS_UV:
+            if NEED_E:
+                pb = p * b_tile
+                r_b += tl.sum(pb, 1)
+        if NEED_QB:
+            if HAS_UK:
+                ds = p * (dp - delta[:, None])
+                a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
+            if HAS_G:
+                t = pg * (dp - delta[:, None])
+                if HAS_UV:
+                    t += pb
+                a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
+            else:
+                t = pb
+            a_tk = tl.dot(t.to(k.dtype), k, a_tk, input_precision=PREC)
+            a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
+        if NEED_DOB:
+            if HAS_G:
+                a_pgv = tl.dot(pg.to(v.dtype), v, a_pgv, input_precision=PREC)
+            if HAS_UV:
+                a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
+    rho = _rowsum_scale(r_p, ROWSUM)
+    alpha = r_alpha * rho
+    e = (r_gdp + r_b) * rho - 2.0 * alpha * delta  # E
+    if NEED_QB:
+        qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - e[:, None] * a_pk) * (rho * scale)[:, None]
+        _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    if NEED_DOB:
+        dob = (a_pgv + a_puv) * rho[:, None]
+        if HAS_G:
+            o = _load_view(O, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+            dob -= alpha[:, None] * o.to(tl.float32)
+        _store_view(DOB, b64, h64, q_start64, rows_m, dob, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    if WRITE_STATS:
+        tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+        tl.store(EE + row_off + offs_m, e + alpha * delta, mask=m_ok)  # E + αD
+        if ROWSUM:
+            tl.store(RHO + row_off + offs_m, rho, mask=m_ok)

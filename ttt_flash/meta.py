@@ -526,7 +526,9 @@ def conjugate_gradient(
     n steps.
 
     Returns:
-        ``(x, report)``.
+        ``(x, report)``: the iterate of smallest residual (the last one for a positive
+        definite A; for an indefinite A the residual may grow before a direction of
+        non-positive curvature shows, so x is never worse than x = 0).
     """
     steps = _check_steps(steps)
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
@@ -540,6 +542,7 @@ def conjugate_gradient(
     done, negative = 0, False
     if b_norm == 0:
         return x, CGReport(0, 0.0, 0.0, True, False)
+    best, best_rr = x, rr
     for _ in range(steps):
         if math.sqrt(rr) <= tol * b_norm:
             break
@@ -555,8 +558,12 @@ def conjugate_gradient(
         rr_new = _flat_dot(r, r)
         p = [ri + (rr_new / rr) * pi for ri, pi in zip(r, p)]
         rr = rr_new
-    res = math.sqrt(rr)
-    return x, CGReport(done, res, res / b_norm, res <= tol * b_norm, negative)
+        if rr <= best_rr:
+            best, best_rr = x, rr
+    # the iterate of smallest residual: for a positive definite A the last one; for an
+    # indefinite one, CG's residual can grow before a non-positive curvature shows
+    res = math.sqrt(best_rr)
+    return best, CGReport(done, res, res / b_norm, res <= tol * b_norm, negative)
 
 
 def _check_lam(lam, allow_zero: bool) -> float:

@@ -15,6 +15,14 @@ Two equivalent paths are provided:
 * :func:`higher_inner_loop`: the same through ``higher.innerloop_ctx`` for any torch
   optimizer that ``higher`` knows (SGD, Adam, RMSprop, ...).
 
+Two algorithms keep no graph of the inner loop, so their memory does not grow with the
+number of inner steps:
+
+* :func:`imaml_meta_gradient`: implicit MAML. A graph-free inner loop
+  (:func:`proximal_inner_loop`) on ``L_task + (λ/2)‖φ − θ‖²``, then the meta-gradient by
+  :func:`conjugate_gradient` on exact Hessian-vector products (:mod:`ttt_flash.hessian`).
+* :func:`reptile_meta_gradient`: Reptile, ``θ − φ``.
+
 Both return the adapted parameters as a dict that :func:`functional_loss` evaluates on
 the query set::
 
@@ -34,8 +42,9 @@ Batches are ``(inputs, target)`` pairs: ``inputs`` is one tensor or a tuple of t
 passed positionally to the model, and ``loss_fn(model(*inputs), target)`` must return a
 scalar. ``target`` may be anything ``loss_fn`` understands.
 
-This module is floor 1 (docs/architecture.md): it imports torch (and ``higher``, lazily)
-only and knows nothing about the model it adapts.
+This module is floor 1 (docs/architecture.md): it imports torch, its own floor
+(:mod:`ttt_flash.hessian`, lazily) and ``higher`` (lazily) only and knows nothing about the
+model it adapts.
 """
 
 from __future__ import annotations

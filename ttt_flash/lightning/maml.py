@@ -10,6 +10,10 @@ One training step takes a :class:`ttt_flash.tasks.MetaBatch` of T tasks and, for
    ``loss_post / T`` into θ (and the Meta-SGD step sizes) through the inner loop, exactly
    to second order unless ``first_order``.
 
+With ``algorithm="imaml"`` step 2 runs without a graph on the proximal loss and step 3 adds
+iMAML's implicit meta-gradient (conjugate gradient on exact Hessian-vector products) to
+``.grad``; with ``algorithm="reptile"`` it adds θ − φ (:mod:`ttt_flash.meta`).
+
 The task gradients are accumulated (one backward per task, so only one task's graph is
 alive at a time) and the outer optimizer (Adam, ``outer_lr``) steps once per meta-batch
 (manual optimization). Validation and test do the same without the outer step, with

@@ -32,6 +32,7 @@ Prints a table last and writes ``imaml_memory.json`` (every row, the arguments, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -59,11 +60,13 @@ def parse_args(argv=None):
     p.add_argument("--probe-ks", type=_ks, default=[100, 200],
                    help="extra k run for one meta-update (memory, time) until out of memory; '' for none")
     p.add_argument("--methods", default="maml,imaml", help="comma separated: maml, imaml")
-    p.add_argument("--train-steps", type=int, default=8, help="meta-updates per (method, k)")
+    p.add_argument("--train-steps", type=int, default=4, help="meta-updates per (method, k)")
+    p.add_argument("--max-config-seconds", type=float, default=None,
+                   help="stop a (method, k) training early after this many seconds (the row records steps_done)")
     p.add_argument("--eval-tasks", type=int, default=4, help="fixed tasks scored after training")
     p.add_argument("--inner-lr", type=float, default=0.01, help="inner SGD step size (both methods)")
     p.add_argument("--outer-lr", type=float, default=3e-4, help="outer Adam learning rate")
-    p.add_argument("--lam", type=float, default=2.0, help="iMAML's proximal weight lambda")
+    p.add_argument("--lam", type=float, default=5.0, help="iMAML's proximal weight lambda (as the recipes)")
     p.add_argument("--cg-steps", type=int, default=5, help="iMAML's conjugate-gradient steps")
     p.add_argument("--hessian-mode", default="rev_rev", choices=["rev_rev", "fwd_rev"], help="iMAML's HVPs")
     p.add_argument("--d-model", type=int, default=128)
@@ -145,12 +148,21 @@ def run_one(method, k, steps, args, device, evaluate=True):
             print(f"  {method} k={k} step {step + 1}/{steps}: {times[-1]:.2f} s"
                   + (f", peak {peaks[-1]:.2f} GiB" if peaks else "") + f", train query MSE {post:.4f}",
                   file=sys.stderr, flush=True)
+            if args.max_config_seconds is not None and sum(times) > args.max_config_seconds:
+                break
     except torch.cuda.OutOfMemoryError as e:
-        row.update(status="oom", error=str(e).splitlines()[0][:300], steps_done=len(times))
+        oom = str(e).splitlines()[0][:300]
+    else:
+        oom = None
+    if oom is not None:  # outside the except block: the traceback (and its tensors) is gone
+        row.update(status="oom", error=oom, steps_done=len(times),
+                   peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30)
         del opt, net
+        gc.collect()
         torch.cuda.empty_cache()
         return row
     row.update(
+        steps_done=len(times),
         step_time_s=statistics.median(times[1:]) if len(times) > 1 else times[0],
         first_step_s=times[0],
         peak_mem_gib=max(peaks) if peaks else None,
@@ -181,11 +193,12 @@ def _fmt(x, spec):
 
 
 def table(rows):
-    lines = [f"{'method':<6} {'k':>4} {'status':<6} {'peak GiB':>9} {'step s':>8} {'eval pre':>9} "
+    lines = [f"{'method':<6} {'k':>4} {'status':<6} {'steps':>5} {'peak GiB':>9} {'step s':>8} {'eval pre':>9} "
              f"{'eval post':>9} {'CG res':>8}"]
     for r in rows:
         lines.append(
-            f"{r['method']:<6} {r['k']:>4} {r['status']:<6} {_fmt(r.get('peak_mem_gib'), '9.2f')} "
+            f"{r['method']:<6} {r['k']:>4} {r['status']:<6} {_fmt(r.get('steps_done'), '5d')} "
+            f"{_fmt(r.get('peak_mem_gib'), '9.2f')} "
             f"{_fmt(r.get('step_time_s'), '8.2f')} {_fmt(r.get('eval_pre'), '9.4f')} "
             f"{_fmt(r.get('eval_post'), '9.4f')} {_fmt(r.get('cg_rel_residual_max'), '8.1e')}")
     return "\n".join(lines)

@@ -399,3 +399,39 @@ def test_lightning_refuses_bad_algorithms_and_options_that_do_not_apply():
         MAML(algorithm="imaml", cg_steps=0)
     with pytest.raises(ValueError, match="hessian_mode must be one of"):
         MAML(algorithm="imaml", hessian_mode="fwd")
+
+
+# --------------------------------------------------------------------------- recipes and the GPU script
+
+
+def test_recipes_name_their_algorithm_and_the_long_one_is_32k():
+    import yaml
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "recipes"
+    for name, algorithm in [("imaml_regression", "imaml"), ("imaml_regression_long", "imaml"),
+                            ("reptile_sinusoid", "reptile")]:
+        config = yaml.safe_load((root / f"{name}.yaml").read_text())
+        assert config["model"]["init_args"]["algorithm"] == algorithm
+    long = yaml.safe_load((root / "imaml_regression_long.yaml").read_text())
+    assert long["data"]["init_args"]["seq_len"] == 32768
+
+
+def test_imaml_memory_script_runs_on_the_cpu(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "imaml_memory.py"
+    spec = importlib.util.spec_from_file_location("imaml_memory", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--out", str(tmp_path), "--device", "cpu", "--tokens", "16", "--ks", "1,2",
+                        "--train-steps", "2", "--probe-ks", "3", "--eval-tasks", "1", "--d-model", "8",
+                        "--n-heads", "2", "--n-layers", "1"]) == 0
+    rows = json.loads((tmp_path / "imaml_memory.json").read_text())["rows"]
+    assert [(r["method"], r["k"], r["status"]) for r in rows] == [
+        ("maml", 1, "ok"), ("maml", 2, "ok"), ("maml", 3, "ok"),
+        ("imaml", 1, "ok"), ("imaml", 2, "ok"), ("imaml", 3, "ok")]
+    assert all(math.isfinite(r["eval_post"]) for r in rows if not r["probe"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("imaml     3 ok")

@@ -295,7 +295,8 @@ def test_reptile_is_theta_minus_the_adapted_weights(optimizer):
     # the definition: k optimizer steps on L_task from θ, meta-gradient θ − φ
     copy = _mlp()
     copy.load_state_dict(net.state_dict())
-    opt = torch.optim.SGD(copy.parameters(), lr=lr) if optimizer == "sgd" else torch.optim.Adam(copy.parameters(), lr=lr)
+    make = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
+    opt = make(copy.parameters(), lr=lr)
     for _ in range(steps):
         opt.zero_grad()
         _mse(copy(support[0]), support[1]).backward()

@@ -70,11 +70,10 @@ def _check_algorithm(algorithm, first_order, meta_sgd, **imaml) -> Dict[str, obj
     if algorithm != "maml":
         for name, value in (("first_order", first_order), ("meta_sgd", meta_sgd)):
             if value:
-                raise ValueError(
-                    f"{name}=true applies to algorithm='maml' only ({algorithm} is "
-                    f"{'first order by construction' if algorithm == 'reptile' else 'exact without differentiating through the inner loop'}"
-                    f" and learns no step sizes); set {name}: false"
-                )
+                why = ("first order by construction" if algorithm == "reptile"
+                       else "exact without differentiating through the inner loop")
+                raise ValueError(f"{name}=true applies to algorithm='maml' only ({algorithm} is {why} "
+                                 f"and learns no step sizes); set {name}: false")
     if algorithm != "imaml":
         given = [n for n, v in imaml.items() if v is not None]
         if given:

@@ -487,3 +487,22 @@ def test_recipe_resumes_exactly_mid_epoch(recipe, tmp_path, monkeypatch):
                 if torch.is_tensor(v):
                     assert torch.equal(v, sb["state"][key][k]), (key, k)
     assert rows(folder / "metrics.csv") == reference_rows
+
+
+def test_imaml_meta_gradient_under_ddp_equals_one_process(tmp_path):
+    """Two processes with 1 and 3 tasks give the one-process meta-gradient of the 4 tasks
+    (the module's own gradient averaging, weighted by tasks), through the helpers of
+    tests/test_distributed.py."""
+    import test_distributed as helpers  # tests/ is on sys.path (pytest's rootdir-relative import)
+
+    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.tasks import SinusoidTasks
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    tasks = SinusoidTasks(k_shot=5, k_query=5)
+    shards = [tasks.sample(1, generator=g), tasks.sample(3, generator=g)]
+    model = MAML(net=NetConfig(kind="mlp", hidden=8, depth=1), inner_steps=2, inner_lr=0.05, algorithm="imaml",
+                 imaml_lam=50.0, cg_steps=10)
+    single, _ = helpers._compare(model, shards, tmp_path)
+    assert all(v.abs().max() > 0 for v in single["grads"].values())

@@ -38,6 +38,8 @@ TINY = {
                                "--data.init_args.curriculum=[[0,32],[1,64]]", "--data.init_args.batch_size=2"],
     "maml_transformer_long": ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
                               "--data.init_args.curriculum=[[0,16],[1,32]]"],
+    "imaml_regression_long": ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
+                              "--data.init_args.curriculum=[[0,16],[1,32]]"],
 }
 LONG = sorted(RECIPES.glob("*_long.yaml"))
 

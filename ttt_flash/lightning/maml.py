@@ -10,6 +10,10 @@ One training step takes a :class:`ttt_flash.tasks.MetaBatch` of T tasks and, for
    ``loss_post / T`` into θ (and the Meta-SGD step sizes) through the inner loop, exactly
    to second order unless ``first_order``.
 
+With ``algorithm="imaml"`` step 2 runs without a graph on the proximal loss and step 3 adds
+iMAML's implicit meta-gradient (conjugate gradient on exact Hessian-vector products) to
+``.grad``; with ``algorithm="reptile"`` it adds θ − φ (:mod:`ttt_flash.meta`).
+
 The task gradients are accumulated (one backward per task, so only one task's graph is
 alive at a time) and the outer optimizer (Adam, ``outer_lr``) steps once per meta-batch
 (manual optimization). Validation and test do the same without the outer step, with
@@ -33,11 +37,17 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from ._step import GraphedTraining, LocalGradients, StepTimer
-from ..meta import check_inner_optimizer, functional_loss, inner_loop, select_adapted
+from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
+                    proximal_inner_loop, reptile_meta_gradient, select_adapted)
 from ..tasks import MetaBatch, incontext_mse
 from ..models import NetConfig
 
-__all__ = ["MAML", "LOSSES"]
+__all__ = ["MAML", "LOSSES", "ALGORITHMS"]
+
+#: Accepted values of ``algorithm``.
+ALGORITHMS = ("maml", "imaml", "reptile")
+#: iMAML's options, with the values used when ``algorithm="imaml"`` leaves them unset.
+_IMAML_DEFAULTS = {"imaml_lam": 1.0, "cg_steps": 5, "cg_tol": 1e-3, "hessian_mode": "rev_rev"}
 
 
 def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
@@ -50,6 +60,36 @@ LOSSES = {"mse": F.mse_loss, "incontext_mse": incontext_mse, "cross_entropy": _c
 
 def _key(name: str) -> str:  # nn.ParameterDict keys cannot contain dots
     return name.replace(".", "__")
+
+
+def _check_algorithm(algorithm, first_order, meta_sgd, **imaml) -> Dict[str, object]:
+    """iMAML's options with their defaults filled in; ValueError for a bad ``algorithm`` or an
+    option that does not apply to it."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm != "maml":
+        for name, value in (("first_order", first_order), ("meta_sgd", meta_sgd)):
+            if value:
+                why = ("first order by construction" if algorithm == "reptile"
+                       else "exact without differentiating through the inner loop")
+                raise ValueError(f"{name}=true applies to algorithm='maml' only ({algorithm} is {why} "
+                                 f"and learns no step sizes); set {name}: false")
+    if algorithm != "imaml":
+        given = [n for n, v in imaml.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to algorithm='imaml' "
+                             f"only, got algorithm={algorithm!r}: remove {' and '.join(given)} or set algorithm: imaml")
+        return {}
+    out = {n: (_IMAML_DEFAULTS[n] if v is None else v) for n, v in imaml.items()}
+    if isinstance(out["imaml_lam"], bool) or not isinstance(out["imaml_lam"], (int, float)) or not out["imaml_lam"] > 0:
+        raise ValueError(f"imaml_lam must be a float > 0, got {out['imaml_lam']!r}")
+    if isinstance(out["cg_steps"], bool) or not isinstance(out["cg_steps"], int) or out["cg_steps"] < 1:
+        raise ValueError(f"cg_steps must be an int >= 1, got {out['cg_steps']!r}")
+    if isinstance(out["cg_tol"], bool) or not isinstance(out["cg_tol"], (int, float)) or not out["cg_tol"] >= 0:
+        raise ValueError(f"cg_tol must be a float >= 0, got {out['cg_tol']!r}")
+    if out["hessian_mode"] not in HESSIAN_MODES:
+        raise ValueError(f"hessian_mode must be one of {HESSIAN_MODES}, got {out['hessian_mode']!r}")
+    return out
 
 
 class MAML(LightningModule):
@@ -74,6 +114,19 @@ class MAML(LightningModule):
             backward, clipping, the outer Adam step, made ``capturable``) as a CUDA graph once
             per batch shape and replay it (docs/cuda-graphs.md); other shapes, the CPU and DDP
             run eagerly (one warning). Validation stays eager.
+        algorithm: ``"maml"`` (the above: differentiate through the inner loop), ``"imaml"``
+            (implicit MAML, :func:`ttt_flash.meta.imaml_meta_gradient`: graph-free inner loop
+            on L_task + (λ/2)‖φ − θ‖², meta-gradient by conjugate gradient on exact
+            Hessian-vector products; memory does not grow with ``inner_steps``) or
+            ``"reptile"`` (:func:`ttt_flash.meta.reptile_meta_gradient`: θ − φ). ``first_order``
+            and ``meta_sgd`` apply to ``"maml"`` only.
+        imaml_lam: iMAML's proximal weight λ > 0 (default 1.0); iMAML only.
+        cg_steps: iMAML's conjugate-gradient steps per task (default 5); iMAML only.
+        cg_tol: iMAML's CG relative-residual tolerance (default 1e-3); iMAML only. The largest
+            relative residual of a step is logged as ``train/cg_rel_residual``; a warning is
+            issued the first time CG stops above it.
+        hessian_mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (forward over reverse: lower
+            peak memory) for iMAML's Hessian-vector products; iMAML only.
     """
 
     def __init__(
@@ -90,8 +143,18 @@ class MAML(LightningModule):
         loss: Literal["mse", "incontext_mse", "cross_entropy"] = "mse",
         grad_clip: Optional[float] = None,
         cuda_graph: bool = False,
+        algorithm: Literal["maml", "imaml", "reptile"] = "maml",
+        imaml_lam: Optional[float] = None,
+        cg_steps: Optional[int] = None,
+        cg_tol: Optional[float] = None,
+        hessian_mode: Optional[Literal["rev_rev", "fwd_rev"]] = None,
     ):
         super().__init__()
+        self._imaml = _check_algorithm(algorithm, first_order, meta_sgd, imaml_lam=imaml_lam,
+                                       cg_steps=cg_steps, cg_tol=cg_tol, hessian_mode=hessian_mode)
+        if cuda_graph and algorithm != "maml":
+            raise ValueError(f"cuda_graph=true applies to algorithm='maml' only (the {algorithm} step runs "
+                             "eagerly); set cuda_graph: false")
         if isinstance(net, Mapping):  # hparams of a checkpoint written through LightningCLI
             net = NetConfig(**net)
         if not isinstance(net, NetConfig):
@@ -109,6 +172,7 @@ class MAML(LightningModule):
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
         self.save_hyperparameters()
+        self._cg_warned = False
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
@@ -151,6 +215,44 @@ class MAML(LightningModule):
             adapt=self.adapted_names,
             optimizer=self.hparams.inner_optimizer,
         )
+
+    def _proximal_adapt(self, support, steps: int) -> Dict[str, Tensor]:
+        """iMAML's / Reptile's graph-free adaptation (λ = 0 for Reptile)."""
+        lam = self._imaml["imaml_lam"] if self.hparams.algorithm == "imaml" else 0.0
+        return proximal_inner_loop(self.net, dict(self.net.named_parameters()), self.loss_fn, support, steps,
+                                   self.hparams.inner_lr, lam, adapt=self.adapted_names,
+                                   optimizer=self.hparams.inner_optimizer)
+
+    def _first_order_task(self, support, query, tasks: int, sums: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """One task of iMAML or Reptile: its meta-gradient / ``tasks`` added to the ``.grad``
+        of the network's parameters; returns the post-adaptation scores (detached)."""
+        h, params = self.hparams, dict(self.net.named_parameters())
+        if h.algorithm == "imaml":
+            res = imaml_meta_gradient(
+                self.net, params, self.loss_fn, support, query, h.inner_steps, h.inner_lr,
+                self._imaml["imaml_lam"], cg_steps=self._imaml["cg_steps"], cg_tol=self._imaml["cg_tol"],
+                adapt=self.adapted_names, optimizer=h.inner_optimizer,
+                hessian_mode=self._imaml["hessian_mode"], warn=False,
+            )
+            worst = torch.tensor(res.cg.rel_residual)
+            sums["cg_rel_residual"] = torch.maximum(sums.get("cg_rel_residual", worst), worst)
+            if not res.cg.converged and not self._cg_warned:
+                self._cg_warned = True
+                import warnings
+
+                warnings.warn(
+                    f"iMAML's conjugate gradient did not converge (relative residual "
+                    f"{res.cg.rel_residual:.3e} > cg_tol {self._imaml['cg_tol']:.1e} after {res.cg.steps} "
+                    "steps); raise model.init_args.cg_steps or imaml_lam. train/cg_rel_residual logs "
+                    "the largest residual of each step (warned once)", RuntimeWarning)
+        else:
+            res = reptile_meta_gradient(self.net, params, self.loss_fn, support, h.inner_steps, h.inner_lr,
+                                        adapt=self.adapted_names, optimizer=h.inner_optimizer)
+        for n, p in params.items():
+            g = res.grads[n] / tasks
+            p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+        with torch.no_grad():
+            return self._score(res.adapted, query)
 
     def _score(self, params: Optional[Dict[str, Tensor]], query) -> Dict[str, Tensor]:
         loss, out = functional_loss(self.net, params, self.loss_fn, query, return_output=True)
@@ -243,12 +345,17 @@ class MAML(LightningModule):
             support, query = batch.task(t)
             with torch.no_grad():
                 pre = self._score(None, query)
-            fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
-            post = self._score(fast, query)
-            self.manual_backward(post["loss"] / tasks)
+            if self.hparams.algorithm == "maml":
+                fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
+                post = self._score(fast, query)
+                self.manual_backward(post["loss"] / tasks)
+            else:
+                post = self._first_order_task(support, query, tasks, sums)
             for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
                                 *((f"{k}_post", v.detach()) for k, v in post.items())]:
                 sums[name] = sums.get(name, 0.0) + value
+        if "cg_rel_residual" in sums:
+            self.log("train/cg_rel_residual", sums.pop("cg_rel_residual"), batch_size=tasks)
         self._local.add(tasks)  # DDP: mean over all processes' tasks
         self._local.average(self.parameters())
         if self.hparams.grad_clip is not None:
@@ -269,7 +376,10 @@ class MAML(LightningModule):
             sums: Dict[str, Tensor] = {}
             for t in range(batch.num_tasks):
                 support, query = batch.task(t)
-                fast = self.adapt(support, steps, first_order=True)
+                if self.hparams.algorithm == "maml":
+                    fast = self.adapt(support, steps, first_order=True)
+                else:
+                    fast = self._proximal_adapt(support, steps)
                 with torch.no_grad():
                     for when, params in (("pre", None), ("post", fast)):
                         for k, v in self._score(params, query).items():

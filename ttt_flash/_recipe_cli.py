@@ -1,9 +1,11 @@
 """What ``ttt-flash fit|validate|test`` adds to LightningCLI: a quiet start, short errors
 for unknown recipe keys, and one CPU thread by default.
 
-* LightningCLI runs on ``sys.argv = ["ttt-flash", *argv]``, as it is meant to from a console
-  script (its ``args=`` parameter is for calls from Python, and warns when a command line is
-  present too).
+* LightningCLI runs on ``sys.argv = [<the ttt-flash script>, *argv]``, as it is meant to from a
+  console script (its ``args=`` parameter is for calls from Python, and warns when a command
+  line is present too). ``sys.argv[0]`` is the absolute path of the installed ``ttt-flash``
+  script: Lightning's DDP launcher starts the other ranks by re-running ``sys.argv[0]``, so a
+  bare name would be looked up in the working directory and fail.
 * Lightning's "💡 Tip" adverts and torch's ``isinstance(treespec, LeafSpec)`` deprecation
   warning (raised inside Lightning) are filtered.
 * A key that no class accepts (``inner_stepz``) fails in a few lines that name the key, the
@@ -29,7 +31,7 @@ import sys
 import warnings
 from typing import Iterator, List, Optional, Sequence
 
-__all__ = ["recipe_cli", "quiet_lightning", "rich_progress_bar", "thread_default", "unknown_key_message"]
+__all__ = ["recipe_cli", "script_path", "quiet_lightning", "rich_progress_bar", "thread_default", "unknown_key_message"]
 
 _TIP = "💡 Tip"
 _LIGHTNING_LOGGERS = (
@@ -181,6 +183,23 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
     return "\n".join(lines)
 
 
+def script_path() -> str:
+    """The absolute path of the ``ttt-flash`` console script that is running, or of the one
+    installed next to this Python, or on ``PATH``; ``"ttt-flash"`` when there is none.
+
+    Lightning's DDP launcher starts ranks 1.. as ``python <sys.argv[0]> <args>`` (resolved
+    against the working directory) when the program was not started with ``python -m``."""
+    import shutil
+
+    started = sys.argv[0] if sys.argv else ""
+    if os.path.basename(started).startswith("ttt-flash") and os.path.isfile(started):
+        return os.path.abspath(started)
+    beside = os.path.join(os.path.dirname(sys.executable), "ttt-flash")
+    if os.path.isfile(beside):
+        return beside
+    return shutil.which("ttt-flash") or "ttt-flash"
+
+
 def recipe_cli(argv: Sequence[str]):
     """A LightningCLI subclass that runs on ``ttt-flash <argv>`` as described in the module
     docstring; construct it with LightningCLI's own arguments (no ``args=``)."""
@@ -204,7 +223,7 @@ def recipe_cli(argv: Sequence[str]):
         def __init__(self, *args, **kwargs):
             quiet_lightning()
             saved = sys.argv
-            sys.argv = ["ttt-flash", *argv]
+            sys.argv = [script_path(), *argv]
             try:
                 with thread_default():
                     super().__init__(*args, **kwargs)

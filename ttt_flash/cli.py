@@ -44,7 +44,7 @@ def _lightning(argv: Sequence[str]) -> int:
 
     check_ckpt_path(argv)
     try:
-        # LightningCLI on sys.argv = ["ttt-flash", *argv], quiet, short unknown-key errors, CPU threads
+        # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
         _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
     except SIGTERMException:
         return interrupt_exit_code()

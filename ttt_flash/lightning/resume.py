@@ -243,6 +243,41 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
+# --------------------------------------------------------------------------- loop state
+
+
+def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
+    """Rewrite, in place, the loop progress of a checkpoint written after an epoch finished
+    (at the end of training, e.g. ``max_epochs`` or ``max_steps`` reached at an epoch end) into
+    the progress of a checkpoint written at the end of that epoch's last batch: Lightning
+    resumes the latter exactly, but counts the finished epoch twice for the former (the
+    resumed run would log the next epoch under a number one too high and, with ``max_epochs``,
+    stop one epoch early). Returns True when the checkpoint was rewritten."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return False
+    try:
+        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        steps = fit["epoch_loop.state_dict"]
+        finished = (len({*epochs["total"].values()}) == 1 and epochs["total"]["completed"] > 0
+                    and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
+                    and len({*batches["total"].values()}) == 1 and batches.get("is_last_batch", False))
+    except (KeyError, TypeError, AttributeError):
+        return False
+    if not finished:
+        return False
+    for part in ("total", "current"):
+        epochs[part]["processed"] -= 1
+        epochs[part]["completed"] -= 1
+        batches[part]["completed"] -= 1
+    if isinstance(steps.get("_batches_that_stepped"), int):
+        steps["_batches_that_stepped"] -= 1
+    val = fit.get("epoch_loop.val_loop.batch_progress")
+    if isinstance(val, dict) and isinstance(val.get("total"), dict):
+        val["total"] = {k: 0 for k in val["total"]}
+    return True
+
+
 # --------------------------------------------------------------------------- the callback
 
 
@@ -327,6 +362,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        _as_last_batch_end(checkpoint)
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None:
             return

@@ -182,10 +182,11 @@ def test_sigkill_while_writing_a_checkpoint_leaves_last_ckpt_loadable(tmp_path):
 
 
 @pytest.mark.parametrize("case,stop", [("maml", "--trainer.max_epochs=1"), ("maml", "--trainer.max_steps=8"),
+                                       ("maml", "--trainer.max_steps=6"),
                                        ("gradmem", "--trainer.max_steps=4"), ("lm", "--trainer.max_steps=4")])
-def test_resume_from_the_end_of_training_at_an_epoch_end_is_exact(case, stop, tmp_path, monkeypatch):
+def test_resume_from_the_end_of_training_is_exact(case, stop, tmp_path, monkeypatch):
     """A run that ended at an epoch end (``max_epochs``, or ``max_steps`` on an epoch's last
-    batch) and is continued with ``--ckpt_path last`` ends as one uninterrupted run: same
+    batch) or mid-epoch (``max_steps``) and is continued with ``--ckpt_path last`` ends as one uninterrupted run: same
     weights, optimizer state and logged rows (epoch numbers included)."""
     recipe, overrides = CASES[case]
     monkeypatch.chdir(tmp_path)

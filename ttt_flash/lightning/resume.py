@@ -11,8 +11,8 @@ callback that saves what Lightning does not.
 
   - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
     a process killed while writing leaves the previous complete checkpoint),
-  - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``) and puts
-    them back just before the first resumed step,
+  - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``; of every
+    process under DDP) and puts them back just before the first resumed step,
   - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
     a :class:`ResumableCSVLogger` with a fixed ``version`` continue the same ``metrics.csv``
     (rows the interrupted run wrote after the checkpoint are dropped),
@@ -32,7 +32,7 @@ import random
 import signal
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
            "check_ckpt_path"]
@@ -49,7 +49,16 @@ __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableC
 # --------------------------------------------------------------------------- data order
 
 
-class EpochSampler(Sampler):
+def _rank_and_world() -> Tuple[int, int]:
+    """This process's rank and the number of processes (0, 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class EpochSampler(DistributedSampler):
     """Indices ``range(n)`` every epoch, or, with ``fresh``, ``range(e·n, (e+1)·n)`` in epoch
     ``e`` (fresh items every epoch), with a position that can be saved and restored.
 
@@ -58,27 +67,50 @@ class EpochSampler(Sampler):
     batches, so items prefetched by workers are not counted). Each new iteration starts the
     next epoch, except the first one after :meth:`load_state_dict`, which continues the saved
     epoch at the saved position (or starts the next epoch if the saved one was complete).
+
+    Distributed (a ``torch.distributed`` process group of W processes when iteration starts),
+    the sampler shards itself: process r takes the epoch's items ``r, r + W, r + 2W, ...``,
+    ``ceil(n / W)`` of them (wrapping around to the epoch's first items when W does not divide
+    ``n``), and the position counts this process's items. All processes step together, so
+    their positions are equal: the one position saved by rank 0 restores every process. It is
+    a ``DistributedSampler`` so that Lightning leaves it in place instead of wrapping it
+    (``set_epoch`` is ignored: the sampler counts its own epochs).
     """
 
     def __init__(self, n: int, fresh: bool):
+        Sampler.__init__(self)
         self.n, self.fresh = n, fresh
         self.epoch, self.position = 0, 0
         self._begun = False  # an iteration has started since construction / load
         self._resume = False
 
+    @property
+    def rank(self) -> int:
+        return _rank_and_world()[0]
+
+    @property
+    def num_replicas(self) -> int:
+        return _rank_and_world()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the epoch advances when an iteration starts (see the class docstring)."""
+
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.num_replicas)
 
     def _begin(self) -> None:
         if self._begun and not self._resume:
             self.epoch, self.position = self.epoch + 1, 0
-        elif self.position >= self.n:  # resumed after the last item of an epoch
+        elif self.position >= len(self):  # resumed after the last item of an epoch
             self.epoch, self.position = self.epoch + 1, 0
         self._begun, self._resume = True, False
 
     def __iter__(self) -> Iterator[int]:
         base = self.epoch * self.n if self.fresh else 0
-        return iter(range(base + self.position, base + self.n))
+        rank, world = _rank_and_world()
+        if world == 1:
+            return iter(range(base + self.position, base + self.n))
+        return iter(base + (rank + world * j) % self.n for j in range(self.position, len(self)))
 
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -247,12 +279,13 @@ class ResumableCSVLogger(CSVLogger):
 
 
 def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
-    """Rewrite, in place, the loop progress of a checkpoint written after an epoch finished
-    (at the end of training, e.g. ``max_epochs`` or ``max_steps`` reached at an epoch end) into
-    the progress of a checkpoint written at the end of that epoch's last batch: Lightning
-    resumes the latter exactly, but counts the finished epoch twice for the former (the
-    resumed run would log the next epoch under a number one too high and, with ``max_epochs``,
-    stop one epoch early). Returns True when the checkpoint was rewritten."""
+    """Rewrite, in place, the loop progress of a checkpoint written at the end of training
+    (``max_epochs`` reached, or ``max_steps`` at an epoch end or mid-epoch: Lightning has then
+    closed the epoch) into the progress of a checkpoint written at the end of the last batch
+    trained: Lightning resumes the latter exactly, but counts the closed epoch twice for the
+    former (the resumed run would log the next epoch under a number one too high, skip the
+    rest of an unfinished epoch, and with ``max_epochs`` stop early). Returns True when the
+    checkpoint was rewritten."""
     fit = (checkpoint.get("loops") or {}).get("fit_loop")
     if not isinstance(fit, dict):
         return False
@@ -261,7 +294,7 @@ def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
         steps = fit["epoch_loop.state_dict"]
         finished = (len({*epochs["total"].values()}) == 1 and epochs["total"]["completed"] > 0
                     and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
-                    and len({*batches["total"].values()}) == 1 and batches.get("is_last_batch", False))
+                    and len({*batches["total"].values()}) == 1)
     except (KeyError, TypeError, AttributeError):
         return False
     if not finished:
@@ -347,6 +380,13 @@ class ResumableCheckpoint(ModelCheckpoint):
         state = super().state_dict()
         trainer = getattr(self, "_trainer_ref", None)
         state["rng"] = _rng_state()
+        rank, world = _rank_and_world()
+        if world > 1:  # every process's random states (state_dict runs on every rank)
+            import torch.distributed as dist
+
+            states: List[Any] = [None] * world
+            dist.all_gather_object(states, state["rng"])
+            state["rng_ranks"] = states
         if trainer is not None:
             stepped = self._stepped
             if stepped is None:
@@ -366,7 +406,7 @@ class ResumableCheckpoint(ModelCheckpoint):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None:
             return
-        self._pending = {k: state[k] for k in ("rng", "batches_that_stepped") if k in state}
+        self._pending = {k: state[k] for k in ("rng", "rng_ranks", "batches_that_stepped") if k in state}
         if "batches_that_stepped" in state:
             for lg in trainer.loggers:
                 writer = getattr(lg, "_experiment", None)
@@ -382,7 +422,11 @@ class ResumableCheckpoint(ModelCheckpoint):
             return
         if "batches_that_stepped" in self._pending:
             trainer.fit_loop.epoch_loop._batches_that_stepped = int(self._pending["batches_that_stepped"])
-        if "rng" in self._pending:
+        rank, world = _rank_and_world()
+        ranks = self._pending.get("rng_ranks")
+        if ranks is not None and len(ranks) == world:
+            _set_rng_state(ranks[rank])
+        elif "rng" in self._pending:
             _set_rng_state(self._pending["rng"])
         self._pending = None
 

@@ -13,6 +13,9 @@ for unknown recipe keys, and one CPU thread by default.
 * ``trainer.enable_progress_bar: true`` (every shipped recipe) shows Lightning's
   ``RichProgressBar`` (steps, speed, logged metrics) unless the recipe names its own progress
   bar callback; the CSV logs are unchanged.
+* One writer per run folder: ``fit``, ``validate`` and ``test`` hold
+  :class:`~ttt_flash.lightning.resume.RunFolderLock` on the logger's folder while they run (a
+  second run on the same folder stops at start with an error naming the running process).
 * On a machine without CUDA, unless ``OMP_NUM_THREADS`` is set, torch runs one thread:
   the recipes' steps are small, and several threads spinning on a few cores make a MAML
   step many times slower (README, "Speed on the CPU").
@@ -200,6 +203,19 @@ def script_path() -> str:
     return shutil.which("ttt-flash") or "ttt-flash"
 
 
+def run_folder(trainer) -> Optional[str]:
+    """The folder a run writes its logs (and, by default, checkpoints) to: the first logger's
+    ``log_dir``; None without a logger."""
+    logger = trainer.logger
+    if logger is None:
+        return None
+    try:
+        folder = logger.log_dir
+    except (AttributeError, TypeError):
+        return None
+    return folder if isinstance(folder, str) and "://" not in folder else None
+
+
 def recipe_cli(argv: Sequence[str]):
     """A LightningCLI subclass that runs on ``ttt-flash <argv>`` as described in the module
     docstring; construct it with LightningCLI's own arguments (no ``args=``)."""
@@ -229,6 +245,15 @@ def recipe_cli(argv: Sequence[str]):
                     super().__init__(*args, **kwargs)
             finally:
                 sys.argv = saved
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            from .lightning.resume import RunFolderLock
+
+            folder = run_folder(self.trainer)
+            if folder is None or not self.trainer.is_global_zero:
+                return super()._run_subcommand(subcommand)
+            with RunFolderLock(folder, command=f"ttt-flash {subcommand}"):
+                super()._run_subcommand(subcommand)
 
         def instantiate_trainer(self, **kwargs):
             config = {**self._get(self.config_init, "trainer", default={}), **kwargs}

@@ -26,6 +26,7 @@ Resume with ``ttt-flash fit --config recipes/NAME.yaml --ckpt_path last``: the r
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
@@ -43,7 +44,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
-           "check_ckpt_path"]
+           "check_ckpt_path", "RunFolderLock"]
 
 
 # --------------------------------------------------------------------------- data order
@@ -222,6 +223,87 @@ def check_ckpt_path(argv) -> None:
     if os.path.getsize(path) == 0:
         raise SystemExit(f"ttt-flash: --ckpt_path {path} is an empty file (0 bytes), not a checkpoint (was its "
                          "write interrupted?); give another checkpoint, or start without --ckpt_path")
+
+
+# --------------------------------------------------------------------------- one writer per run folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+class RunFolderLock:
+    """One writer per run folder: ``.<name>.ttt-flash.lock`` next to the folder ``<name>``
+    (outside it, so the folder's loggers see no foreign file) holds the process id, host and
+    command of the run writing there, from :meth:`acquire` to :meth:`release` (also a context
+    manager).
+
+    A second run on the same folder stops at :meth:`acquire` with a ``SystemExit`` naming the
+    folder and the running process. A lock left by a process that no longer exists (killed,
+    machine restarted) on this host is taken over; a lock of another host is never taken over
+    (its process cannot be checked from here: the message says which file to remove).
+    """
+
+    def __init__(self, folder: str, command: str = "ttt-flash"):
+        self.folder, self.command = os.path.normpath(str(folder)), command
+        parent, name = os.path.split(os.path.abspath(self.folder))
+        self.path = os.path.join(parent, f".{name}.ttt-flash.lock")
+        self.held = False
+
+    def _read(self) -> Dict[str, str]:
+        try:
+            with open(self.path) as f:
+                return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+        except OSError:
+            return {}
+
+    def acquire(self) -> "RunFolderLock":
+        import socket
+        import time
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        host = socket.gethostname()
+        text = f"pid={os.getpid()}\nhost={host}\ncommand={self.command}\nstarted={time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read()
+                pid = int(owner.get("pid", "0") or 0) if owner.get("pid", "").isdigit() else 0
+                if owner.get("host", host) == host and (pid <= 0 or not _alive(pid)):
+                    with contextlib.suppress(FileNotFoundError):  # a dead run's lock: take it over
+                        os.remove(self.path)
+                    continue
+                where = f"process {pid}" + ("" if owner.get("host", host) == host else f" on host {owner['host']}")
+                raise SystemExit(
+                    f"ttt-flash: error: the run folder {self.folder} is in use by {where} "
+                    f"({owner.get('command', '?')}, started {owner.get('started', '?')}); two runs writing to one "
+                    f"folder mix their logs and checkpoints. Wait for it to end, stop it, or give this run another "
+                    f"folder (e.g. --trainer.logger.init_args.version=NAME). If that process is gone, remove "
+                    f"{self.path}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            self.held = True
+            return self
+        raise SystemExit(f"ttt-flash: error: could not take the lock {self.path} (another run keeps taking it)")
+
+    def release(self) -> None:
+        if self.held and self._read().get("pid") == str(os.getpid()):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+        self.held = False
+
+    def __enter__(self) -> "RunFolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # --------------------------------------------------------------------------- logger

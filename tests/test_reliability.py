@@ -78,3 +78,67 @@ def test_lock_is_one_per_folder(tmp_path):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and f"process {os.getpid()}" in r.stderr and str(tmp_path / "a") in r.stderr
     assert not Path(held.path).exists()
+
+
+# --------------------------------------------------------------------------- checkpoints given by path
+
+
+@pytest.fixture(scope="module")
+def maml_ckpt(tmp_path_factory):
+    """A checkpoint of the tiny MAML recipe (hidden width 40, inner_steps 1)."""
+    folder = tmp_path_factory.mktemp("maml")
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        assert main(_maml("--trainer.max_steps=2")) == 0
+        torch.set_num_threads(threads)
+    finally:
+        os.chdir(cwd)
+    path = folder / "maml.ckpt"
+    os.replace(folder / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", path)
+    return path
+
+
+def test_ckpt_path_file_keeps_the_command_line_settings_and_lists_the_checkpoints(tmp_path, monkeypatch, capsys,
+                                                                                maml_ckpt):
+    monkeypatch.chdir(tmp_path)
+    more = ["--trainer.max_epochs=2", "--trainer.max_steps=3", "--ckpt_path", str(maml_ckpt)]
+    assert main(_maml("--model.init_args.inner_steps=2", *more)) == 0
+    err = capsys.readouterr().err
+    assert "model.init_args.inner_steps: checkpoint 1, this run 2" in err and str(maml_ckpt) in err
+    resumed = torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["hyper_parameters"]["inner_steps"] == 2 and resumed["global_step"] == 3
+    # a setting that changes the weights' shapes: a short error, not a traceback
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--model.init_args.net.hidden=20", *more))
+    assert "do not fit this run's model" in str(e.value.code) and "size mismatch" in str(e.value.code)
+    assert "model.init_args.net.hidden: checkpoint 40, this run 20" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_recipe_is_refused_before_loading(tmp_path, monkeypatch, maml_ckpt):
+    # the MAML recipe's checkpoint, recorded as written by a GradMem run (its class path)
+    ckpt = torch.load(maml_ckpt, weights_only=True)
+    ckpt["hyper_parameters"]["_class_path"] = "ttt_flash.lightning.memory.GradMemKV"
+    other = tmp_path / "gradmem.ckpt"
+    torch.save(ckpt, other)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--ckpt_path", str(other)))
+    message = str(e.value.code)
+    assert "GradMemKV" in message and "MAML" in message and str(other) in message
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("content", ["random", "truncated"])
+def test_a_file_that_is_not_a_checkpoint_gets_one_line(tmp_path, monkeypatch, maml_ckpt, content):
+    bad = tmp_path / "bad.ckpt"
+    data = maml_ckpt.read_bytes()
+    bad.write_bytes(os.urandom(4096) if content == "random" else data[: len(data) // 2])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--ckpt_path", str(bad)))
+    message = str(e.value.code)
+    assert len(message.splitlines()) == 1 and str(bad) in message and "checkpoint" in message
+    assert "weights_only=False" not in message

@@ -24,6 +24,7 @@ for unknown recipe keys, and one CPU thread by default.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -203,6 +204,19 @@ def script_path() -> str:
     return shutil.which("ttt-flash") or "ttt-flash"
 
 
+def _plain(value):
+    """A jsonargparse Namespace (nested) as plain dicts."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    return value
+
+
 def run_folder(trainer) -> Optional[str]:
     """The folder a run writes its logs (and, by default, checkpoints) to: the first logger's
     ``log_dir``; None without a logger."""
@@ -245,6 +259,26 @@ def recipe_cli(argv: Sequence[str]):
                     super().__init__(*args, **kwargs)
             finally:
                 sys.argv = saved
+
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI's own version replaces the command line's model settings with the
+            # checkpoint's for a --ckpt_path FILE (not for "last"); here the recipe and the
+            # command line always decide, and the checkpoint's differing settings are listed.
+            from .lightning.resume import checkpoint_settings, read_checkpoint
+
+            if not self.config.get("subcommand"):
+                return
+            config = self.config[self.config.subcommand]
+            path = config.get("ckpt_path")
+            if not path or not os.path.isfile(str(path)):
+                return
+            plain = {g: _plain(config.get(g)) for g in ("model", "data")}
+            differences = checkpoint_settings(str(path), read_checkpoint(str(path)), plain)
+            if differences:
+                sys.stderr.write(
+                    f"ttt-flash: warning: --ckpt_path {path} was written with other settings; this run keeps its "
+                    "own (the recipe and the command line decide, as with --ckpt_path last) and loads the "
+                    "checkpoint's weights and training state:\n  " + "\n  ".join(differences) + "\n")
 
         def _run_subcommand(self, subcommand: str) -> None:
             from .lightning.resume import RunFolderLock

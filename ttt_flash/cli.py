@@ -48,6 +48,13 @@ def _lightning(argv: Sequence[str]) -> int:
         _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
     except SIGTERMException:
         return interrupt_exit_code()
+    except RuntimeError as e:
+        if "Error(s) in loading state_dict" not in str(e):
+            raise
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        raise SystemExit("ttt-flash: error: the checkpoint's weights do not fit this run's model (were its settings "
+                         "changed? see the warning above):\n  " + "\n  ".join(lines[:3])
+                         + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None
     return 0
 
 

@@ -44,7 +44,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
-           "check_ckpt_path", "RunFolderLock"]
+           "check_ckpt_path", "RunFolderLock", "read_checkpoint", "checkpoint_settings"]
 
 
 # --------------------------------------------------------------------------- data order
@@ -223,6 +223,83 @@ def check_ckpt_path(argv) -> None:
     if os.path.getsize(path) == 0:
         raise SystemExit(f"ttt-flash: --ckpt_path {path} is an empty file (0 bytes), not a checkpoint (was its "
                          "write interrupted?); give another checkpoint, or start without --ckpt_path")
+
+
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` on the CPU, or a one-line ``SystemExit`` naming
+    the file when it is not a readable checkpoint (random bytes, another format, a truncated
+    file, objects that cannot be loaded safely)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} cannot be read ({e.strerror})") from None
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a pickle
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a checkpoint (not a PyTorch file); give a "
+                         ".ckpt file written by ttt-flash fit")
+    try:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a readable checkpoint "
+                         f"({type(e).__name__}: {first})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a Lightning checkpoint (no state_dict); "
+                         "give a .ckpt file written by ttt-flash fit")
+    return checkpoint
+
+
+def _flat(value: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _same_class(a: str, b: str) -> bool:
+    """Whether two class paths name one class (``pkg.Cls`` re-exported from ``pkg.mod.Cls``)."""
+    import importlib
+
+    if a == b:
+        return True
+    try:
+        classes = [getattr(importlib.import_module(c.rpartition(".")[0]), c.rpartition(".")[2]) for c in (a, b)]
+    except (ImportError, AttributeError, ValueError):
+        return a.rpartition(".")[2] == b.rpartition(".")[2]
+    return classes[0] is classes[1]
+
+
+def checkpoint_settings(path: str, checkpoint: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
+    """Check a checkpoint against a run's configuration (``{"model": {"class_path", "init_args"},
+    "data": {...}}`` as plain dicts). A checkpoint of another model or data class is refused
+    (``SystemExit`` naming both classes). Returns, for each setting the checkpoint was written
+    with that differs from this run's (which is kept), a line ``key: checkpoint X, this run Y``."""
+    differences: List[str] = []
+    for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
+        saved = dict(checkpoint.get(key) or {})
+        saved.pop("_instantiator", None)
+        ours = config.get(group) or {}
+        saved_class, our_class = saved.pop("_class_path", None), ours.get("class_path")
+        if saved_class and our_class and not _same_class(saved_class, our_class):
+            what = "model" if group == "model" else "data module"
+            raise SystemExit(
+                f"ttt-flash: error: --ckpt_path {path} holds a {saved_class} {what}, but this recipe's {what} is "
+                f"{our_class}; give a checkpoint of this recipe (or the recipe the checkpoint was written by)")
+        ours_flat = _flat(ours.get("init_args") or {})
+        for name, value in sorted(_flat(saved).items()):
+            if name in ours_flat and _differs(value, ours_flat[name]):
+                differences.append(f"{group}.init_args.{name}: checkpoint {value!r}, this run {ours_flat[name]!r}")
+    return differences
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return not (torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b))
+    return a != b
 
 
 # --------------------------------------------------------------------------- one writer per run folder

@@ -142,3 +142,38 @@ def test_a_file_that_is_not_a_checkpoint_gets_one_line(tmp_path, monkeypatch, ma
     message = str(e.value.code)
     assert len(message.splitlines()) == 1 and str(bad) in message and "checkpoint" in message
     assert "weights_only=False" not in message
+
+
+# --------------------------------------------------------------------------- partial checkpoint files
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    save, calls = torch_io._atomic_save, [0]
+
+    def full_disk(checkpoint, path):  # the second write: half the bytes, then no space left
+        calls[0] += 1
+        if calls[0] == 2:
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04" + b"\0" * 100)
+            raise OSError(28, "No space left on device")
+        save(checkpoint, path)
+
+    monkeypatch.setattr(torch_io, "_atomic_save", full_disk)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        main(_maml("--trainer.max_steps=2", "--trainer.callbacks.init_args.every_n_train_steps=1"))
+    folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1  # the previous one
+
+
+def test_partial_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / ".last.ckpt.tmp").write_bytes(b"PK\x03\x04 half")
+    (folder / "notes.txt").write_text("kept")
+    monkeypatch.chdir(tmp_path)
+    assert main(_maml("--trainer.max_steps=1")) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "notes.txt"]

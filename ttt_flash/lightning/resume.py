@@ -10,7 +10,9 @@ callback that saves what Lightning does not.
 * :class:`ResumableCheckpoint`: a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that
 
   - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
-    a process killed while writing leaves the previous complete checkpoint),
+    a process killed while writing leaves the previous complete checkpoint; a failed write,
+    e.g. on a full disk, removes its temporary file, and a run removes those that killed
+    processes left in its checkpoint folder when it starts),
   - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``; of every
     process under DDP) and puts them back just before the first resumed step,
   - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
@@ -518,7 +520,12 @@ class ResumableCheckpoint(ModelCheckpoint):
         if not isinstance(self._fs, LocalFileSystem):
             return super()._save_checkpoint(trainer, filepath)
         tmp = os.path.join(os.path.dirname(filepath) or ".", f".{os.path.basename(filepath)}.tmp")
-        super()._save_checkpoint(trainer, tmp)
+        try:
+            super()._save_checkpoint(trainer, tmp)
+        except BaseException:  # e.g. a full disk: leave no partial file (the previous checkpoint stays)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         if trainer.is_global_zero:
             os.replace(tmp, filepath)
         trainer.strategy.barrier("ResumableCheckpoint")
@@ -559,6 +566,19 @@ class ResumableCheckpoint(ModelCheckpoint):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer_ref = trainer
         super().setup(trainer, pl_module, stage)
+        self._remove_partial_files(trainer)
+
+    def _remove_partial_files(self, trainer) -> None:
+        """Remove the temporary files a process killed while writing a checkpoint left behind."""
+        import glob
+
+        from fsspec.implementations.local import LocalFileSystem
+
+        if not trainer.is_global_zero or self.dirpath is None or not isinstance(self._fs, LocalFileSystem):
+            return
+        for path in glob.glob(os.path.join(glob.escape(str(self.dirpath)), f".*{self.FILE_EXTENSION}.tmp")):
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
         _as_last_batch_end(checkpoint)

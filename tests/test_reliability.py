@@ -173,6 +173,7 @@ def test_partial_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path, m
     folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
     folder.mkdir(parents=True)
     (folder / ".last.ckpt.tmp").write_bytes(b"PK\x03\x04 half")
+    (folder / ".step=3.ckpt.tmp").write_bytes(b"PK\x03\x04 half")  # a top-k checkpoint's
     (folder / "notes.txt").write_text("kept")
     monkeypatch.chdir(tmp_path)
     assert main(_maml("--trainer.max_steps=1")) == 0

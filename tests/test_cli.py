@@ -197,3 +197,18 @@ def test_wrong_types_get_the_typo_treatment(tmp_path, capsys):
     assert "expected float, got 'fast'" in err[0]
     err = _error_lines(capsys, ["fit", "--config", recipe, "--trainer.max_epochs=two"])
     assert "'trainer.max_epochs' in the command line: expected int or None, got 'two'" in err[0]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["bench", "--seq-len", "-5"], "--seq-lens must be one or more lengths >= 1"),
+    (["bench", "--heads", "3", "--kv-heads", "2"], "--kv-heads must be >= 1 and divide --heads (3)"),
+    (["bench", "--window", "0", "--causal"], "--window must be >= 1"),
+    (["check", "--window", "0"], "--window must be >= 1"),
+    (["check", "--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads (2)"),
+])
+def test_bad_arguments_are_argument_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.startswith("usage:")

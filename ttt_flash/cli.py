@@ -100,6 +100,12 @@ def _check(argv: Sequence[str]) -> int:
     for flag in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)} (nothing to compare)")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads ({a.heads}) must be a multiple of --kv-heads ({a.kv_heads}) (grouped-query attention)")
+    if a.window is not None and a.window < 1:
+        p.error(f"--window must be >= 1 (the number of most recent keys a query sees), got {a.window}")
+    if a.window is not None and not a.causal:
+        p.error("--window needs --causal (a sliding window looks back from each query)")
     dtype_name = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float64")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(a.seed)

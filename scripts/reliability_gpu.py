@@ -65,8 +65,9 @@ def main(argv=None) -> int:
         rows.append({"check": f"fit under DDP ({a.devices} GPUs) from another folder", "ok": rc == 0,
                      "detail": f"status {rc}", "seconds": round(secs, 1), "tail": out[-2000:] if rc != 0 else ""})
     with tempfile.TemporaryDirectory() as tmp:
-        tiny = ["fit", "--config", str(RECIPE), "--data.init_args.train_batches=8", "--data.init_args.meta_batch_size=4",
-                "--data.init_args.val_batches=1", "--trainer.max_epochs=3", "--trainer.log_every_n_steps=1", *ddp]
+        tiny = ["fit", "--config", str(RECIPE), "--data.init_args.train_batches=8",
+                "--data.init_args.meta_batch_size=4", "--data.init_args.val_batches=1", "--trainer.max_epochs=3",
+                "--trainer.log_every_n_steps=1", *ddp]
         last = Path(tmp) / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt"
         start = time.perf_counter()
         statuses = []

@@ -157,6 +157,8 @@ def _agree(what: str, fields: Dict[str, object], n_local: int, seq_len: Optional
             f"ranks (rank r: tokens seq_len·r//P … seq_len·(r+1)//P − 1) have {expect}; pass the whole "
             "sequence's length as seq_len (or None to gather the block lengths)"
         )
+    if len(_CHECKED) >= 4096:  # e.g. varlen batches, each with its own cu_seqlens
+        _CHECKED.clear()
     _CHECKED.add(key)
     return expect
 

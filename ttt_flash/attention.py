@@ -611,9 +611,10 @@ def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
         _check_heads(q.shape[1], k.shape[1])
     except ValueError as e:
         hkv = k.shape[2]
-        # (B, N, H, D) tensors read as (B, H, N, D) have their head counts where the
-        # positions should be; equal position counts look like self-attention: no hint
-        if not layout_given and hkv and q.shape[2] % hkv == 0 and q.shape[2] != k.shape[2]:
+        # the hint only for shapes that look like (B, N, H, D), as the layout warning's: more
+        # "heads" than positions in q and k (not ordinary self-attention shapes)
+        looks_bnhd = q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]
+        if not layout_given and hkv and q.shape[2] % hkv == 0 and looks_bnhd:
             raise ValueError(
                 f"{e}; q {tuple(q.shape)} and k {tuple(k.shape)} are read as (batch, heads, "
                 "seq_len, head_dim): if they are (batch, seq_len, heads, head_dim) "

@@ -143,3 +143,72 @@ def test_thread_default(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     with thread_default() as n:
         assert n is None and torch.get_num_threads() == before
+
+
+def _error_lines(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert 1 <= len(err) <= 4 and "usage:" not in "\n".join(err), err
+    return err
+
+
+def _recipe_with(tmp_path, old, new):
+    text = (RECIPES / "maml_sinusoid.yaml").read_text()
+    assert old in text
+    path = tmp_path / "typo.yaml"
+    path.write_text(text.replace(old, new, 1))
+    line = next(n for n, row in enumerate(path.read_text().splitlines(), 1) if new.split("\n")[-1] in row)
+    return path, line
+
+
+def test_nested_and_group_level_typos_name_the_full_key_and_line(tmp_path, capsys):
+    bad, line = _recipe_with(tmp_path, "      hidden: 40 ", "      hiddn: 40 ")
+    err = _error_lines(capsys, ["fit", "--config", str(bad)])
+    assert "'model.init_args.net.hiddn'" in err[0] and f"{bad}:{line}" in err[0]
+    assert err[1].endswith(": hidden")  # NetConfig's keys, not the root's
+    bad, line = _recipe_with(tmp_path, "  init_args:                         # its typed __init__ arguments\n    net:",
+                             "  init_argz:                         # its typed __init__ arguments\n    net:")
+    err = _error_lines(capsys, ["fit", "--config", str(bad)])
+    assert "'model.init_argz'" in err[0] and f"{bad}:{line - 1}" in err[0] and "init_args" in err[1]
+    bad, line = _recipe_with(tmp_path, "  class_path: ttt_flash.lightning.SinusoidDataModule",
+                             "  class_path: ttt_flash.lightning.SinusoidDataModule\n  seeed: 3")
+    err = _error_lines(capsys, ["fit", "--config", str(bad)])
+    assert "'data.seeed'" in err[0] and f"{bad}:{line}" in err[0]
+
+
+def test_a_command_line_typo_is_blamed_on_the_command_line(capsys):
+    recipe = str(RECIPES / "maml_sinusoid.yaml")
+    err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.hidden=3"])  # 'hidden' is in the YAML
+    assert "'model.init_args.hidden'" in err[0] and err[0].endswith("in the command line")
+    err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.net.hiddn=3"])
+    assert "'model.init_args.net.hiddn'" in err[0] and "the command line" in err[0] and err[1].endswith(": hidden")
+
+
+def test_wrong_types_get_the_typo_treatment(tmp_path, capsys):
+    recipe = str(RECIPES / "maml_sinusoid.yaml")
+    err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.inner_steps=two"])
+    assert err[0].endswith("'model.init_args.inner_steps' of ttt_flash.lightning.MAML in the command line: "
+                           "expected int, got 'two'")
+    bad, line = _recipe_with(tmp_path, "    inner_lr: 0.01 ", "    inner_lr: fast ")
+    err = _error_lines(capsys, ["fit", "--config", str(bad)])
+    assert "'model.init_args.inner_lr'" in err[0] and f"{bad}:{line}" in err[0]
+    assert "expected float, got 'fast'" in err[0]
+    err = _error_lines(capsys, ["fit", "--config", recipe, "--trainer.max_epochs=two"])
+    assert "'trainer.max_epochs' in the command line: expected int or None, got 'two'" in err[0]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["bench", "--seq-len", "-5"], "--seq-lens must be one or more lengths >= 1"),
+    (["bench", "--heads", "3", "--kv-heads", "2"], "--kv-heads must be >= 1 and divide --heads (3)"),
+    (["bench", "--window", "0", "--causal"], "--window must be >= 1"),
+    (["check", "--window", "0"], "--window must be >= 1"),
+    (["check", "--heads", "3", "--kv-heads", "2"], "--heads (3) must be a multiple of --kv-heads (2)"),
+])
+def test_bad_arguments_are_argument_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.startswith("usage:")

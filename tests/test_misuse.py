@@ -118,3 +118,20 @@ def test_reference_nonfinite_query_row_is_nan(value):
     assert torch.isnan(math_o[0, 0, 0]).all()
     rows = [1, 2, 3, 4]  # the other rows are untouched
     torch.testing.assert_close(o[0, 0, rows], math_o[0, 0, rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_infinite_key_gives_nan_rows_as_sdpa(causal, backend):
+    # a +inf entry in a key: rows whose score with it is +inf are NaN (SDPA's softmax), rows
+    # whose score is -inf just do not see that key
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(1, 1, 5, 4, dtype=torch.float32) for _ in range(3))
+    q[0, 0, :, 1] = torch.tensor([-1.0, -2.0, -0.5, 1.5, 1.0])
+    k[0, 0, 2, 1] = math.inf
+    o = flash_attention(q, k, v, causal=causal, backend=backend)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.equal(torch.isnan(o), torch.isnan(want)) and torch.isnan(want).any()
+    assert not torch.isinf(o).any()
+    torch.testing.assert_close(o[~torch.isnan(want)], want[~torch.isnan(want)], rtol=1e-5, atol=1e-5)

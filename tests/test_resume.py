@@ -179,3 +179,32 @@ def test_sigkill_while_writing_a_checkpoint_leaves_last_ckpt_loadable(tmp_path):
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
     ckpt = torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4  # the second checkpoint, complete
+
+
+@pytest.mark.parametrize("case,stop", [("maml", "--trainer.max_epochs=1"), ("maml", "--trainer.max_steps=8"),
+                                       ("maml", "--trainer.max_steps=6"),
+                                       ("gradmem", "--trainer.max_steps=4"), ("lm", "--trainer.max_steps=4")])
+def test_resume_from_the_end_of_training_is_exact(case, stop, tmp_path, monkeypatch):
+    """A run that ended at an epoch end (``max_epochs``, or ``max_steps`` on an epoch's last
+    batch) or mid-epoch (``max_steps``) and is continued with ``--ckpt_path last`` ends as one uninterrupted run: same
+    weights, optimizer state and logged rows (epoch numbers included)."""
+    recipe, overrides = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    # max_steps in both runs: Lightning then restores its loops as for step-based training
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.max_steps=12",
+            "--trainer.log_every_n_steps=1", "--trainer.enable_model_summary=false",
+            "--trainer.enable_progress_bar=false"]
+    if case == "lm":  # the cosine schedule spans max_steps: the same learning rates in both runs
+        argv.append("--model.init_args.schedule=constant")
+    folder = tmp_path / "runs" / recipe
+    assert main(argv) == 0
+    reference = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_rows = _rows(folder / "metrics.csv")
+    assert reference["global_step"] == 12
+    shutil.rmtree(tmp_path / "runs")
+    assert main([*argv, stop]) == 0
+    assert main([*argv, "--ckpt_path", "last"]) == 0
+    resumed = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    _assert_same_state(reference, resumed)
+    assert resumed["epoch"] == reference["epoch"]
+    assert _rows(folder / "metrics.csv") == reference_rows

@@ -114,3 +114,40 @@ def test_max_seqlen_none_is_computed():
     a = flash_attention_varlen(q, k, v, CU, CU, None, None, causal=True)
     b = flash_attention_varlen(q, k, v, CU, CU, 4, 4, causal=True)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["causal", "precise_bob", "deterministic"])
+@pytest.mark.parametrize("value", ["no", "false", 1, None])
+def test_flags_are_strict(name, value):
+    with pytest.raises(TypeError, match=rf"{name} must be a bool \(True or False\)"):
+        flash_attention(*_qkv(), **{name: value})
+    with pytest.raises(TypeError, match=rf"{name} must be a bool"):
+        flash_attention_varlen(*_packed(), CU, CU, 4, 4, **{name: value})
+
+
+def test_numpy_bools_are_bools():
+    import numpy as np
+
+    q, k, v = _qkv(dtype=torch.float64)
+    want = flash_attention(q, k, v, causal=True, backend="reference")
+    got = flash_attention(q, k, v, causal=np.bool_(True), precise_bob=np.bool_(False),
+                          deterministic=np.bool_(True), backend="reference")
+    assert torch.equal(want, got)
+
+
+def test_head_count_error_hints_the_layout_only_when_it_fits():
+    q, k, v = _qkv(hq=3, hkv=2, nq=6, nk=6)  # self-attention shapes with bad head counts
+    with pytest.raises(ValueError, match="multiple of the number of key/value heads") as e:
+        flash_attention(q, k, v)
+    assert "bnhd" not in str(e.value)
+    q, k, v = torch.randn(1, 5, 4, 8), torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8)  # (B, N, H, D)
+    with pytest.raises(ValueError, match="layout='bnhd'"):
+        flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("lr", [float("inf"), float("nan")])
+def test_memory_layer_inner_lr_must_be_finite(lr):
+    from ttt_flash.memory import GradientMemoryAttention
+
+    with pytest.raises(ValueError, match="inner_lr must be a finite float"):
+        GradientMemoryAttention(8, 2, memory_slots=2, inner_lr=lr)

@@ -1,16 +1,23 @@
 """What ``ttt-flash fit|validate|test`` adds to LightningCLI: a quiet start, short errors
 for unknown recipe keys, and one CPU thread by default.
 
-* LightningCLI runs on ``sys.argv = ["ttt-flash", *argv]``, as it is meant to from a console
-  script (its ``args=`` parameter is for calls from Python, and warns when a command line is
-  present too).
+* LightningCLI runs on ``sys.argv = [<the ttt-flash script>, *argv]``, as it is meant to from a
+  console script (its ``args=`` parameter is for calls from Python, and warns when a command
+  line is present too). ``sys.argv[0]`` is the absolute path of the installed ``ttt-flash``
+  script: Lightning's DDP launcher starts the other ranks by re-running ``sys.argv[0]``, so a
+  bare name would be looked up in the working directory and fail.
 * Lightning's "💡 Tip" adverts and torch's ``isinstance(treespec, LeafSpec)`` deprecation
   warning (raised inside Lightning) are filtered.
-* A key that no class accepts (``inner_stepz``) fails in a few lines that name the key, the
-  recipe file it is in and the closest valid keys, instead of the full usage text.
+* A key that no class accepts (``inner_stepz``, ``net.hiddn``, a misspelt ``init_args``) or a
+  value of the wrong type (``inner_steps: two``) fails in a few lines that name the full key,
+  where it was given (the recipe file and line, or the command line) and the closest valid
+  keys or the type expected, instead of the full usage text.
 * ``trainer.enable_progress_bar: true`` (every shipped recipe) shows Lightning's
   ``RichProgressBar`` (steps, speed, logged metrics) unless the recipe names its own progress
   bar callback; the CSV logs are unchanged.
+* One writer per run folder: ``fit``, ``validate`` and ``test`` hold
+  :class:`~ttt_flash.lightning.resume.RunFolderLock` on the logger's folder while they run (a
+  second run on the same folder stops at start with an error naming the running process).
 * On a machine without CUDA, unless ``OMP_NUM_THREADS`` is set, torch runs one thread:
   the recipes' steps are small, and several threads spinning on a few cores make a MAML
   step many times slower (README, "Speed on the CPU").
@@ -19,6 +26,7 @@ for unknown recipe keys, and one CPU thread by default.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import inspect
@@ -29,7 +37,7 @@ import sys
 import warnings
 from typing import Iterator, List, Optional, Sequence
 
-__all__ = ["recipe_cli", "quiet_lightning", "rich_progress_bar", "thread_default", "unknown_key_message"]
+__all__ = ["recipe_cli", "script_path", "quiet_lightning", "rich_progress_bar", "thread_default", "unknown_key_message"]
 
 _TIP = "💡 Tip"
 _LIGHTNING_LOGGERS = (
@@ -93,11 +101,16 @@ def rich_progress_bar(trainer_config: dict):
 
 # --------------------------------------------------------------------------- unknown keys
 
-# jsonargparse's wordings: a subclass's init_args key, and a key of a plain group / the root
+# jsonargparse's wordings: a subclass's init_args key, a nested group's key, a key of a plain
+# group / the root, a wrong value, and the parser key (group) a message is about
 _NOT_ACCEPTED = re.compile(r"Option '([\w.\-]+)' is not accepted")
 _CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
+_NESTED = re.compile(r"Group '([\w.\-]+)' does not accept option '([\w.\-]+)'")
 _UNEXPECTED = re.compile(r"does not accept option '([\w.\-]+)'|[Uu]nrecognized arguments: (\S+)")
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
+_EXPECTED = re.compile(r"Expected a (.+?)\. Got value: (.*)")
+_BASE_CLASSES = ("lightning.LightningModule", "lightning.LightningDataModule",
+                 "lightning.pytorch.LightningModule", "lightning.pytorch.LightningDataModule")
 
 
 def _config_files(argv: Sequence[str]) -> List[str]:
@@ -110,30 +123,83 @@ def _config_files(argv: Sequence[str]) -> List[str]:
     return files
 
 
-def _where(key: str, files: Sequence[str]) -> str:
-    """The recipe file (and line) that holds ``key``, else "the command line"."""
-    leaf = key.rsplit(".", 1)[-1]
-    pattern = re.compile(rf"^\s*(?:-\s+)?{re.escape(leaf)}\s*:")
-    for path in files:
-        try:
-            with open(path) as f:
-                for n, line in enumerate(f, 1):
-                    if pattern.match(line):
-                        return f"{path}:{n}"
-        except OSError:
-            continue
+def _on_command_line(key: str, argv: Sequence[str]) -> bool:
+    """Whether ``--key`` (or ``--key=...``; ``init_args`` levels optional) is in ``argv``."""
+    def short(k: str) -> str:
+        return ".".join(part for part in k.split(".") if part != "init_args")
+
+    for arg in argv:
+        if arg.startswith("--"):
+            name = arg[2:].split("=", 1)[0]
+            if name == key or short(name) == short(key):
+                return True
+    return False
+
+
+def _yaml_line(path: str, key: str) -> Optional[int]:
+    """The line (1-based) of the dotted ``key`` in the YAML file ``path``, or None."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            node = yaml.compose(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    for part in key.split("."):
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        found = [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part]
+        if not found:
+            return None
+        key_node, node = found[-1]
+    return key_node.start_mark.line + 1
+
+
+def _where(key: str, files: Sequence[str], argv: Sequence[str] = ()) -> str:
+    """Where ``key`` was given: "the command line" (which overrides the recipe files), else the
+    recipe file and line that hold it, else "the command line"."""
+    if _on_command_line(key, argv):
+        return "the command line"
+    for path in reversed(list(files)):  # a later file overrides an earlier one
+        line = _yaml_line(path, key)
+        if line is not None:
+            return f"{path}:{line}"
     return "the command line"
+
+
+def _import(class_path: str):
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def _init_keys(class_path: str) -> List[str]:
     """The keyword arguments of ``class_path``'s ``__init__``."""
     try:
-        module, _, name = class_path.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        params = inspect.signature(cls.__init__).parameters.values()
-    except (ImportError, AttributeError, ValueError, TypeError):
+        params = inspect.signature(_import(class_path).__init__).parameters.values()
+    except (AttributeError, ValueError, TypeError):
         return []
     return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _nested_keys(class_path: str, group: str) -> List[str]:
+    """The keys of ``class_path``'s ``__init__`` argument ``group`` (a dataclass or a class,
+    e.g. ``net``: NetConfig's fields), or []."""
+    try:
+        param = inspect.signature(_import(class_path).__init__).parameters[group.split(".")[0]]
+    except (AttributeError, KeyError, ValueError, TypeError):
+        return []
+    kind = param.annotation if param.annotation is not inspect.Parameter.empty else type(param.default)
+    if isinstance(kind, str):
+        kind = type(param.default)
+    if dataclasses.is_dataclass(kind):
+        return [f.name for f in dataclasses.fields(kind)]
+    try:
+        return [n for n in inspect.signature(kind.__init__).parameters if n != "self"]
+    except (ValueError, TypeError):
+        return []
 
 
 def _group_keys(parser, key: str) -> List[str]:
@@ -149,19 +215,81 @@ def _group_keys(parser, key: str) -> List[str]:
     return sorted(keys)
 
 
+def _given_keys(message: str) -> List[str]:
+    """The keys of the dict in jsonargparse's "Given value: {...}" line, or []."""
+    import ast
+
+    m = re.search(r"Given value: (\{.*\})\s*$", message, re.S)
+    if not m:
+        return []
+    try:
+        value = ast.literal_eval(m.group(1))
+    except (ValueError, SyntaxError):
+        return []
+    return list(value) if isinstance(value, dict) else []
+
+
+def _expected(text: str) -> str:
+    """``<class 'int'>`` -> ``int``; other type texts as they are."""
+    return re.sub(r"<class '(?:builtins\.)?([\w.]+)'>", r"\1", text.strip()).replace("NoneType", "None")
+
+
 def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: str = "ttt-flash") -> Optional[str]:
-    """A short error for a jsonargparse ``message`` about a key no class accepts, or None
-    when ``message`` is about something else."""
+    """A short error for a jsonargparse ``message`` about a key no class accepts or a value of
+    the wrong type: the full key, where it was given (recipe file and line, or the command
+    line) and the valid keys closest to it / the type expected. None when ``message`` is about
+    something else."""
+    files = _config_files(argv)
+    cp = _CLASS_PATH.search(message)
+    groups = _PARSER_KEY.findall(message)
+    group = groups[0] if groups else None
+    class_path = cp.group(1) if cp else None
+    owner = f" of {class_path}" if cp else ""
+    help_hint = f"{prog} --{group}.help {class_path}" if cp and group else f"{prog} --help"
+
+    wrong = _EXPECTED.search(message)
+    if wrong and group:
+        inner = groups[-1] if len(groups) > 1 else None
+        key = f"{group}.init_args.{inner}" if cp and inner else (f"{group}.{inner}" if inner else group)
+        return "\n".join([
+            f"{prog}: error: wrong value for '{key}'{owner} in {_where(key, files, argv)}: expected "
+            f"{_expected(wrong.group(1))}, got {wrong.group(2).strip()!r}",
+            f"  (every option: {help_hint})"])
+
+    subtypes = re.search(r"Subtypes: \[(.*?)\]", message)
+    given = re.search(r"Given value: (.*)$", message)
+    if not cp and group and subtypes and given and "Given value type: <class 'str'>" in message:
+        # a plain option of a union type (trainer.max_epochs: int or None) given a string
+        types = " or ".join(_expected(t) for t in subtypes.group(1).split(","))
+        return "\n".join([
+            f"{prog}: error: wrong value for '{group}' in {_where(group, files, argv)}: expected {types}, "
+            f"got {given.group(1).strip()!r}", f"  (every option: {prog} --help)"])
+
+    nested = _NESTED.search(message)
     m = _NOT_ACCEPTED.search(message)
-    if m:
+    unrecognized = re.search(r"unrecognized arguments: --([\w.\-]+)", message)
+    if cp and group and not nested and unrecognized and "." in unrecognized.group(1).split("=")[0]:
+        sub, _, leaf = unrecognized.group(1).split("=")[0].rpartition(".")
+        nested = re.match(r"(.*)\|(.*)", f"{sub}|{leaf}")
+    if cp and group and nested:
+        sub, leaf = nested.group(1), nested.group(2)
+        key = f"{group}.init_args.{sub}.{leaf}"
+        valid = _nested_keys(class_path, sub)
+        owner = f" of {class_path} (its {sub})"
+    elif cp and group and m and class_path in _BASE_CLASSES:  # a misspelt init_args / a stray key
+        key = f"{group}.{m.group(1).split('.')[0]}"
+        valid, owner = ["class_path", "init_args"], ""
+        help_hint = f"{prog} --{group}.help CLASS"
+    elif m:
         key = m.group(1)
-        cp = _CLASS_PATH.search(message)
-        valid = _init_keys(cp.group(1)) if cp else []
-        owner = f" of {cp.group(1)}" if cp else ""
-        group = _PARSER_KEY.search(message)
+        valid = _init_keys(class_path) if cp else []
         if cp and group:
-            key = f"{group.group(1)}.init_args.{key}"
-        help_hint = f"{prog} --{group.group(1)}.help {cp.group(1)}" if cp and group else f"{prog} --help"
+            key = f"{group}.init_args.{key}"
+    elif "Not a valid subclass" in message and group:  # a stray key next to class_path / init_args
+        stray = [k for k in _given_keys(message) if k not in ("class_path", "init_args", "dict_kwargs")]
+        if not stray:
+            return None
+        key, valid, owner, help_hint = f"{group}.{stray[0]}", ["class_path", "init_args"], "", f"{prog} --help"
     else:
         m = _UNEXPECTED.search(message)
         if not m:
@@ -172,13 +300,56 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
         help_hint = f"{prog} --help"
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.6)
-    lines = [f"{prog}: error: unknown key '{key}'{owner} in {_where(key, _config_files(argv))}"]
+    lines = [f"{prog}: error: unknown key '{key}'{owner} in {_where(key, files, argv)}"]
     if close:
         lines.append("  closest valid keys: " + ", ".join(close))
     elif valid:
         lines.append("  valid keys: " + ", ".join(valid))
     lines.append(f"  (every option: {help_hint})")
     return "\n".join(lines)
+
+
+def script_path() -> str:
+    """The absolute path of the ``ttt-flash`` console script that is running, or of the one
+    installed next to this Python, or on ``PATH``; ``"ttt-flash"`` when there is none.
+
+    Lightning's DDP launcher starts ranks 1.. as ``python <sys.argv[0]> <args>`` (resolved
+    against the working directory) when the program was not started with ``python -m``."""
+    import shutil
+
+    started = sys.argv[0] if sys.argv else ""
+    if os.path.basename(started).startswith("ttt-flash") and os.path.isfile(started):
+        return os.path.abspath(started)
+    beside = os.path.join(os.path.dirname(sys.executable), "ttt-flash")
+    if os.path.isfile(beside):
+        return beside
+    return shutil.which("ttt-flash") or "ttt-flash"
+
+
+def _plain(value):
+    """A jsonargparse Namespace (nested) as plain dicts."""
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _plain(dataclasses.asdict(value))
+    return value
+
+
+def run_folder(trainer) -> Optional[str]:
+    """The folder a run writes its logs (and, by default, checkpoints) to: the first logger's
+    ``log_dir``; None without a logger."""
+    logger = trainer.logger
+    if logger is None:
+        return None
+    try:
+        folder = logger.log_dir
+    except (AttributeError, TypeError):
+        return None
+    return folder if isinstance(folder, str) and "://" not in folder else None
 
 
 def recipe_cli(argv: Sequence[str]):
@@ -204,12 +375,41 @@ def recipe_cli(argv: Sequence[str]):
         def __init__(self, *args, **kwargs):
             quiet_lightning()
             saved = sys.argv
-            sys.argv = ["ttt-flash", *argv]
+            sys.argv = [script_path(), *argv]
             try:
                 with thread_default():
                     super().__init__(*args, **kwargs)
             finally:
                 sys.argv = saved
+
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI's own version replaces the command line's model settings with the
+            # checkpoint's for a --ckpt_path FILE (not for "last"); here the recipe and the
+            # command line always decide, and the checkpoint's differing settings are listed.
+            from .lightning.resume import checkpoint_settings, read_checkpoint
+
+            if not self.config.get("subcommand"):
+                return
+            config = self.config[self.config.subcommand]
+            path = config.get("ckpt_path")
+            if not path or not os.path.isfile(str(path)):
+                return
+            plain = {g: _plain(config.get(g)) for g in ("model", "data")}
+            differences = checkpoint_settings(str(path), read_checkpoint(str(path)), plain)
+            if differences:
+                sys.stderr.write(
+                    f"ttt-flash: warning: --ckpt_path {path} was written with other settings; this run keeps its "
+                    "own (the recipe and the command line decide, as with --ckpt_path last) and loads the "
+                    "checkpoint's weights and training state:\n  " + "\n  ".join(differences) + "\n")
+
+        def _run_subcommand(self, subcommand: str) -> None:
+            from .lightning.resume import RunFolderLock
+
+            folder = run_folder(self.trainer)
+            if folder is None or not self.trainer.is_global_zero:
+                return super()._run_subcommand(subcommand)
+            with RunFolderLock(folder, command=f"ttt-flash {subcommand}"):
+                super()._run_subcommand(subcommand)
 
         def instantiate_trainer(self, **kwargs):
             config = {**self._get(self.config_init, "trainer", default={}), **kwargs}

@@ -526,6 +526,17 @@ def _check_tensor(name: str, x) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
 
 
+def _flag(name: str, value) -> bool:
+    """``value`` as a bool: True/False or a NumPy bool; anything else (a string such as "no",
+    an int) is a TypeError, so that no flag is read as True by accident."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {kind.__name__} {value!r}")
+
+
 def _check_common(q, k, v, scale, window, causal) -> float:
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, x)
@@ -634,7 +645,10 @@ def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
         _check_heads(q.shape[1], k.shape[1])
     except ValueError as e:
         hkv = k.shape[2]
-        if not layout_given and hkv and q.shape[2] % hkv == 0:
+        # the hint only for shapes that look like (B, N, H, D), as the layout warning's: more
+        # "heads" than positions in q and k (not ordinary self-attention shapes)
+        looks_bnhd = q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]
+        if not layout_given and hkv and q.shape[2] % hkv == 0 and looks_bnhd:
             raise ValueError(
                 f"{e}; q {tuple(q.shape)} and k {tuple(k.shape)} are read as (batch, heads, "
                 "seq_len, head_dim): if they are (batch, seq_len, heads, head_dim) "
@@ -721,6 +735,8 @@ def flash_attention(
         >>> [tuple(h.shape) for h in hvp]
         [(1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
     """
+    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
+                                                                  ("deterministic", deterministic)))
     scale = _check_common(q, k, v, scale, window, causal)
     layout_given = layout is not None
     layout = _check_layout(layout, q, k)
@@ -795,6 +811,8 @@ def flash_attention_varlen(
         >>> flash_attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).shape
         torch.Size([8, 2, 4])
     """
+    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
+                                                                  ("deterministic", deterministic)))
     scale = _check_common(q, k, v, scale, window, causal)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3:

@@ -388,6 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return graph_main([x for x in args if x != "--graph"])
     p = build_parser()
     a = p.parse_args(argv)
+    check_args(p, a)
     if a.context_parallel:
         from .bench_cp import main_from_args
 
@@ -405,6 +406,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for path in paths:
         print(f"wrote {path}")
     return 0 if result.get("check", {"ok": True})["ok"] else 1
+
+
+def check_args(p: argparse.ArgumentParser, a) -> None:
+    """Argument errors (``p.error``: usage and one line, exit status 2) for values no
+    benchmark can run: sizes below 1, a window below 1, query heads that are not a multiple of
+    the key/value heads, negative times."""
+    if not a.seq_lens or min(a.seq_lens) < 1:
+        p.error(f"--seq-lens must be one or more lengths >= 1, got {a.seq_lens}")
+    for flag in ("batch", "heads", "head_dim", "layers", "vocab_size"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.kv_heads is not None and (a.kv_heads < 1 or a.heads % a.kv_heads):
+        p.error(f"--kv-heads must be >= 1 and divide --heads ({a.heads}), got {a.kv_heads}")
+    if a.window is not None and a.window < 1:
+        p.error(f"--window must be >= 1 (the number of most recent keys a query sees), got {a.window}")
+    if a.context_parallel is not None and a.context_parallel < 1:
+        p.error(f"--context-parallel must be >= 1 (processes), got {a.context_parallel}")
+    for flag in ("warmup_ms", "rep_ms"):
+        if not getattr(a, flag) >= 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(a, flag)}")
 
 
 def _providers(arg: Optional[str], config_cls) -> List[str]:

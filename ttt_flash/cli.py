@@ -44,10 +44,17 @@ def _lightning(argv: Sequence[str]) -> int:
 
     check_ckpt_path(argv)
     try:
-        # LightningCLI on sys.argv = ["ttt-flash", *argv], quiet, short unknown-key errors, CPU threads
+        # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
         _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
     except SIGTERMException:
         return interrupt_exit_code()
+    except RuntimeError as e:
+        if "Error(s) in loading state_dict" not in str(e):
+            raise
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        raise SystemExit("ttt-flash: error: the checkpoint's weights do not fit this run's model (were its settings "
+                         "changed? see the warning above):\n  " + "\n  ".join(lines[:3])
+                         + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None
     return 0
 
 
@@ -93,6 +100,12 @@ def _check(argv: Sequence[str]) -> int:
     for flag in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)} (nothing to compare)")
+    if a.heads % a.kv_heads:
+        p.error(f"--heads ({a.heads}) must be a multiple of --kv-heads ({a.kv_heads}) (grouped-query attention)")
+    if a.window is not None and a.window < 1:
+        p.error(f"--window must be >= 1 (the number of most recent keys a query sees), got {a.window}")
+    if a.window is not None and not a.causal:
+        p.error("--window needs --causal (a sliding window looks back from each query)")
     dtype_name = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float64")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(a.seed)

@@ -31,7 +31,9 @@ Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.attention` onl
 from __future__ import annotations
 
 import numbers
-from typing import List, Optional, Sequence, Tuple
+import struct
+import zlib
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,7 +66,13 @@ def _group_size_rank(group) -> Tuple[int, int]:
                 "call torch.distributed.init_process_group first"
             )
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"group: this process (global rank {dist.get_rank()}) is not a member of the process group given; "
+            "pass the group this rank belongs to (e.g. its cp_group from context_parallel_groups), or None for "
+            "the default group")
+    return dist.get_world_size(group), rank
 
 
 def block_bounds(seq_len: int, rank: int, size: int) -> Tuple[int, int]:
@@ -85,19 +93,55 @@ def shard_sequence(x: Tensor, dim: int, *, group=None) -> Tensor:
     return x.narrow(dim, start, end - start)
 
 
-def _gather_lengths(n_local: int, group, device) -> List[int]:
-    size, _ = _group_size_rank(group)
-    t = torch.tensor([n_local], dtype=torch.int64, device=device)
-    out = [torch.empty_like(t) for _ in range(size)]
-    dist.all_gather(out, t, group=group)
-    return torch.cat(out).tolist()  # one device synchronisation
+def _code(value) -> int:
+    """A stable int64 for one argument of a call (bools, ints, None, floats, strings)."""
+    if value is None:
+        return -(2**62)
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+    return zlib.crc32(repr(value).encode()) + 2**40
 
 
-def _lengths(n_local: int, seq_len: Optional[int], group, device, what: str) -> List[int]:
-    """Every rank's block length: from ``seq_len`` (no communication) or gathered."""
+#: Call signatures (group, this rank's signature) already checked across their group.
+_CHECKED: set = set()
+
+
+def _agree(what: str, fields: Dict[str, object], n_local: int, seq_len: Optional[int], group, device) -> List[int]:
+    """Check, across the ranks of ``group``, that a call's ``fields`` (name -> value) are equal
+    on every rank and that the ranks' blocks (``n_local`` tokens each) are the shares of one
+    sequence (of ``seq_len`` tokens when given); return every rank's block length.
+
+    Every rank raises the same ``ValueError`` on a mismatch (one small all-gather of the
+    signatures, so no rank is left waiting in a collective). Without ``seq_len`` the gather
+    runs on every call (it also gives the block lengths); with it, once per signature."""
     size, rank = _group_size_rank(group)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral)
+                                or seq_len < 0):
+        raise ValueError(f"seq_len must be None or an int >= 0 (the whole sequence's length), got {seq_len!r}")
+    local = [int(n_local), -1 if seq_len is None else int(seq_len), *(_code(v) for v in fields.values())]
+    key = (id(group) if group is not None else None, tuple(local))
+    if seq_len is not None and key in _CHECKED:
+        return _block_lengths(int(seq_len), size)
+    t = torch.tensor(local, dtype=torch.int64, device=device)
+    rows = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(rows, t, group=group)
+    table = torch.stack(rows).tolist()  # one device synchronisation
+    names = ["seq_len", *fields]
+    differing = [names[j - 1] for j in range(1, len(local)) if len({row[j] for row in table}) > 1]
+    if differing:
+        shown: List[object] = [None] * size
+        dist.all_gather_object(shown, {"seq_len": seq_len, **fields}, group=group)
+        detail = "; ".join(f"{name}: " + ", ".join(f"rank {r}: {shown[r][name]!r}" for r in range(size))
+                           for name in differing)
+        raise ValueError(
+            f"{what}: the ranks of the group called it with different arguments ({detail}); every rank must "
+            "pass the same arguments and shapes, apart from its own block of the sequence")
+    lens = [row[0] for row in table]
     if seq_len is None:
-        lens = _gather_lengths(n_local, group, device)
         expect = _block_lengths(sum(lens), size)
         if lens != expect:
             raise ValueError(
@@ -106,16 +150,22 @@ def _lengths(n_local: int, seq_len: Optional[int], group, device, what: str) -> 
                 "split the sequence with ttt_flash.distributed.shard_sequence"
             )
         return lens
-    if isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral) or seq_len < 0:
-        raise ValueError(f"seq_len must be None or an int >= 0 (the whole sequence's length), got {seq_len!r}")
-    lens = _block_lengths(int(seq_len), size)
-    if lens[rank] != n_local:
+    expect = _block_lengths(int(seq_len), size)
+    if lens != expect:
         raise ValueError(
-            f"{what}: rank {rank} of {size} holds {n_local} tokens, but tokens "
-            f"{seq_len}·{rank}//{size} … {seq_len}·{rank + 1}//{size} − 1 of seq_len={seq_len} "
-            f"are {lens[rank]}; pass the whole sequence's length as seq_len"
+            f"{what}: the ranks hold blocks of {lens} tokens, but the blocks of seq_len={seq_len} over {size} "
+            f"ranks (rank r: tokens seq_len·r//P … seq_len·(r+1)//P − 1) have {expect}; pass the whole "
+            "sequence's length as seq_len (or None to gather the block lengths)"
         )
-    return lens
+    if len(_CHECKED) >= 4096:  # e.g. varlen batches, each with its own cu_seqlens
+        _CHECKED.clear()
+    _CHECKED.add(key)
+    return expect
+
+
+def _lengths(n_local: int, seq_len: Optional[int], group, device, what: str) -> List[int]:
+    """Every rank's block length (checked across the group, see :func:`_agree`)."""
+    return _agree(what, {}, n_local, seq_len, group, device)
 
 
 def sequence_offset(n_local: int, *, group=None, seq_len: Optional[int] = None,
@@ -298,6 +348,16 @@ def _check_group_tensors(q, k, v, layout: str, seq_axis: int) -> None:
         )
 
 
+def _call_fields(q: Tensor, k: Tensor, v: Tensor, kw: Dict[str, object]) -> Dict[str, object]:
+    """What every rank of a group must pass alike: shapes but the sequence axis, dtype,
+    device type and the attention arguments."""
+    seq_axis = 2 if q.dim() == 4 else 0
+    def rest(x):
+        return tuple(n for i, n in enumerate(x.shape) if i != seq_axis)
+    return {"q shape (but tokens)": rest(q), "k shape (but tokens)": rest(k), "v shape (but tokens)": rest(v),
+            "dtype": str(q.dtype), "device type": q.device.type, **kw}
+
+
 # --------------------------------------------------------------------------- public API
 
 
@@ -350,7 +410,7 @@ def context_parallel_attention(
     if size == 1:
         return flash_attention(q, k, v, **kw)
     _check_group_tensors(q, k, v, "bhnd", 2)
-    lens = _lengths(q.shape[2], seq_len, group, q.device, "context_parallel_attention")
+    lens = _agree("context_parallel_attention", _call_fields(q, k, v, kw), q.shape[2], seq_len, group, q.device)
     repeat, q_splits, kv_splits = head_plan(q.shape[1], k.shape[1], size)
     k, v = _repeat_kv(k, repeat, 1), _repeat_kv(v, repeat, 1)
     qh = _seq_to_heads(q, 2, 1, lens, q_splits, rank, group)
@@ -399,7 +459,9 @@ def context_parallel_attention_varlen(
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-D int32 tensor of the global cumulative sequence lengths")
     total = int(cu_seqlens[-1].item())
-    lens = _lengths(q.shape[0], total, group, q.device, "context_parallel_attention_varlen")
+    fields = {**_call_fields(q, k, v, kw), "cu_seqlens": tuple(int(x) for x in cu_seqlens.tolist()),
+              "max_seqlen": max_seqlen}
+    lens = _agree("context_parallel_attention_varlen", fields, q.shape[0], total, group, q.device)
     repeat, q_splits, kv_splits = head_plan(q.shape[1], k.shape[1], size)
     k, v = _repeat_kv(k, repeat, 1), _repeat_kv(v, repeat, 1)
     qh = _seq_to_heads(q, 0, 1, lens, q_splits, rank, group)

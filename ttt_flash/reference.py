@@ -180,8 +180,9 @@ def _scores(qc: Tensor, k: Tensor, scale: float, n_q: int, causal, window, r0, r
 
 
 def _probs(s: Tensor, lse: Tensor) -> Tensor:
-    """P = exp(S - L), with P = 0 on rows that see no key (L = -inf)."""
-    lse_safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    """P = exp(S - L), with P = 0 on rows that see no key (L = -inf), and NaN on rows with a
+    +inf score (L = +inf: their softmax is undefined, NaN as in the kernels and SDPA)."""
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     return torch.exp(s - lse_safe.unsqueeze(-1))
 
 

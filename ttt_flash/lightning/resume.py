@@ -10,9 +10,11 @@ callback that saves what Lightning does not.
 * :class:`ResumableCheckpoint`: a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that
 
   - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
-    a process killed while writing leaves the previous complete checkpoint),
-  - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``) and puts
-    them back just before the first resumed step,
+    a process killed while writing leaves the previous complete checkpoint; a failed write,
+    e.g. on a full disk, removes its temporary file, and a run removes those that killed
+    processes left in its checkpoint folder when it starts),
+  - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``; of every
+    process under DDP) and puts them back just before the first resumed step,
   - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
     a :class:`ResumableCSVLogger` with a fixed ``version`` continue the same ``metrics.csv``
     (rows the interrupted run wrote after the checkpoint are dropped),
@@ -26,13 +28,14 @@ Resume with ``ttt-flash fit --config recipes/NAME.yaml --ckpt_path last``: the r
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import random
 import signal
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Literal, Optional, Union
+from typing import Any, Dict, Iterator, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,16 +43,25 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
-           "check_ckpt_path"]
+           "check_ckpt_path", "RunFolderLock", "read_checkpoint", "checkpoint_settings"]
 
 
 # --------------------------------------------------------------------------- data order
 
 
-class EpochSampler(Sampler):
+def _rank_and_world() -> Tuple[int, int]:
+    """This process's rank and the number of processes (0, 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class EpochSampler(DistributedSampler):
     """Indices ``range(n)`` every epoch, or, with ``fresh``, ``range(e·n, (e+1)·n)`` in epoch
     ``e`` (fresh items every epoch), with a position that can be saved and restored.
 
@@ -58,27 +70,50 @@ class EpochSampler(Sampler):
     batches, so items prefetched by workers are not counted). Each new iteration starts the
     next epoch, except the first one after :meth:`load_state_dict`, which continues the saved
     epoch at the saved position (or starts the next epoch if the saved one was complete).
+
+    Distributed (a ``torch.distributed`` process group of W processes when iteration starts),
+    the sampler shards itself: process r takes the epoch's items ``r, r + W, r + 2W, ...``,
+    ``ceil(n / W)`` of them (wrapping around to the epoch's first items when W does not divide
+    ``n``), and the position counts this process's items. All processes step together, so
+    their positions are equal: the one position saved by rank 0 restores every process. It is
+    a ``DistributedSampler`` so that Lightning leaves it in place instead of wrapping it
+    (``set_epoch`` is ignored: the sampler counts its own epochs).
     """
 
     def __init__(self, n: int, fresh: bool):
+        Sampler.__init__(self)
         self.n, self.fresh = n, fresh
         self.epoch, self.position = 0, 0
         self._begun = False  # an iteration has started since construction / load
         self._resume = False
 
+    @property
+    def rank(self) -> int:
+        return _rank_and_world()[0]
+
+    @property
+    def num_replicas(self) -> int:
+        return _rank_and_world()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Ignored: the epoch advances when an iteration starts (see the class docstring)."""
+
     def __len__(self) -> int:
-        return self.n
+        return -(-self.n // self.num_replicas)
 
     def _begin(self) -> None:
         if self._begun and not self._resume:
             self.epoch, self.position = self.epoch + 1, 0
-        elif self.position >= self.n:  # resumed after the last item of an epoch
+        elif self.position >= len(self):  # resumed after the last item of an epoch
             self.epoch, self.position = self.epoch + 1, 0
         self._begun, self._resume = True, False
 
     def __iter__(self) -> Iterator[int]:
         base = self.epoch * self.n if self.fresh else 0
-        return iter(range(base + self.position, base + self.n))
+        rank, world = _rank_and_world()
+        if world == 1:
+            return iter(range(base + self.position, base + self.n))
+        return iter(base + (rank + world * j) % self.n for j in range(self.position, len(self)))
 
     def state_dict(self) -> Dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -192,6 +227,164 @@ def check_ckpt_path(argv) -> None:
                          "write interrupted?); give another checkpoint, or start without --ckpt_path")
 
 
+def read_checkpoint(path: str) -> Dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` on the CPU, or a one-line ``SystemExit`` naming
+    the file when it is not a readable checkpoint (random bytes, another format, a truncated
+    file, objects that cannot be loaded safely)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} cannot be read ({e.strerror})") from None
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a pickle
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a checkpoint (not a PyTorch file); give a "
+                         ".ckpt file written by ttt-flash fit")
+    try:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a readable checkpoint "
+                         f"({type(e).__name__}: {first})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a Lightning checkpoint (no state_dict); "
+                         "give a .ckpt file written by ttt-flash fit")
+    return checkpoint
+
+
+def _flat(value: Any, prefix: str = "") -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _same_class(a: str, b: str) -> bool:
+    """Whether two class paths name one class (``pkg.Cls`` re-exported from ``pkg.mod.Cls``)."""
+    import importlib
+
+    if a == b:
+        return True
+    try:
+        classes = [getattr(importlib.import_module(c.rpartition(".")[0]), c.rpartition(".")[2]) for c in (a, b)]
+    except (ImportError, AttributeError, ValueError):
+        return a.rpartition(".")[2] == b.rpartition(".")[2]
+    return classes[0] is classes[1]
+
+
+def checkpoint_settings(path: str, checkpoint: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
+    """Check a checkpoint against a run's configuration (``{"model": {"class_path", "init_args"},
+    "data": {...}}`` as plain dicts). A checkpoint of another model or data class is refused
+    (``SystemExit`` naming both classes). Returns, for each setting the checkpoint was written
+    with that differs from this run's (which is kept), a line ``key: checkpoint X, this run Y``."""
+    differences: List[str] = []
+    for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
+        saved = dict(checkpoint.get(key) or {})
+        saved.pop("_instantiator", None)
+        ours = config.get(group) or {}
+        saved_class, our_class = saved.pop("_class_path", None), ours.get("class_path")
+        if saved_class and our_class and not _same_class(saved_class, our_class):
+            what = "model" if group == "model" else "data module"
+            raise SystemExit(
+                f"ttt-flash: error: --ckpt_path {path} holds a {saved_class} {what}, but this recipe's {what} is "
+                f"{our_class}; give a checkpoint of this recipe (or the recipe the checkpoint was written by)")
+        ours_flat = _flat(ours.get("init_args") or {})
+        for name, value in sorted(_flat(saved).items()):
+            if name in ours_flat and _differs(value, ours_flat[name]):
+                differences.append(f"{group}.init_args.{name}: checkpoint {value!r}, this run {ours_flat[name]!r}")
+    return differences
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return not (torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b))
+    return a != b
+
+
+# --------------------------------------------------------------------------- one writer per run folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+class RunFolderLock:
+    """One writer per run folder: ``.<name>.ttt-flash.lock`` next to the folder ``<name>``
+    (outside it, so the folder's loggers see no foreign file) holds the process id, host and
+    command of the run writing there, from :meth:`acquire` to :meth:`release` (also a context
+    manager).
+
+    A second run on the same folder stops at :meth:`acquire` with a ``SystemExit`` naming the
+    folder and the running process. A lock left by a process that no longer exists (killed,
+    machine restarted) on this host is taken over; a lock of another host is never taken over
+    (its process cannot be checked from here: the message says which file to remove).
+    """
+
+    def __init__(self, folder: str, command: str = "ttt-flash"):
+        self.folder, self.command = os.path.normpath(str(folder)), command
+        parent, name = os.path.split(os.path.abspath(self.folder))
+        self.path = os.path.join(parent, f".{name}.ttt-flash.lock")
+        self.held = False
+
+    def _read(self) -> Dict[str, str]:
+        try:
+            with open(self.path) as f:
+                return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
+        except OSError:
+            return {}
+
+    def acquire(self) -> "RunFolderLock":
+        import socket
+        import time
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        host = socket.gethostname()
+        text = f"pid={os.getpid()}\nhost={host}\ncommand={self.command}\nstarted={time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read()
+                pid = int(owner.get("pid", "0") or 0) if owner.get("pid", "").isdigit() else 0
+                if owner.get("host", host) == host and (pid <= 0 or not _alive(pid)):
+                    with contextlib.suppress(FileNotFoundError):  # a dead run's lock: take it over
+                        os.remove(self.path)
+                    continue
+                where = f"process {pid}" + ("" if owner.get("host", host) == host else f" on host {owner['host']}")
+                raise SystemExit(
+                    f"ttt-flash: error: the run folder {self.folder} is in use by {where} "
+                    f"({owner.get('command', '?')}, started {owner.get('started', '?')}); two runs writing to one "
+                    f"folder mix their logs and checkpoints. Wait for it to end, stop it, or give this run another "
+                    f"folder (e.g. --trainer.logger.init_args.version=NAME). If that process is gone, remove "
+                    f"{self.path}.")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            self.held = True
+            return self
+        raise SystemExit(f"ttt-flash: error: could not take the lock {self.path} (another run keeps taking it)")
+
+    def release(self) -> None:
+        if self.held and self._read().get("pid") == str(os.getpid()):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+        self.held = False
+
+    def __enter__(self) -> "RunFolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 # --------------------------------------------------------------------------- logger
 
 
@@ -243,6 +436,42 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
+# --------------------------------------------------------------------------- loop state
+
+
+def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
+    """Rewrite, in place, the loop progress of a checkpoint written at the end of training
+    (``max_epochs`` reached, or ``max_steps`` at an epoch end or mid-epoch: Lightning has then
+    closed the epoch) into the progress of a checkpoint written at the end of the last batch
+    trained: Lightning resumes the latter exactly, but counts the closed epoch twice for the
+    former (the resumed run would log the next epoch under a number one too high, skip the
+    rest of an unfinished epoch, and with ``max_epochs`` stop early). Returns True when the
+    checkpoint was rewritten."""
+    fit = (checkpoint.get("loops") or {}).get("fit_loop")
+    if not isinstance(fit, dict):
+        return False
+    try:
+        epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
+        steps = fit["epoch_loop.state_dict"]
+        finished = (len({*epochs["total"].values()}) == 1 and epochs["total"]["completed"] > 0
+                    and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
+                    and len({*batches["total"].values()}) == 1)
+    except (KeyError, TypeError, AttributeError):
+        return False
+    if not finished:
+        return False
+    for part in ("total", "current"):
+        epochs[part]["processed"] -= 1
+        epochs[part]["completed"] -= 1
+        batches[part]["completed"] -= 1
+    if isinstance(steps.get("_batches_that_stepped"), int):
+        steps["_batches_that_stepped"] -= 1
+    val = fit.get("epoch_loop.val_loop.batch_progress")
+    if isinstance(val, dict) and isinstance(val.get("total"), dict):
+        val["total"] = {k: 0 for k in val["total"]}
+    return True
+
+
 # --------------------------------------------------------------------------- the callback
 
 
@@ -291,7 +520,12 @@ class ResumableCheckpoint(ModelCheckpoint):
         if not isinstance(self._fs, LocalFileSystem):
             return super()._save_checkpoint(trainer, filepath)
         tmp = os.path.join(os.path.dirname(filepath) or ".", f".{os.path.basename(filepath)}.tmp")
-        super()._save_checkpoint(trainer, tmp)
+        try:
+            super()._save_checkpoint(trainer, tmp)
+        except BaseException:  # e.g. a full disk: leave no partial file (the previous checkpoint stays)
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
         if trainer.is_global_zero:
             os.replace(tmp, filepath)
         trainer.strategy.barrier("ResumableCheckpoint")
@@ -312,6 +546,13 @@ class ResumableCheckpoint(ModelCheckpoint):
         state = super().state_dict()
         trainer = getattr(self, "_trainer_ref", None)
         state["rng"] = _rng_state()
+        rank, world = _rank_and_world()
+        if world > 1:  # every process's random states (state_dict runs on every rank)
+            import torch.distributed as dist
+
+            states: List[Any] = [None] * world
+            dist.all_gather_object(states, state["rng"])
+            state["rng_ranks"] = states
         if trainer is not None:
             stepped = self._stepped
             if stepped is None:
@@ -325,12 +566,26 @@ class ResumableCheckpoint(ModelCheckpoint):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer_ref = trainer
         super().setup(trainer, pl_module, stage)
+        self._remove_partial_files(trainer)
+
+    def _remove_partial_files(self, trainer) -> None:
+        """Remove the temporary files a process killed while writing a checkpoint left behind."""
+        import glob
+
+        from fsspec.implementations.local import LocalFileSystem
+
+        if not trainer.is_global_zero or self.dirpath is None or not isinstance(self._fs, LocalFileSystem):
+            return
+        for path in glob.glob(os.path.join(glob.escape(str(self.dirpath)), f".*{self.FILE_EXTENSION}.tmp")):
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: Dict[str, Any]) -> None:
+        _as_last_batch_end(checkpoint)
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is None:
             return
-        self._pending = {k: state[k] for k in ("rng", "batches_that_stepped") if k in state}
+        self._pending = {k: state[k] for k in ("rng", "rng_ranks", "batches_that_stepped") if k in state}
         if "batches_that_stepped" in state:
             for lg in trainer.loggers:
                 writer = getattr(lg, "_experiment", None)
@@ -346,7 +601,11 @@ class ResumableCheckpoint(ModelCheckpoint):
             return
         if "batches_that_stepped" in self._pending:
             trainer.fit_loop.epoch_loop._batches_that_stepped = int(self._pending["batches_that_stepped"])
-        if "rng" in self._pending:
+        rank, world = _rank_and_world()
+        ranks = self._pending.get("rng_ranks")
+        if ranks is not None and len(ranks) == world:
+            _set_rng_state(ranks[rank])
+        elif "rng" in self._pending:
             _set_rng_state(self._pending["rng"])
         self._pending = None
 

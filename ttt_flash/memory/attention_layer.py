@@ -7,6 +7,9 @@ Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from typing import Literal, Optional, Tuple
 
 import torch
@@ -137,6 +140,8 @@ class GradientMemoryAttention(nn.Module):
         check_attention(attention, MEMORY_ATTENTION_IMPLS)
         if write_rule not in WRITE_RULES:
             raise ValueError(f"write_rule must be one of {WRITE_RULES}, got {write_rule!r}")
+        if isinstance(inner_lr, numbers.Real) and not isinstance(inner_lr, bool) and not math.isfinite(inner_lr):
+            raise ValueError(f"inner_lr must be a finite float > 0 (the write step size η), got {inner_lr!r}")
         if write_rule == "slot_normalized" and isinstance(inner_lr, (int, float)) and inner_lr > 1:
             raise ValueError(
                 f"write_rule='slot_normalized' takes a step of min(inner_lr, 1) per slot; got inner_lr={inner_lr}. "

@@ -1,0 +1,180 @@
+"""Reliability of ``ttt-flash fit``: one writer per run folder, checkpoints that do not fit the
+recipe, partial checkpoint files (docs/reliability.md)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ttt_flash.cli import main
+from ttt_flash.lightning.resume import RunFolderLock
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["--data.init_args.train_batches=2", "--data.init_args.meta_batch_size=2", "--data.init_args.val_batches=1",
+        "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _maml(*extra):
+    return ["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), *TINY, *extra]
+
+
+@pytest.fixture
+def other_process():
+    """A live process that is not this one (its id stands for a run in progress)."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _write_lock(folder: Path, pid: int) -> Path:
+    lock = RunFolderLock(str(folder))
+    os.makedirs(os.path.dirname(lock.path), exist_ok=True)
+    with open(lock.path, "w") as f:
+        f.write(f"pid={pid}\nhost={os.uname().nodename}\ncommand=ttt-flash fit\nstarted=then\n")
+    return Path(lock.path)
+
+
+def test_second_run_on_a_folder_stops_at_start(tmp_path, monkeypatch, other_process):
+    monkeypatch.chdir(tmp_path)
+    lock = _write_lock(tmp_path / "runs" / "maml_sinusoid", other_process)
+    with pytest.raises(SystemExit) as e:
+        main(_maml())
+    message = str(e.value.code)
+    assert "runs/maml_sinusoid" in message and f"process {other_process}" in message and "in use" in message
+    folder = tmp_path / "runs" / "maml_sinusoid"
+    assert not (folder / "metrics.csv").exists() and not (folder / "config.yaml").exists()
+    assert not (folder / "checkpoints").exists()
+    assert lock.read_text().startswith(f"pid={other_process}\n")  # the running process keeps its lock
+
+
+def test_a_dead_process_lock_is_taken_over_and_released(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lock = _write_lock(tmp_path / "runs" / "maml_sinusoid", _dead_pid())
+    assert main(_maml()) == 0
+    assert (tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt").is_file()
+    assert not lock.exists()  # released at the end of the run
+
+
+def test_lock_is_one_per_folder(tmp_path):
+    with RunFolderLock(str(tmp_path / "a")) as held:
+        assert Path(held.path).read_text().startswith(f"pid={os.getpid()}\n")
+        with RunFolderLock(str(tmp_path / "b")):  # another folder: free
+            pass
+        code = ("import sys; from ttt_flash.lightning.resume import RunFolderLock; "
+                f"RunFolderLock({str(tmp_path / 'a')!r}).acquire()")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and f"process {os.getpid()}" in r.stderr and str(tmp_path / "a") in r.stderr
+    assert not Path(held.path).exists()
+
+
+# --------------------------------------------------------------------------- checkpoints given by path
+
+
+@pytest.fixture(scope="module")
+def maml_ckpt(tmp_path_factory):
+    """A checkpoint of the tiny MAML recipe (hidden width 40, inner_steps 1)."""
+    folder = tmp_path_factory.mktemp("maml")
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        assert main(_maml("--trainer.max_steps=2")) == 0
+        torch.set_num_threads(threads)
+    finally:
+        os.chdir(cwd)
+    path = folder / "maml.ckpt"
+    os.replace(folder / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", path)
+    return path
+
+
+def test_ckpt_path_file_keeps_the_command_line_settings_and_lists_the_checkpoints(tmp_path, monkeypatch, capsys,
+                                                                                maml_ckpt):
+    monkeypatch.chdir(tmp_path)
+    more = ["--trainer.max_epochs=2", "--trainer.max_steps=3", "--ckpt_path", str(maml_ckpt)]
+    assert main(_maml("--model.init_args.inner_steps=2", *more)) == 0
+    err = capsys.readouterr().err
+    assert "model.init_args.inner_steps: checkpoint 1, this run 2" in err and str(maml_ckpt) in err
+    resumed = torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert resumed["hyper_parameters"]["inner_steps"] == 2 and resumed["global_step"] == 3
+    # a setting that changes the weights' shapes: a short error, not a traceback
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--model.init_args.net.hidden=20", *more))
+    assert "do not fit this run's model" in str(e.value.code) and "size mismatch" in str(e.value.code)
+    assert "model.init_args.net.hidden: checkpoint 40, this run 20" in capsys.readouterr().err
+
+
+def test_checkpoint_of_another_recipe_is_refused_before_loading(tmp_path, monkeypatch, maml_ckpt):
+    # the MAML recipe's checkpoint, recorded as written by a GradMem run (its class path)
+    ckpt = torch.load(maml_ckpt, weights_only=True)
+    ckpt["hyper_parameters"]["_class_path"] = "ttt_flash.lightning.memory.GradMemKV"
+    other = tmp_path / "gradmem.ckpt"
+    torch.save(ckpt, other)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--ckpt_path", str(other)))
+    message = str(e.value.code)
+    assert "GradMemKV" in message and "MAML" in message and str(other) in message
+    assert not (tmp_path / "runs").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("content", ["random", "truncated"])
+def test_a_file_that_is_not_a_checkpoint_gets_one_line(tmp_path, monkeypatch, maml_ckpt, content):
+    bad = tmp_path / "bad.ckpt"
+    data = maml_ckpt.read_bytes()
+    bad.write_bytes(os.urandom(4096) if content == "random" else data[: len(data) // 2])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--ckpt_path", str(bad)))
+    message = str(e.value.code)
+    assert len(message.splitlines()) == 1 and str(bad) in message and "checkpoint" in message
+    assert "weights_only=False" not in message
+
+
+# --------------------------------------------------------------------------- partial checkpoint files
+
+
+def test_a_failed_checkpoint_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    import lightning.fabric.plugins.io.torch_io as torch_io
+
+    save, calls = torch_io._atomic_save, [0]
+
+    def full_disk(checkpoint, path):  # the second write: half the bytes, then no space left
+        calls[0] += 1
+        if calls[0] == 2:
+            with open(path, "wb") as f:
+                f.write(b"PK\x03\x04" + b"\0" * 100)
+            raise OSError(28, "No space left on device")
+        save(checkpoint, path)
+
+    monkeypatch.setattr(torch_io, "_atomic_save", full_disk)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OSError, match="No space left"):
+        main(_maml("--trainer.max_steps=2", "--trainer.callbacks.init_args.every_n_train_steps=1"))
+    folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1  # the previous one
+
+
+def test_partial_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path, monkeypatch):
+    folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
+    folder.mkdir(parents=True)
+    (folder / ".last.ckpt.tmp").write_bytes(b"PK\x03\x04 half")
+    (folder / ".step=3.ckpt.tmp").write_bytes(b"PK\x03\x04 half")  # a top-k checkpoint's
+    (folder / "notes.txt").write_text("kept")
+    monkeypatch.chdir(tmp_path)
+    assert main(_maml("--trainer.max_steps=1")) == 0
+    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "notes.txt"]

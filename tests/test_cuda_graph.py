@@ -347,8 +347,9 @@ def test_maml_lightning_graphed_run_equals_eager(tmp_path):
     eager, _, _ = _maml_fit(False, "gpu", 6, tmp_path)
     graphed, model, trainer = _maml_fit(True, "gpu", 6, tmp_path)
     assert trainer.global_step == 6
-    assert model._graphed.graphs is not None and len(model._graphed.graphs.graphs) == 1
-    assert model._graphed.graphs.eager_calls == 0
+    assert set(model._graphed.graphs) == {"step"}
+    step_graphs = model._graphed.graphs["step"]
+    assert len(step_graphs.graphs) == 1 and step_graphs.eager_calls == 0
     assert graphed == eager
 
 

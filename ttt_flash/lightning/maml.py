@@ -292,24 +292,34 @@ class MAML(LightningModule):
         # reducer joins the next backward (a collective the other path does not match).
         self._local.keep_off(self.trainer)
 
-    def _graphed_meta_update(self, *fields) -> Dict[str, Tensor]:
-        """One meta-update on ``MetaBatch(*fields)`` with the raw optimizer: what the CUDA graph
-        of ``cuda_graph=True`` captures (gradients zeroed in place, no host synchronisation)."""
-        batch = MetaBatch(*fields)
-        opt = self.optimizers().optimizer
-        opt.zero_grad(set_to_none=False)
+    def _meta_gradients(self, batch: MetaBatch, backward) -> Dict[str, Tensor]:
+        """Every task's meta-gradient / ``num_tasks`` added to the parameters' ``.grad``
+        (``backward(loss)`` for MAML; iMAML and Reptile add theirs directly); returns the summed
+        pre- and post-adaptation scores."""
         tasks = batch.num_tasks
         sums: Dict[str, Tensor] = {}
         for t in range(tasks):
             support, query = batch.task(t)
             with torch.no_grad():
                 pre = self._score(None, query)
-            fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
-            post = self._score(fast, query)
-            (post["loss"] / tasks).backward()
+            if self.hparams.algorithm == "maml":
+                fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
+                post = self._score(fast, query)
+                backward(post["loss"] / tasks)
+            else:
+                post = self._first_order_task(support, query, tasks, sums)
             for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
                                 *((f"{k}_post", v.detach()) for k, v in post.items())]:
                 sums[name] = sums.get(name, 0.0) + value
+        return sums
+
+    def _graphed_meta_update(self, *fields) -> Dict[str, Tensor]:
+        """One meta-update on ``MetaBatch(*fields)`` with the raw optimizer: what the CUDA graph
+        of ``cuda_graph=True`` captures (gradients zeroed in place, no host synchronisation)."""
+        batch = MetaBatch(*fields)
+        opt = self.optimizers().optimizer
+        opt.zero_grad(set_to_none=False)
+        sums = self._meta_gradients(batch, Tensor.backward)
         if self.hparams.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.grad_clip, foreach=True)
         opt.step()
@@ -340,20 +350,7 @@ class MAML(LightningModule):
         self._timer.start(cuda)
         opt.zero_grad()
         tasks = batch.num_tasks
-        sums: Dict[str, Tensor] = {}
-        for t in range(tasks):
-            support, query = batch.task(t)
-            with torch.no_grad():
-                pre = self._score(None, query)
-            if self.hparams.algorithm == "maml":
-                fast = self.adapt(support, self.hparams.inner_steps, self.hparams.first_order)
-                post = self._score(fast, query)
-                self.manual_backward(post["loss"] / tasks)
-            else:
-                post = self._first_order_task(support, query, tasks, sums)
-            for name, value in [*((f"{k}_pre", v) for k, v in pre.items()),
-                                *((f"{k}_post", v.detach()) for k, v in post.items())]:
-                sums[name] = sums.get(name, 0.0) + value
+        sums = self._meta_gradients(batch, self.manual_backward)
         if "cg_rel_residual" in sums:
             self.log("train/cg_rel_residual", sums.pop("cg_rel_residual"), batch_size=tasks)
         self._local.add(tasks)  # DDP: mean over all processes' tasks

@@ -22,7 +22,7 @@ from typing import List
 
 import torch
 
-from ttt_flash.bench_graph import PARTS, _row_line, build_parser, error_text, main
+from ttt_flash.bench.graph import PARTS, _row_line, build_parser, error_text, main
 
 
 def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, logged: int = 20,

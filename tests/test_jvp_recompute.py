@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from ttt_flash import attention as attention_module
-from ttt_flash.bench_jvp import LiveBytes, _chunked_lm_loss
+from ttt_flash.bench.jvp import LiveBytes, _chunked_lm_loss
 from ttt_flash.hessian import HessianOperator, hutchinson_diagonal, hvp, recompute, recomputed
 from ttt_flash.hessian_recompute import forward_over_reverse, unit_modules
 from ttt_flash.models import GPT, GPTConfig
@@ -185,9 +185,9 @@ def test_recompute_errors_name_the_fix():
 def test_docstring_examples():
     import doctest
 
-    import ttt_flash.bench_jvp
+    import ttt_flash.bench.jvp
     import ttt_flash.hessian_recompute
 
-    for module in (ttt_flash.hessian_recompute, ttt_flash.bench_jvp):
+    for module in (ttt_flash.hessian_recompute, ttt_flash.bench.jvp):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

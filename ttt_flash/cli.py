@@ -80,7 +80,7 @@ def _check(argv: Sequence[str]) -> int:
     import torch
 
     from .attention import flash_attention
-    from .bench_common import attention_chain
+    from .bench.common import attention_chain
     from .reference import naive_attention
 
     p = argparse.ArgumentParser(prog="ttt-flash check", description=_COMMANDS["check"])

@@ -60,9 +60,9 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .attention import _impl, _resolve_backend, flash_attention
-from .bench_common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
-from .reference import naive_attention
+from ..attention import _impl, _resolve_backend, flash_attention
+from .common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
+from ..reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
 
@@ -335,8 +335,8 @@ def _chunked_lm_loss(model, x, y, chunk: int):
     """``model.loss(x, y)`` with the vocabulary head (final logits, fp32 cross-entropy) computed
     and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.hessian.recompute`): the same
     mean cross-entropy, without a (tokens × vocabulary) fp32 tensor of the whole batch."""
-    from .hessian import recompute
-    from .models.gpt import lm_loss
+    from ..hessian import recompute
+    from ..models.gpt import lm_loss
 
     def head_sum(h, w, t):
         return lm_loss(torch.nn.functional.linear(h, w), t) * t.numel()
@@ -358,8 +358,8 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     difference to the plain reverse-over-reverse one. ``peak_ratio_vs_rev_rev`` and
     ``peak_ratio_vs_best_rev_rev`` (the lower of the two reverse-over-reverse peaks) on the
     forward-over-reverse rows."""
-    from . import hessian
-    from .models import GPT, GPTConfig
+    from .. import hessian
+    from ..models import GPT, GPTConfig
 
     dtype = getattr(torch, cfg.dtype)
     heads = max(1, cfg.hvp_d_model // 64)

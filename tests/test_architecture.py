@@ -344,3 +344,38 @@ def test_benchmarks_live_in_one_subpackage():
     out = subprocess.run([sys.executable, "-m", "ttt_flash.bench", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "ttt-flash bench" in out.stdout
+
+
+#: Private names the kernels share among their own files (``@triton.jit`` helpers of
+#: kernels/common.py and the pass kernels bob.py composes): the kernels package is one unit.
+PRIVATE_WITHIN = ("ttt_flash.kernels",)
+
+
+def test_no_private_name_crosses_modules():
+    # `from x import _name` between library modules: the name is public in x or the user moves.
+    bad = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        here = module if _is_package(module) else module.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not _library(target) or module.startswith(PRIVATE_WITHIN):
+                continue
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and f"{target}.{a.name}" not in MODULES:
+                    bad.append(f"{_where(module)}:{node.lineno} imports {a.name} from {target}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_the_private_name_check_is_not_vacuous(tmp_path, monkeypatch):
+    fake = tmp_path / "gradmem.py"
+    fake.write_text("from ._common import _secret\n")
+    monkeypatch.setitem(MODULES, "ttt_flash.memory.gradmem", fake)
+    with pytest.raises(AssertionError, match="imports _secret from ttt_flash.memory._common"):
+        test_no_private_name_crosses_modules()

@@ -147,9 +147,9 @@ def _check(argv: Sequence[str]) -> int:
 
 def _resolved(backend: str, o) -> str:
     """For backend="auto", the suffix naming what ran (" (triton)" / " (reference)"); else ""."""
-    from .attention import _resolve_backend
+    from .attention import resolve_backend
 
-    return f" ({_resolve_backend(backend, o)})" if backend == "auto" else ""
+    return f" ({resolve_backend(backend, o)})" if backend == "auto" else ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -142,7 +142,7 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
         torch.cuda.empty_cache()
         rows.append(row)
         if progress:
-            print(_row_line(row), flush=True)
+            print(row_line(row), flush=True)
     return rows
 
 
@@ -233,7 +233,7 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
             torch.cuda.empty_cache()
             rows.append(row)
             if progress:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
     return rows
 
 
@@ -282,7 +282,7 @@ def lm_rows(shapes=((1, 1024), (8, 2048)), vocab_size: int = 256, progress: bool
             torch.cuda.empty_cache()
             rows.append(row)
             if progress:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
         del model, params
     return rows
 
@@ -296,7 +296,7 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def _row_line(row: dict) -> str:
+def row_line(row: dict) -> str:
     skip = {"part", "losses"}
     return f"[{row['part']}] " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k not in skip)
 

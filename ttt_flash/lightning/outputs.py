@@ -111,7 +111,7 @@ class ValidationCurves(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero or trainer.logger is None:
             return
-        folder = trainer.logger.log_dir
+        folder = getattr(trainer.logger, "log_dir", None)  # None for fast_dev_run's DummyLogger
         csv_path = os.path.join(folder, "metrics.csv") if folder else None
         if not csv_path or not os.path.isfile(csv_path):
             return

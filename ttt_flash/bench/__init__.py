@@ -16,8 +16,10 @@ The chain benchmark's names are re-exported here, so ``from ttt_flash.bench impo
 ``python -m ttt_flash.bench ...`` work as ``ttt-flash bench ...`` does.
 """
 
-from .chain import BenchConfig, build_parser, chain_flops, check_args, format_table, main, plot_panels, run_bench, save
+from .chain import (
+    BenchConfig, build_parser, chain_flops, check_args, format_table, main, make_provider, plot_panels, run_bench, save,
+)
 from .common import flop_unit
 
 __all__ = ["BenchConfig", "build_parser", "chain_flops", "check_args", "flop_unit", "format_table", "main",
-           "plot_panels", "run_bench", "save"]
+           "make_provider", "plot_panels", "run_bench", "save"]

@@ -45,7 +45,7 @@ from .common import (
 )
 from ..reference import naive_attention
 
-__all__ = ["BenchConfig", "run_bench", "chain_flops", "main"]
+__all__ = ["BenchConfig", "run_bench", "chain_flops", "make_provider", "main"]
 
 CHAIN_FLOPS_PER_PAIR_PER_D = 52
 FIRST_ORDER_FLOPS_PER_PAIR_PER_D = 14
@@ -140,7 +140,10 @@ def _sdpa_first_order_fn(cfg: BenchConfig, backend: Optional[str], q, k, v, do) 
     return run
 
 
-def _make(cfg: BenchConfig, provider: str, n: int):
+def make_provider(cfg: BenchConfig, provider: str, n: int):
+    """``(fn, first_order)``: a no-argument callable that runs ``provider``'s chain once at
+    length ``n`` on fresh inputs (B, H, n, d of ``cfg``), and whether it is first-order only
+    (the SDPA providers)."""
     dtype = getattr(torch, cfg.dtype)
     q, k, v, do, u = _inputs(cfg, n, dtype)
     kw = dict(causal=cfg.causal, window=cfg.window)
@@ -164,7 +167,7 @@ def _single_threaded(fn: Callable) -> Callable:
 
 def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
     def build():
-        fn, first_order = _make(cfg, provider, n)
+        fn, first_order = make_provider(cfg, provider, n)
         if not cfg.autograd_threads:
             fn = _single_threaded(fn)
         return fn, chain_flops(cfg, n, first_order), {"first_order": first_order}

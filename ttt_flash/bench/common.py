@@ -2,7 +2,7 @@
 ``cp.py``, ``graph.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
 row, the JSON file, and the attention chain forward → backward → backward-over-backward.
 
-Floor 3 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
+Floor 4 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
 the benchmark modules import it, never each other (``chain.py`` dispatches to the others
 from its ``main`` only).
 """

@@ -124,8 +124,8 @@ def measure(n, causal, a, calls):
     cfg = bench.BenchConfig(seq_lens=[n], batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,
                             head_dim=a.head_dim, dtype=a.dtype, causal=causal, providers=["ttt_flash", sdpa],
                             device=a.device, check=False, out=None)
-    chain, _ = bench._make(cfg, "ttt_flash", n)
-    first, _ = bench._make(cfg, sdpa, n)
+    chain, _ = bench.make_provider(cfg, "ttt_flash", n)
+    first, _ = bench.make_provider(cfg, sdpa, n)
 
     def off():
         with configs.use_gluon_passes(False):

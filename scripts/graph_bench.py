@@ -22,7 +22,7 @@ from typing import List
 
 import torch
 
-from ttt_flash.bench_graph import PARTS, _row_line, build_parser, error_text, main
+from ttt_flash.bench.graph import PARTS, row_line, build_parser, error_text, main
 
 
 def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, logged: int = 20,
@@ -72,7 +72,7 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
         torch.cuda.empty_cache()
         rows.append(row)
         if progress:
-            print(_row_line(row), flush=True)
+            print(row_line(row), flush=True)
     if len(rows) == 2 and "losses" in rows[0] and "losses" in rows[1]:
         rows[1]["speedup"] = rows[1]["steps_per_s"] / rows[0]["steps_per_s"]
         rows[1]["losses_identical"] = rows[0]["losses"] == rows[1]["losses"]
@@ -130,7 +130,7 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
             torch.cuda.empty_cache()
             pair.append(row)
             if progress:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
         if all("plain_ms" in r for r in pair):
             pair[1]["plain_speedup"] = pair[0]["plain_ms"] / pair[1]["plain_ms"]
             pair[1]["refresh_speedup"] = pair[0]["refresh_ms"] / pair[1]["refresh_ms"]

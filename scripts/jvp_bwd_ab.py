@@ -1,4 +1,4 @@
-"""Per-pass timings of the jvp-then-backward step (issue 19) on a GPU: the tangent forward
+"""Per-pass timings of the jvp-then-backward step on a GPU: the tangent forward
 as one pass (``attn_jvp``, O, L, Ȯ, L̇) against the tangent of the computed forward
 (``attn_tangent``, from O and L), and the BoB with dO = Ō̇, U = ẋ with its statistics pass
 (the step before) against the BoB given the tangent's statistics (α = L̇, E + αD =

@@ -58,5 +58,5 @@ def test_auto_backend_uses_reference_on_cpu_tensors():
     q = torch.randn(1, 1, 4, 8)
     import ttt_flash.attention as A
 
-    assert A._resolve_backend("auto", q) == "reference"
-    assert A._resolve_backend("triton", q) == "triton"  # the interpreter is on in tests
+    assert A.resolve_backend("auto", q) == "reference"
+    assert A.resolve_backend("triton", q) == "triton"  # the interpreter is on in tests

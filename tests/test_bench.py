@@ -42,10 +42,10 @@ def test_bad_config():
 def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monkeypatch):
     import torch
 
-    from ttt_flash import bench
+    from ttt_flash.bench import chain as bench
 
     seen = []
-    real = bench._make
+    real = bench.make_provider
 
     def spy(cfg, provider, n):
         fn, first_order = real(cfg, provider, n)
@@ -56,7 +56,7 @@ def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monk
 
         return run, first_order
 
-    monkeypatch.setattr(bench, "_make", spy)
+    monkeypatch.setattr(bench, "make_provider", spy)
     rc = main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
                "ttt_flash", "--rep-ms", "1", "--no-check", "--no-autograd-threads", "--out", str(tmp_path)])
     assert rc == 0 and seen and not any(seen)

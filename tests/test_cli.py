@@ -34,6 +34,29 @@ def test_unknown_command_fails():
     assert e.value.code == 2
 
 
+def test_check_help_describes_every_option(capsys, monkeypatch):
+    import argparse
+
+    seen = []
+    real = argparse.ArgumentParser.parse_args
+
+    def spy(self, *args, **kwargs):
+        seen.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", spy)
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    check = next(p for p in seen if p.prog == "ttt-flash check")
+    options = [a for a in check._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 10
+    for action in options:
+        assert action.help and len(action.help) > 10, f"{action.option_strings} has no description"
+        assert action.help.split("(")[0].split()[0] in out
+
+
 def test_check_passes_and_prints_table(capsys):
     assert main(["check", "--seq-len", "19", "--head-dim", "8", "--window", "5"]) == 0
     out = capsys.readouterr().out

@@ -141,7 +141,7 @@ def test_second_order_grad_passes_other_errors_and_eager_graphs_through():
 
 
 def test_step_bench_config_rejects_bad_input():
-    from ttt_flash.bench_step import StepBenchConfig
+    from ttt_flash.bench.step import StepBenchConfig
 
     with pytest.raises(ValueError, match="dtype must be one of"):
         StepBenchConfig(dtype="int8", device="cpu")

@@ -359,7 +359,7 @@ def test_bench_context_parallel_on_cpu(tmp_path, capsys):
 
 
 def test_bench_context_parallel_refuses_too_few_heads():
-    from ttt_flash.bench_cp import CPBenchConfig
+    from ttt_flash.bench.cp import CPBenchConfig
 
     with pytest.raises(ValueError, match="at least as many heads"):
         CPBenchConfig(processes=4, heads=2, device="cpu")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ttt_flash import flash_attention, flash_attention_varlen
-from ttt_flash.bench_common import attention_chain
+from ttt_flash.bench.common import attention_chain
 from ttt_flash.cuda_graph import (
     CapturedStep,
     GraphCaptureError,

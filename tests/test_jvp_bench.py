@@ -4,7 +4,7 @@ correctness check passes and the JSON is written."""
 import json
 
 from ttt_flash.bench import main as bench_main
-from ttt_flash.bench_jvp import default_providers
+from ttt_flash.bench.jvp import default_providers
 
 
 def test_bench_jvp_runs_on_cpu(tmp_path, one_thread, capsys):

@@ -148,7 +148,7 @@ def test_language_model_hessian_recompute_reaches_the_refresh():
 def test_fwd_rev_refresh_with_recompute_peaks_lower():
     """The refresh with recomputed blocks holds fewer live bytes at its peak than without
     (the test fails if ``recompute`` is not passed on to the products)."""
-    from ttt_flash.bench_jvp import LiveBytes
+    from ttt_flash.bench.jvp import LiveBytes
 
     idx = torch.randint(0, 256, (8, 33))
     peaks = {}

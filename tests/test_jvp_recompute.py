@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 
 from ttt_flash import attention as attention_module
-from ttt_flash.bench_jvp import LiveBytes, _chunked_lm_loss
+from ttt_flash.bench.jvp import LiveBytes, chunked_lm_loss
 from ttt_flash.hessian import HessianOperator, hutchinson_diagonal, hvp, recompute, recomputed
 from ttt_flash.hessian_recompute import forward_over_reverse, unit_modules
 from ttt_flash.models import GPT, GPTConfig
@@ -35,7 +35,7 @@ def _gpt(n_layer=2, batch=2, n=16, **kw):
 @pytest.mark.parametrize("head", ["plain", "chunked"])
 def test_fwd_rev_with_recomputed_blocks_equals_rev_rev(head):
     model, x, y = _gpt(n_kv_head=1)
-    loss = (lambda: model.loss(x, y)) if head == "plain" else (lambda: _chunked_lm_loss(model, x, y, 6))
+    loss = (lambda: model.loss(x, y)) if head == "plain" else (lambda: chunked_lm_loss(model, x, y, 6))
     vecs = [torch.randn_like(p) for p in model.parameters()]
     rr = hvp(lambda: model.loss(x, y), model, vecs)
     fr = hvp(loss, model, vecs, mode="fwd_rev", recompute="blocks")
@@ -118,7 +118,7 @@ def test_fwd_rev_with_recompute_peaks_well_below_rev_rev():
     model, x, y = _gpt(batch=8, n=8)  # many tokens for the parameters, as in a language model
     vecs = [torch.randn_like(p) for p in model.parameters()]
     plain = lambda: model.loss(x, y)  # noqa: E731
-    chunked = lambda: _chunked_lm_loss(model, x, y, 16)  # noqa: E731
+    chunked = lambda: chunked_lm_loss(model, x, y, 16)  # noqa: E731
 
     def peak(fn):
         with LiveBytes() as m:
@@ -185,9 +185,9 @@ def test_recompute_errors_name_the_fix():
 def test_docstring_examples():
     import doctest
 
-    import ttt_flash.bench_jvp
+    import ttt_flash.bench.jvp
     import ttt_flash.hessian_recompute
 
-    for module in (ttt_flash.hessian_recompute, ttt_flash.bench_jvp):
+    for module in (ttt_flash.hessian_recompute, ttt_flash.bench.jvp):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -82,8 +82,9 @@ def thread_default() -> Iterator[Optional[int]]:
 
 
 def rich_progress_bar(trainer_config: dict):
-    """A ``RichProgressBar`` for a trainer config that enables the progress bar (Lightning's
-    default) and names no progress bar callback; None otherwise, or without ``rich``."""
+    """A ``RichProgressBar`` (without ``v_num``: :class:`~ttt_flash.lightning.outputs.RecipeProgressBar`)
+    for a trainer config that enables the progress bar (Lightning's default) and names no
+    progress bar callback; None otherwise, or without ``rich``."""
     from lightning.pytorch.callbacks import ProgressBar
 
     if trainer_config.get("enable_progress_bar") is False:
@@ -92,9 +93,9 @@ def rich_progress_bar(trainer_config: dict):
     if any(isinstance(c, ProgressBar) for c in (callbacks if isinstance(callbacks, list) else [callbacks])):
         return None
     try:
-        from lightning.pytorch.callbacks import RichProgressBar
+        from .lightning.outputs import RecipeProgressBar
 
-        return RichProgressBar()
+        return RecipeProgressBar()
     except (ImportError, ModuleNotFoundError):  # rich not installed: Lightning's default bar
         return None
 
@@ -352,6 +353,55 @@ def run_folder(trainer) -> Optional[str]:
     return folder if isinstance(folder, str) and "://" not in folder else None
 
 
+TENSORBOARD_MISSING = ("--tensorboard needs the tensorboard package, which is not installed: "
+                       "pip install 'ttt-flash[tensorboard]'")
+
+
+def _listed(callbacks) -> list:
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else ([callbacks] if callbacks else [])
+
+
+def recipe_callbacks(trainer_config: dict, model) -> list:
+    """Callbacks the ``ttt-flash`` command adds to a recipe's trainer (docs in
+    :mod:`ttt_flash.lightning.outputs`): the progress bar and model summary (when enabled and
+    not named by the recipe), the best-k checkpoints by the model's ``val_metric`` (when
+    checkpointing is on and no callback of the recipe monitors a metric) and the
+    validation-curve PNG at the end of ``fit``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+
+    from .lightning.outputs import BestCheckpoints, RecipeModelSummary, ValidationCurves, val_metric_of
+
+    callbacks = _listed(trainer_config.get("callbacks"))
+    added = []
+    bar = rich_progress_bar(trainer_config)
+    if bar is not None:
+        added.append(bar)
+        if trainer_config.get("enable_model_summary") is not False and not any(
+                isinstance(c, ModelSummary) for c in callbacks):
+            added.append(RecipeModelSummary())
+    metric = val_metric_of(model) if model is not None else None
+    if (metric is not None and trainer_config.get("enable_checkpointing") is not False
+            and not any(isinstance(c, ModelCheckpoint) and c.monitor for c in callbacks)):
+        added.append(BestCheckpoints(monitor=metric[0], mode=metric[1]))
+    added.append(ValidationCurves())
+    return added
+
+
+def tensorboard_logger(logger):
+    """A TensorBoard logger writing into the same run folder as ``logger`` (the recipe's CSV
+    logger): its ``save_dir``, ``name`` and ``version``. Raises ``SystemExit`` with the
+    install line without the tensorboard package."""
+    from lightning.pytorch import loggers
+
+    if logger is None:
+        raise SystemExit("ttt-flash: error: --tensorboard needs the recipe's trainer.logger (it writes beside it)")
+    try:
+        return loggers.TensorBoardLogger(save_dir=logger.save_dir, name=logger.name or "", version=logger.version,
+                                         default_hp_metric=False)
+    except ModuleNotFoundError:
+        raise SystemExit("ttt-flash: error: " + TENSORBOARD_MISSING) from None
+
+
 def recipe_cli(argv: Sequence[str]):
     """A LightningCLI subclass that runs on ``ttt-flash <argv>`` as described in the module
     docstring; construct it with LightningCLI's own arguments (no ``args=``)."""
@@ -413,10 +463,13 @@ def recipe_cli(argv: Sequence[str]):
 
         def instantiate_trainer(self, **kwargs):
             config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-            bar = rich_progress_bar(config)
-            if bar is not None:
-                callbacks = config.get("callbacks") or []
-                kwargs["callbacks"] = [*(callbacks if isinstance(callbacks, list) else [callbacks]), bar]
+            added = recipe_callbacks(config, getattr(self, "model", None))
+            if added:
+                kwargs["callbacks"] = [*_listed(config.get("callbacks")), *added]
+            if self._get(self.config, "tensorboard", default=False):
+                logger = config.get("logger")
+                first = logger[0] if isinstance(logger, (list, tuple)) and logger else logger
+                kwargs["logger"] = [*(_listed(logger) if first is not None else []), tensorboard_logger(first)]
             return super().instantiate_trainer(**kwargs)
 
         def init_parser(self, **kwargs) -> LightningArgumentParser:
@@ -425,6 +478,10 @@ def recipe_cli(argv: Sequence[str]):
             parser.add_argument(
                 "-c", "--config", action=ActionConfigFile, help="Path to a configuration file in json or yaml format."
             )
+            parser.add_argument(
+                "--tensorboard", type=bool, default=False,
+                help="also log to TensorBoard, into the run folder beside the CSV log (needs the tensorboard "
+                     "extra: pip install 'ttt-flash[tensorboard]'); view with: tensorboard --logdir runs")
             return parser
 
     return RecipeCLI

@@ -68,7 +68,10 @@ def _interpreting() -> bool:
     return configs.interpreting()
 
 
-def _resolve_backend(backend: str, q: Tensor) -> str:
+def resolve_backend(backend: str, q: Tensor) -> str:
+    """The backend that runs for ``backend`` ("auto", "triton" or "reference") on query ``q``
+    (..., N, d): "auto" picks "triton" for CUDA float16/bfloat16/float32 inputs within the
+    kernels' head-dim limit, else "reference". Raises for a backend the inputs cannot run on."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     head_dim = q.shape[-1]
@@ -105,7 +108,9 @@ def _resolve_backend(backend: str, q: Tensor) -> str:
     return backend
 
 
-def _impl(backend: str):
+def backend_module(backend: str):
+    """The module whose ``attn_fwd``, ``attn_bwd``, ``attn_bob``, ``attn_tangent`` and ``attn_jvp``
+    run a resolved backend: :mod:`ttt_flash.reference` or the Triton kernels."""
     return reference if backend == "reference" else _triton_module()
 
 
@@ -281,7 +286,7 @@ class _Attention(_Function):
 
     @staticmethod
     def forward(q, k, v, spec: _Spec, cu_q, cu_k):
-        return _impl(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
+        return backend_module(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -329,7 +334,7 @@ class _AttentionBackward(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
-        dq, dk, dv, delta = _impl(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
+        dq, dk, dv, delta = backend_module(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
                                                           **spec.kernel_kwargs())
         return dq, dk, dv, delta
 
@@ -395,7 +400,7 @@ class _AttentionBoB(_Function):
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, alpha, ee, rho, spec: _Spec, cu_q, cu_k,
                 needs):
         stats = None if alpha is None else (alpha, ee, rho)
-        out = _impl(spec.backend).attn_bob(
+        out = backend_module(spec.backend).attn_bob(
             q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
             stats=stats, **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
         )
@@ -468,7 +473,7 @@ class _AttentionTangent(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, qd, kd, vd, spec: _Spec, cu_q, cu_k):
-        od, lsed, rho = _impl(spec.backend).attn_tangent(q, k, v, o, lse, qd, kd, vd,
+        od, lsed, rho = backend_module(spec.backend).attn_tangent(q, k, v, o, lse, qd, kd, vd,
                                                           **spec.kwargs(cu_q, cu_k))
         return od, lsed, rho
 
@@ -756,7 +761,7 @@ def flash_attention(
     if layout == "bnhd":  # views: the kernels and the reference take strides
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     _check_heads_bhnd(q, k, layout_given)
-    backend = _resolve_backend(backend, q)
+    backend = resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
@@ -842,7 +847,7 @@ def flash_attention_varlen(
             raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
         if longest is not None and given < longest:
             raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
-    backend = _resolve_backend(backend, q)
+    backend = resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[0] == 0:
         backend = "reference"
     spec = _Spec(

@@ -80,22 +80,28 @@ def _check(argv: Sequence[str]) -> int:
     import torch
 
     from .attention import flash_attention
-    from .bench_common import attention_chain
+    from .bench.common import attention_chain
     from .reference import naive_attention
 
     p = argparse.ArgumentParser(prog="ttt-flash check", description=_COMMANDS["check"])
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--window", type=int, default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--batch", type=int, default=2, help="batch size B (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="query heads H (default: %(default)s)")
+    p.add_argument("--kv-heads", type=int, default=2,
+                   help="key/value heads; must divide --heads (grouped-query attention; default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=128, help="sequence length N (default: %(default)s)")
+    p.add_argument("--head-dim", type=int, default=32, help="head dimension d (default: %(default)s)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True,
+                   help="causal mask (--no-causal: every query sees every key; default: causal)")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding window: each query sees its W most recent keys (needs --causal; default: none)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device to run on (default: cuda when available, else cpu; here %(default)s)")
     p.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default=None,
-                   help="default: float64 on the CPU, bfloat16 on CUDA")
-    p.add_argument("--backend", choices=["auto", "triton", "reference"], default="auto")
-    p.add_argument("--seed", type=int, default=0)
+                   help="input dtype (default: float64 on the CPU, bfloat16 on CUDA)")
+    p.add_argument("--backend", choices=["auto", "triton", "reference"], default="auto",
+                   help="ttt_flash backend compared with the reference: auto picks triton on CUDA, the PyTorch "
+                        "reference elsewhere (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
     a = p.parse_args(argv)
     for flag in ("batch", "heads", "kv_heads", "seq_len", "head_dim"):
         if getattr(a, flag) < 1:
@@ -147,9 +153,9 @@ def _check(argv: Sequence[str]) -> int:
 
 def _resolved(backend: str, o) -> str:
     """For backend="auto", the suffix naming what ran (" (triton)" / " (reference)"); else ""."""
-    from .attention import _resolve_backend
+    from .attention import resolve_backend
 
-    return f" ({_resolve_backend(backend, o)})" if backend == "auto" else ""
+    return f" ({resolve_backend(backend, o)})" if backend == "auto" else ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -57,7 +57,7 @@ __all__ = [
 # --------------------------------------------------------------------------- groups and blocks
 
 
-def _group_size_rank(group) -> Tuple[int, int]:
+def group_size_rank(group) -> Tuple[int, int]:
     """(P, r) of ``group`` (None: the default group); (1, 0) without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -88,7 +88,7 @@ def _block_lengths(seq_len: int, size: int) -> List[int]:
 def shard_sequence(x: Tensor, dim: int, *, group=None) -> Tensor:
     """This rank's block of a full sequence ``x`` along ``dim`` (a view; every rank passes the
     same full tensor). The inverse layout of what :func:`context_parallel_attention` takes."""
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     start, end = block_bounds(x.shape[dim], rank, size)
     return x.narrow(dim, start, end - start)
 
@@ -118,7 +118,7 @@ def _agree(what: str, fields: Dict[str, object], n_local: int, seq_len: Optional
     Every rank raises the same ``ValueError`` on a mismatch (one small all-gather of the
     signatures, so no rank is left waiting in a collective). Without ``seq_len`` the gather
     runs on every call (it also gives the block lengths); with it, once per signature."""
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, numbers.Integral)
                                 or seq_len < 0):
         raise ValueError(f"seq_len must be None or an int >= 0 (the whole sequence's length), got {seq_len!r}")
@@ -173,7 +173,7 @@ def sequence_offset(n_local: int, *, group=None, seq_len: Optional[int] = None,
     """``(offset, N)``: the global index of this rank's first token and the whole sequence's
     length, for positions (RoPE) of a block of ``n_local`` tokens. One small all-gather when
     ``seq_len`` is not given."""
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     if size == 1:
         return 0, n_local if seq_len is None else int(seq_len)
     lens = _lengths(n_local, seq_len, group, device, "sequence_offset")
@@ -247,7 +247,7 @@ def all_reduce_sum(x: Tensor, *, group=None) -> Tensor:
     same sum of the ranks' cotangents). Use it for the shares of a replicated parameter's
     gradient inside an inner loop that is differentiated again. Returns ``x`` unchanged
     without several processes."""
-    if _group_size_rank(group)[0] == 1:
+    if group_size_rank(group)[0] == 1:
         return x
     return _AllReduceSum.apply(x, group)
 
@@ -406,7 +406,7 @@ def context_parallel_attention(
     """
     kw = dict(causal=causal, scale=scale, window=window, backend=backend, precise_bob=precise_bob,
               deterministic=deterministic)
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     if size == 1:
         return flash_attention(q, k, v, **kw)
     _check_group_tensors(q, k, v, "bhnd", 2)
@@ -452,7 +452,7 @@ def context_parallel_attention_varlen(
     """
     kw = dict(causal=causal, scale=scale, window=window, backend=backend, precise_bob=precise_bob,
               deterministic=deterministic)
-    size, rank = _group_size_rank(group)
+    size, rank = group_size_rank(group)
     if size == 1:
         return flash_attention_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kw)
     _check_group_tensors(q, k, v, "thd", 0)
@@ -527,8 +527,8 @@ def reduce_gradients(params, *, cp_group=None, dp_group=None, weight: Optional[f
     w = 1.0 if weight is None else float(weight)
     if not w >= 0:
         raise ValueError(f"weight must be >= 0, got {weight}")
-    cp_size = _group_size_rank(cp_group)[0] if cp_group is not None else 1
-    dp_size = _group_size_rank(dp_group)[0] if dp_group is not None else 1
+    cp_size = group_size_rank(cp_group)[0] if cp_group is not None else 1
+    dp_size = group_size_rank(dp_group)[0] if dp_group is not None else 1
     buckets = {}
     for p in params:
         buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)

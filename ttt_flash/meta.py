@@ -64,6 +64,8 @@ from .second_order import second_order_grad
 __all__ = [
     "inner_loop",
     "higher_inner_loop",
+    "MAML",
+    "Learner",
     "functional_loss",
     "select_adapted",
     "meta_sgd_lrs",
@@ -236,6 +238,14 @@ def _check_lr(lr, name: str = "lr", scalar: bool = True):
     return float(lr)
 
 
+def _inner_grads(loss: Tensor, tensors: Sequence[Tensor], first_order: bool) -> List[Tensor]:
+    """``d loss / d tensors`` for one inner step: with the graph of the gradient (second
+    order) unless ``first_order`` (then constants); zeros for a tensor the loss does not use."""
+    grads = second_order_grad(loss, list(tensors), create_graph=not first_order, allow_unused=True,
+                              materialize_grads=True)
+    return [g.detach() for g in grads] if first_order else list(grads)
+
+
 def _safe_sqrt(x: Tensor) -> Tensor:
     # sqrt has an infinite derivative at 0, which turns a parameter whose gradient is exactly
     # zero (unused unit, masked input) into NaN second-order gradients (0 * inf). Clamping at
@@ -368,16 +378,8 @@ def inner_loop(
         v = {n: torch.zeros_like(fast[n]) for n in names} if optimizer == "adam" else None
         for t in range(1, steps + 1):
             loss = functional_loss(model, fast, loss_fn, support_batch)
-            grads = second_order_grad(
-                loss,
-                [fast[n] for n in names],
-                create_graph=not first_order,
-                allow_unused=True,
-                materialize_grads=True,
-            )
+            grads = _inner_grads(loss, [fast[n] for n in names], first_order)
             for n, g in zip(names, grads):
-                if first_order:
-                    g = g.detach()
                 if optimizer == "sgd":
                     update = g
                 else:
@@ -464,6 +466,116 @@ def higher_inner_loop(
 #: reverse: each product re-runs L_task with a tangent; no ``create_graph`` graph is kept,
 #: so the peak memory is lower, at about one extra forward pass per product).
 HESSIAN_MODES = ("rev_rev", "fwd_rev")
+
+
+# --------------------------------------------------------------------------- object-style MAML
+
+
+class MAML(nn.Module):
+    r"""Object-style MAML (learn2learn's ``MAML``) over the step of :func:`inner_loop`.
+
+    ::
+
+        maml = MAML(net, lr=0.1)                  # first_order=False: second-order MAML
+        learner = maml.clone()                    # one per task
+        for _ in range(steps):
+            learner.adapt(loss_fn(learner(x_s), y_s))
+        loss_fn(learner(x_q), y_q).backward()     # meta-gradient into net's parameters
+
+    ``learner.adapt(loss)`` is ``θ ← θ − lr · ∇_θ loss`` on the adapted parameters, with the
+    graph of the gradient kept (exact second order through attention) unless ``first_order``:
+    ``steps`` calls of it equal ``inner_loop(net, None, loss_fn, (x_s, y_s), steps, lr)``.
+    The wrapped module is never mutated; a learner holds its adapted parameters as a
+    ``{name: tensor}`` dict (:attr:`Learner.params`) that :func:`functional_loss` accepts too.
+
+    Args:
+        module: the ``nn.Module`` whose parameters are the meta-learned initialisation.
+        lr: inner step size (float >= 0, or a 0-dim tensor; an ``nn.Parameter`` is learned
+            with the module, as in Meta-SGD with one step size).
+        first_order: drop second-order terms (FOMAML).
+        adapt: which parameters the inner steps change (:func:`select_adapted`: None for all,
+            names or module prefixes, or a predicate); the others stay the module's own (ANIL).
+
+    Calling ``maml(*args)`` runs the module with its own (unadapted) parameters. (The Lightning
+    module that trains MAML recipes is another class: ``ttt_flash.lightning.MAML``.)
+    """
+
+    def __init__(self, module: nn.Module, lr: Union[float, Tensor], *, first_order: bool = False,
+                 adapt: Adapt = None):
+        super().__init__()
+        _check_model(module)
+        if not isinstance(first_order, bool):
+            raise TypeError(f"first_order must be a bool, got {type(first_order).__name__}")
+        self.module = module
+        self.lr = _check_lr(lr)
+        self.first_order = first_order
+        self.adapted = select_adapted([n for n, _ in module.named_parameters()], adapt)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def clone(self) -> "Learner":
+        """A learner starting from the module's parameters (the graph leads back to them)."""
+        params = dict(self.module.named_parameters())
+        for n in self.adapted:  # a frozen parameter is adapted from a leaf copy (as in inner_loop)
+            if not params[n].requires_grad:
+                params[n] = params[n].detach().requires_grad_(True)
+        return Learner(self, params)
+
+
+class Learner:
+    """One task's adapted copy of a :class:`MAML` module (made by :meth:`MAML.clone`).
+
+    ``learner(*args)`` runs the module with :attr:`params`; :meth:`adapt` takes one inner
+    step; :meth:`clone` branches (the copy's steps do not change this learner).
+    """
+
+    def __init__(self, maml: MAML, params: Dict[str, Tensor]):
+        self.maml = maml
+        #: ``{name: tensor}`` of the current parameters: adapted ones carry the graph.
+        self.params = params
+
+    def __call__(self, *args, **kwargs):
+        return functional_call(self.maml.module, self.params, args, kwargs)
+
+    def adapt(self, loss: Tensor, *, first_order: Optional[bool] = None) -> "Learner":
+        """One inner step ``θ ← θ − lr · ∇_θ loss`` on the adapted parameters; returns self.
+
+        ``loss``: a scalar computed with this learner (``loss_fn(learner(x), y)``).
+        ``first_order``: overrides the :class:`MAML`'s setting for this step.
+        """
+        first_order = self.maml.first_order if first_order is None else first_order
+        if not isinstance(first_order, bool):
+            raise TypeError(f"first_order must be a bool or None, got {type(first_order).__name__}")
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError(
+                "adapt(loss) needs a scalar tensor, got "
+                + (f"shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__)
+            )
+        if not loss.requires_grad:
+            raise RuntimeError(
+                "adapt(loss): the loss has no graph; compute it with the learner (loss_fn(learner(x), y)) "
+                "with gradients enabled (not under torch.no_grad() or torch.inference_mode(); wrap "
+                "validation in torch.enable_grad())"
+            )
+        names = self.maml.adapted
+        with torch.enable_grad():
+            grads = _inner_grads(loss.reshape(()), [self.params[n] for n in names], first_order)
+        params = dict(self.params)
+        for n, g in zip(names, grads):
+            params[n] = params[n] - self.maml.lr * g
+        self.params = params
+        return self
+
+    def clone(self) -> "Learner":
+        """A learner starting where this one is (same tensors, so the same graph)."""
+        return Learner(self.maml, dict(self.params))
+
+    def named_parameters(self) -> Iterable[Tuple[str, Tensor]]:
+        return iter(self.params.items())
+
+    def parameters(self) -> Iterable[Tensor]:
+        return iter(self.params.values())
 
 
 class CGReport(NamedTuple):

@@ -299,6 +299,9 @@ class LanguageModel(LightningModule):
             warning). Validation stays eager.
     """
 
+    #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
+    val_metric = ("val/loss", "min")
+
     def __init__(
         self,
         gpt: GPTConfig = GPTConfig.tiny(),

@@ -129,6 +129,9 @@ class MAML(LightningModule):
             peak memory) for iMAML's Hessian-vector products; iMAML only.
     """
 
+    #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
+    val_metric = ("val/loss_post", "min")
+
     def __init__(
         self,
         net: NetConfig = NetConfig(),

@@ -175,6 +175,9 @@ class _RecallModule(LightningModule):
     Subclasses set ``self.net`` and implement ``_query_logits(batch, write)`` returning the
     (B, Q, vocab) query logits and the inner loss before the first step (or None)."""
 
+    #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
+    val_metric = ("val/loss_post", "min")
+
     net: nn.Module
 
     def __init__(self, cuda_graph: bool = False):

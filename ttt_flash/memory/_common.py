@@ -16,13 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..context_parallel import _group_size_rank, all_reduce_sum, block_bounds
+from ..context_parallel import group_size_rank, all_reduce_sum, block_bounds
 from ..second_order import second_order_grad
 
-__all__ = ["masked_lm_loss", "masked_lm_loss_part", "inner_step", "ContextParallelShard", "context_parallel_of"]
+__all__ = ["masked_lm_loss", "masked_lm_loss_part", "inner_step", "inner_grad_mode", "log_lr_parameter",
+           "ContextParallelShard", "context_parallel_of"]
 
 
-def _log_lr(inner_lr: float, learn: bool) -> nn.Parameter:
+def log_lr_parameter(inner_lr: float, learn: bool) -> nn.Parameter:
+    """The scalar parameter ``log(inner_lr)`` (learned when ``learn``); raises unless
+    ``inner_lr`` is a real number > 0."""
     if isinstance(inner_lr, bool) or not isinstance(inner_lr, numbers.Real) or not inner_lr > 0:
         raise ValueError(f"inner_lr must be a float > 0 (it is learned as log inner_lr), got {inner_lr!r}")
     return nn.Parameter(torch.tensor(math.log(float(inner_lr))), requires_grad=learn)
@@ -59,7 +62,7 @@ class ContextParallelShard:
 
     def __init__(self, group):
         self.group = group
-        self.size, self.rank = _group_size_rank(group)
+        self.size, self.rank = group_size_rank(group)
 
     def bounds(self, seq_len: int) -> Tuple[int, int]:
         """``(start, end)``: this rank's tokens of a length-``seq_len`` sequence."""
@@ -78,7 +81,7 @@ def context_parallel_of(model) -> Optional[ContextParallelShard]:
     return ContextParallelShard(model.context_parallel_group)
 
 
-def _inner_grad_mode(first_order: bool) -> Tuple[bool, bool]:
+def inner_grad_mode(first_order: bool) -> Tuple[bool, bool]:
     """(track, create_graph): whether the outer computation is differentiated, and whether
     the inner gradients keep their graph (second order)."""
     track = torch.is_grad_enabled()

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .._checks import check_int
 from ..impls import attend, check_attention
-from ._common import _inner_grad_mode, _log_lr, inner_step
+from ._common import inner_grad_mode, log_lr_parameter, inner_step
 
 __all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "GradientMemoryAttention"]
 
@@ -155,7 +155,7 @@ class GradientMemoryAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.slot_k = nn.Parameter(torch.randn(heads, memory_slots, self.head_dim))
         self.slot_v = nn.Parameter(torch.zeros(heads, memory_slots, self.head_dim))
-        self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+        self.log_inner_lr = log_lr_parameter(inner_lr, learn_inner_lr)
         self.write_gate: Optional[nn.Linear] = None
         if write_gate:
             self.write_gate = nn.Linear(d_model, heads)
@@ -192,7 +192,7 @@ class GradientMemoryAttention(nn.Module):
         """The slots after writing one chunk (``inner_steps`` steps of ``write_rule``); ``gate``:
         the tokens' (B, H, C, 1) write weights (None: 1)."""
         first_order = self.first_order if first_order is None else first_order
-        track, create_graph = _inner_grad_mode(first_order)
+        track, create_graph = inner_grad_mode(first_order)
         lr = self.inner_lr
         if self.write_rule == "slot_normalized":
             # per-slot step min(η, 1) / max(1, m_s) on the summed loss (class docstring)

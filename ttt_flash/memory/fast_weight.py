@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from .._checks import check_int
 from ..models import GPT, SwiGLU
-from ._common import _inner_grad_mode, _log_lr, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
+from ._common import inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["FastWeightTTT"]
 
@@ -132,7 +132,7 @@ class FastWeightTTT(nn.Module):
         self.fast_names = [
             f"blocks.{i}.mlp.{name}" for i in self.fast_layers for name, _ in model.blocks[i].mlp.named_parameters()
         ]
-        self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+        self.log_inner_lr = log_lr_parameter(inner_lr, learn_inner_lr)
 
     @property
     def inner_lr(self) -> Tensor:
@@ -187,7 +187,7 @@ class FastWeightTTT(nn.Module):
         loss (mean over the batch) before each update (``chunks · steps`` of them)."""
         steps = self.inner_steps if steps is None else steps
         first_order = self.first_order if first_order is None else first_order
-        track, create_graph = _inner_grad_mode(first_order)
+        track, create_graph = inner_grad_mode(first_order)
         if context.dim() != 2 or context_targets.shape != context.shape:
             raise ValueError(
                 f"FastWeightTTT.adapt expects context (B, L) and context_targets of the same shape "

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .._checks import check_int
 from ..models import GPT
-from ._common import _inner_grad_mode, _log_lr, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
+from ._common import inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["GradMem"]
 
@@ -89,7 +89,7 @@ class GradMem(nn.Module):
         self.model = model
         self.inner_steps, self.first_order = inner_steps, bool(first_order)
         self.memory = nn.Parameter(torch.randn(memory_tokens, model.config.d_model) * 0.02)
-        self.log_inner_lr = _log_lr(inner_lr, learn_inner_lr)
+        self.log_inner_lr = log_lr_parameter(inner_lr, learn_inner_lr)
 
     def set_context_parallel(self, context_parallel) -> None:
         """Switch the model's context parallelism (``GPT.set_context_parallel``: True, a
@@ -154,7 +154,7 @@ class GradMem(nn.Module):
         """
         steps = self.inner_steps if steps is None else steps
         first_order = self.first_order if first_order is None else first_order
-        track, create_graph = _inner_grad_mode(first_order)
+        track, create_graph = inner_grad_mode(first_order)
         cp = context_parallel_of(self.model)
         reduce = None if cp is None else cp.reduce
         memory = self.initial_memory(context.shape[0])

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .attention import flash_attention
-from .bench_common import write_json
-from .context_parallel import context_parallel_attention, shard_sequence
-from .reference import naive_attention
+from ..attention import flash_attention
+from .common import write_json
+from ..context_parallel import context_parallel_attention, shard_sequence
+from ..reference import naive_attention
 
 __all__ = ["CPBenchConfig", "run_cp_bench", "format_cp_table", "main_from_args"]
 

@@ -1,9 +1,9 @@
-"""What the benchmarks share (``bench.py``, ``bench_step.py``, ``bench_jvp.py``,
-``bench_cp.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
+"""What the benchmarks share (``chain.py``, ``step.py``, ``jvp.py``,
+``cp.py``, ``graph.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
 row, the JSON file, and the attention chain forward → backward → backward-over-backward.
 
-Floor 3 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
-the benchmark modules import it, never each other (``bench.py`` dispatches to the others
+Floor 4 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
+the benchmark modules import it, never each other (``chain.py`` dispatches to the others
 from its ``main`` only).
 """
 

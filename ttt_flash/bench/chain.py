@@ -19,8 +19,8 @@ Usage::
     ttt-flash bench --device cpu --seq-lens 64,128 --dtype float64      # CPU smoke test
 
 With ``--gpt-step``: a first-order training step of the ``models/`` GPT, eager vs
-``torch.compile`` (:mod:`ttt_flash.bench_step`). With ``--graph``: eager against CUDA-graph
-replay of the chain, a MAML meta-step, a MAML recipe and a GPT step (:mod:`ttt_flash.bench_graph`).
+``torch.compile`` (:mod:`ttt_flash.bench.step`). With ``--graph``: eager against CUDA-graph
+replay of the chain, a MAML meta-step, a MAML recipe and a GPT step (:mod:`ttt_flash.bench.graph`).
 
 Writes ``bench.json`` (all numbers) and ``bench.png`` (time and memory vs N, log-log)
 into ``--out``; prints a table. A configuration whose correctness check fails gets no
@@ -39,13 +39,13 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .attention import flash_attention
-from .bench_common import (
+from ..attention import flash_attention
+from .common import (
     HelpFormatter, attended_pairs, attention_chain, flop_unit, measure, new_result, progress_bar, write_json,
 )
-from .reference import naive_attention
+from ..reference import naive_attention
 
-__all__ = ["BenchConfig", "run_bench", "chain_flops", "main"]
+__all__ = ["BenchConfig", "run_bench", "chain_flops", "make_provider", "main"]
 
 CHAIN_FLOPS_PER_PAIR_PER_D = 52
 FIRST_ORDER_FLOPS_PER_PAIR_PER_D = 14
@@ -140,7 +140,10 @@ def _sdpa_first_order_fn(cfg: BenchConfig, backend: Optional[str], q, k, v, do) 
     return run
 
 
-def _make(cfg: BenchConfig, provider: str, n: int):
+def make_provider(cfg: BenchConfig, provider: str, n: int):
+    """``(fn, first_order)``: a no-argument callable that runs ``provider``'s chain once at
+    length ``n`` on fresh inputs (B, H, n, d of ``cfg``), and whether it is first-order only
+    (the SDPA providers)."""
     dtype = getattr(torch, cfg.dtype)
     q, k, v, do, u = _inputs(cfg, n, dtype)
     kw = dict(causal=cfg.causal, window=cfg.window)
@@ -164,7 +167,7 @@ def _single_threaded(fn: Callable) -> Callable:
 
 def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
     def build():
-        fn, first_order = _make(cfg, provider, n)
+        fn, first_order = make_provider(cfg, provider, n)
         if not cfg.autograd_threads:
             fn = _single_threaded(fn)
         return fn, chain_flops(cfg, n, first_order), {"first_order": first_order}
@@ -355,10 +358,10 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
                    help="--no-autograd-threads: run every provider's backward on the calling thread "
                         "(torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
-    p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench_jvp; "
+    p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench.jvp; "
                    "its options: ttt-flash bench --jvp --help)")
     p.add_argument("--graph", action="store_true", help="eager vs CUDA-graph replay of the chain, the MAML "
-                   "meta-step, a MAML recipe and a GPT step instead (ttt_flash.bench_graph; its options: "
+                   "meta-step, a MAML recipe and a GPT step instead (ttt_flash.bench.graph; its options: "
                    "ttt-flash bench --graph --help)")
     step = p.add_argument_group("first-order GPT step, eager vs torch.compile (--gpt-step)")
     step.add_argument("--gpt-step", action="store_true",
@@ -368,7 +371,7 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     step.add_argument("--vocab-size", type=int, default=4096, help="GPT vocabulary (--gpt-step)")
     step.add_argument("--compile-backend", default="inductor",
                       help="torch.compile backend (--gpt-step; aot_eager needs no compiler)")
-    cp = p.add_argument_group("one sequence across P processes (--context-parallel, ttt_flash.bench_cp)")
+    cp = p.add_argument_group("one sequence across P processes (--context-parallel, ttt_flash.bench.cp)")
     cp.add_argument("--context-parallel", type=int, default=None, metavar="P",
                     help="time the chain on P processes (one GPU each; gloo on the CPU) against one process")
     cp.add_argument("--cp-baseline", action=argparse.BooleanOptionalAction, default=True,
@@ -378,19 +381,19 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--jvp" in args:  # forward-mode benchmark, with its own options (ttt_flash.bench_jvp)
-        from .bench_jvp import main as jvp_main
+    if "--jvp" in args:  # forward-mode benchmark, with its own options (ttt_flash.bench.jvp)
+        from .jvp import main as jvp_main
 
         return jvp_main([x for x in args if x != "--jvp"])
-    if "--graph" in args:  # eager vs CUDA-graph replay, with its own options (ttt_flash.bench_graph)
-        from .bench_graph import main as graph_main
+    if "--graph" in args:  # eager vs CUDA-graph replay, with its own options (ttt_flash.bench.graph)
+        from .graph import main as graph_main
 
         return graph_main([x for x in args if x != "--graph"])
     p = build_parser()
     a = p.parse_args(argv)
     check_args(p, a)
     if a.context_parallel:
-        from .bench_cp import main_from_args
+        from .cp import main_from_args
 
         return main_from_args(a)
     if a.gpt_step:
@@ -436,7 +439,7 @@ def _providers(arg: Optional[str], config_cls) -> List[str]:
 
 
 def _gpt_step_main(a) -> int:
-    from .bench_step import StepBenchConfig, format_step_table, run_step_bench
+    from .step import StepBenchConfig, format_step_table, run_step_bench
 
     providers = _providers(a.providers, StepBenchConfig)
     cfg = StepBenchConfig(seq_lens=a.seq_lens, batch=a.batch, heads=a.heads, kv_heads=a.kv_heads,

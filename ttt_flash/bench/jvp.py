@@ -60,9 +60,9 @@ import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .attention import _impl, _resolve_backend, flash_attention
-from .bench_common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
-from .reference import naive_attention
+from ..attention import backend_module, resolve_backend, flash_attention
+from .common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
+from ..reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
 
@@ -140,9 +140,9 @@ def _make(cfg: JvpBenchConfig, provider: str, n: int) -> Callable:
     q, k, v, qd, kd, vd, ob, odb = _inputs(cfg, n, dtype)
     kw = dict(causal=cfg.causal)
     if provider == "tangent_fwd":
-        backend = _resolve_backend("auto", q)
+        backend = resolve_backend("auto", q)
         scale = cfg.head_dim ** -0.5
-        return lambda: _impl(backend).attn_jvp(q, k, v, qd, kd, vd, scale=scale, causal=cfg.causal, window=None)
+        return lambda: backend_module(backend).attn_jvp(q, k, v, qd, kd, vd, scale=scale, causal=cfg.causal, window=None)
     if provider == "jvp":
         return lambda: torch.func.jvp(lambda a, b, c: flash_attention(a, b, c, **kw), (q, k, v), (qd, kd, vd))
     if provider == "jvp_bwd":
@@ -239,8 +239,8 @@ def check_correctness(cfg: JvpBenchConfig, n: int = 256) -> dict:
         return (o, od, *torch.func.grad(loss, argnums=tuple(range(6)))(*x[:6]))
 
     exact, mine, lowmath = run(naive, x64), run(ours, low), run(naive, low)
-    backend = _resolve_backend("auto", low[0])
-    o, _, od, _ = _impl(backend).attn_jvp(*low[:6], scale=cfg.head_dim ** -0.5, causal=cfg.causal, window=None)
+    backend = resolve_backend("auto", low[0])
+    o, _, od, _ = backend_module(backend).attn_jvp(*low[:6], scale=cfg.head_dim ** -0.5, causal=cfg.causal, window=None)
     names = ["o", "od", "q_bar", "k_bar", "v_bar", "qd_bar", "kd_bar", "vd_bar"]
     res, ok = {}, True
     for name, a, m, e in zip(names, mine, lowmath, exact):
@@ -331,12 +331,12 @@ HVP_ROWS = (
 )
 
 
-def _chunked_lm_loss(model, x, y, chunk: int):
+def chunked_lm_loss(model, x, y, chunk: int):
     """``model.loss(x, y)`` with the vocabulary head (final logits, fp32 cross-entropy) computed
     and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.hessian.recompute`): the same
     mean cross-entropy, without a (tokens × vocabulary) fp32 tensor of the whole batch."""
-    from .hessian import recompute
-    from .models.gpt import lm_loss
+    from ..hessian import recompute
+    from ..models.gpt import lm_loss
 
     def head_sum(h, w, t):
         return lm_loss(torch.nn.functional.linear(h, w), t) * t.numel()
@@ -358,8 +358,8 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     difference to the plain reverse-over-reverse one. ``peak_ratio_vs_rev_rev`` and
     ``peak_ratio_vs_best_rev_rev`` (the lower of the two reverse-over-reverse peaks) on the
     forward-over-reverse rows."""
-    from . import hessian
-    from .models import GPT, GPTConfig
+    from .. import hessian
+    from ..models import GPT, GPTConfig
 
     dtype = getattr(torch, cfg.dtype)
     heads = max(1, cfg.hvp_d_model // 64)
@@ -372,7 +372,7 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     x, y = idx[:, :-1], idx[:, 1:]
     params = [p for p in model.parameters() if p.requires_grad]
     vecs = [torch.randn(p.shape, device=cfg.device, generator=g, dtype=torch.float32).to(dtype) for p in params]
-    losses = {False: lambda: model.loss(x, y), True: lambda: _chunked_lm_loss(model, x, y, cfg.hvp_chunk)}
+    losses = {False: lambda: model.loss(x, y), True: lambda: chunked_lm_loss(model, x, y, cfg.hvp_chunk)}
 
     def product(mode: str, rc: bool):
         if mode == "fwd_rev":

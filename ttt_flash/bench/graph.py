@@ -35,8 +35,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .bench_common import attention_chain, is_oom, write_json
-from .cuda_graph import CapturedStep, graph_safe_generator
+from .common import attention_chain, is_oom, write_json
+from ..cuda_graph import CapturedStep, graph_safe_generator
 
 __all__ = ["main", "chain_rows", "meta_rows", "lm_rows", "format_table", "build_parser"]
 
@@ -100,7 +100,7 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
                extra=((8, 2048, True),), progress: bool = True) -> List[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .attention import flash_attention
+    from ..attention import flash_attention
 
     cases = [(1, n, c) for n in seq_lens for c in (False, True)] + list(extra)
     rows = []
@@ -142,7 +142,7 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
         torch.cuda.empty_cache()
         rows.append(row)
         if progress:
-            print(_row_line(row), flush=True)
+            print(row_line(row), flush=True)
     return rows
 
 
@@ -150,7 +150,7 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
 
 
 def _meta_net(attention: str, seed: int = 0):
-    from .models.regressors import TinyTransformer
+    from ..models.regressors import TinyTransformer
 
     torch.manual_seed(seed)
     return TinyTransformer(8, 1, d_model=256, n_heads=4, n_layers=4, attention=attention).cuda().to(torch.bfloat16)
@@ -165,7 +165,7 @@ def meta_step_fn(net, kind: str = "inner_loop") -> Callable:
     """The meta-step of the module docstring over ``(xs, ys, xq, yq)`` of shape
     (tasks, 1, N, 8 | 1): gradients zeroed in place, accumulated into ``p.grad``; returns
     the summed query loss. ``kind``: ``"inner_loop"`` (:mod:`ttt_flash.meta`) or ``"higher"``."""
-    from .meta import functional_loss, higher_inner_loop, inner_loop
+    from ..meta import functional_loss, higher_inner_loop, inner_loop
 
     params = list(net.parameters())
     sgd = torch.optim.SGD(params, lr=0.01)
@@ -233,7 +233,7 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
             torch.cuda.empty_cache()
             rows.append(row)
             if progress:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
     return rows
 
 
@@ -241,7 +241,7 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
 
 
 def lm_rows(shapes=((1, 1024), (8, 2048)), vocab_size: int = 256, progress: bool = True) -> List[dict]:
-    from .models import GPT, GPTConfig
+    from ..models import GPT, GPTConfig
 
     rows = []
     for b, n in shapes:
@@ -282,7 +282,7 @@ def lm_rows(shapes=((1, 1024), (8, 2048)), vocab_size: int = 256, progress: bool
             torch.cuda.empty_cache()
             rows.append(row)
             if progress:
-                print(_row_line(row), flush=True)
+                print(row_line(row), flush=True)
         del model, params
     return rows
 
@@ -296,7 +296,7 @@ def _fmt(x) -> str:
     return str(x)
 
 
-def _row_line(row: dict) -> str:
+def row_line(row: dict) -> str:
     skip = {"part", "losses"}
     return f"[{row['part']}] " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items() if k not in skip)
 

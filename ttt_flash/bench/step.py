@@ -29,8 +29,8 @@ from typing import List, Optional
 
 import torch
 
-from .bench_common import median_ms, new_result, progress_bar
-from .models import GPT, GPTConfig
+from .common import median_ms, new_result, progress_bar
+from ..models import GPT, GPTConfig
 
 __all__ = ["StepBenchConfig", "run_step_bench", "format_step_table"]
 

@@ -126,3 +126,35 @@ def test_check_backend_triton_on_cpu_other_dtypes_are_one_line(dtype, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"Triton interpreter in float32 only, got --dtype {dtype}" in err and "Traceback" not in err
+
+
+def _benchmark_sections():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    parts = re.split(r"^## ", text, flags=re.M)[1:]
+    return [(part.splitlines()[0], part) for part in parts]
+
+
+@pytest.mark.parametrize("title,body", _benchmark_sections(), ids=lambda x: x if len(x) < 60 else "")
+def test_benchmark_section_names_date_gpu_command_and_raw_data(title, body):
+    """Every figure on the benchmarks page says when (a date), where (which GPU), how (a
+    command in backquotes) and where its raw data is (a file in docs/results/, or "none kept")."""
+    assert re.search(r"\*\*Date:\*\* 20\d\d-\d\d-\d\d", body), f"{title!r}: no **Date:** YYYY-MM-DD"
+    assert re.search(r"\*\*GPU:\*\* [^·\n]*H200", body), f"{title!r}: no **GPU:** naming the GPU"
+    assert re.search(r"\*\*Command:\*\* `[^`]+`", body), f"{title!r}: no **Command:** `...`"
+    raw = re.search(r"\*\*Raw data:\*\*(.*?)(?:\n- \*\*|\n\n)", body, flags=re.S)
+    assert raw, f"{title!r}: no **Raw data:**"
+    files = re.findall(r"`(docs/results/[^`]+)`", raw.group(1))
+    assert files or "none kept" in raw.group(1), f"{title!r}: raw data names no file and not 'none kept'"
+    for f in files:
+        assert (ROOT / f).is_file(), f"{title!r}: {f} does not exist"
+
+
+def test_benchmarks_page_has_no_dated_session_logs():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(_benchmark_sections()) >= 10
+    assert not re.search(r"\bsession\b|\bissue \d+|\(issues? \d", text, flags=re.I)
+
+
+def test_raw_results_live_in_docs_results():
+    assert not list((ROOT / "docs").glob("*.json")), "raw JSON belongs in docs/results/"
+    assert list((ROOT / "docs" / "results").glob("*.json"))

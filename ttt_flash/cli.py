@@ -14,6 +14,8 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 import time
 from typing import Optional, Sequence
@@ -97,7 +99,8 @@ def _check(argv: Sequence[str]) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device to run on (default: cuda when available, else cpu; here %(default)s)")
     p.add_argument("--dtype", choices=["float64", "float32", "float16", "bfloat16"], default=None,
-                   help="input dtype (default: float64 on the CPU, bfloat16 on CUDA)")
+                   help="input dtype (default: float64 on the CPU, float32 with --backend triton there, under "
+                        "the Triton interpreter; bfloat16 on CUDA)")
     p.add_argument("--backend", choices=["auto", "triton", "reference"], default="auto",
                    help="ttt_flash backend compared with the reference: auto picks triton on CUDA, the PyTorch "
                         "reference elsewhere (default: %(default)s)")
@@ -112,7 +115,20 @@ def _check(argv: Sequence[str]) -> int:
         p.error(f"--window must be >= 1 (the number of most recent keys a query sees), got {a.window}")
     if a.window is not None and not a.causal:
         p.error("--window needs --causal (a sliding window looks back from each query)")
-    dtype_name = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float64")
+    on_cuda = a.device.startswith("cuda")
+    if a.backend == "triton" and not on_cuda:
+        # Without CUDA the Triton kernels run only under the Triton interpreter, in float32
+        # (its bfloat16/float16 dots give wrong numbers; float64 is not a kernel dtype).
+        if a.dtype not in (None, "float32"):
+            p.error(f"--backend triton on {a.device} runs the kernels under the Triton interpreter in "
+                    f"float32 only, got --dtype {a.dtype}: drop --dtype, or use --backend reference")
+        if os.environ.get("TRITON_INTERPRET", "0") != "1":
+            # The interpreter is chosen when triton first compiles the kernels: rerun this
+            # check in a fresh process with it switched on.
+            cmd = [sys.executable, "-m", "ttt_flash.cli", "check", *argv]
+            return subprocess.run(cmd, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode
+        a.dtype = "float32"
+    dtype_name = a.dtype or ("bfloat16" if on_cuda else "float64")
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(a.seed)
 
@@ -131,7 +147,7 @@ def _check(argv: Sequence[str]) -> int:
     kw = dict(causal=a.causal, window=a.window)
     t0 = time.perf_counter()
     ours = chain(lambda q, k, v: flash_attention(q, k, v, backend=a.backend, layout="bhnd", **kw), dtype)
-    if a.device.startswith("cuda"):
+    if on_cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     exact = chain(lambda q, k, v: naive_attention(q, k, v, **kw), torch.float64)

@@ -20,11 +20,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 GPU_MARK = "<!-- gpu -->"
 # Snippets that are known fragments in pages this suite does not own the text of; strict, so
 # the test fails (and the entry must go) once the page is fixed.
-KNOWN_FRAGMENTS = {
-    ("docs/architecture.md", 1): "a listing of launcher signatures, not a program",
-    ("docs/meta-learning.md", 1): "the inner-loop snippet uses model, loss_fn, x_s, y_s, x_q, y_q undefined",
-    ("docs/meta-learning.md", 2): "the iMAML/Reptile snippet uses model, loss_fn, x_s, y_s, x_q, y_q undefined",
-}
+KNOWN_FRAGMENTS: dict = {}
 
 
 def test_attention_docstring_examples():

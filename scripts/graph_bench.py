@@ -25,6 +25,13 @@ import torch
 from ttt_flash.bench.graph import PARTS, row_line, build_parser, error_text, main
 
 
+def graph_counts(model) -> dict:
+    """Graphs captured and eager fallbacks of a module's ``cuda_graph`` cache, per step kind."""
+    cache = model._graphed.graphs
+    return {"graphs": {k: len(g.graphs) for k, g in cache.items()},
+            "eager_calls": {k: g.eager_calls for k, g in cache.items()}}
+
+
 def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, logged: int = 20,
               progress: bool = True) -> List[dict]:
     """The recipe's MAML module and data on the GPU, ``cuda_graph`` false then true: steps/s
@@ -64,9 +71,8 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
             gaps = [b - a for a, b in zip(rec.times[10:], rec.times[11:])]
             row["steps_per_s"] = 1.0 / statistics.median(gaps)
             row["losses"] = rec.losses[:logged]
-            if flag and model._graphed.graphs is not None:
-                row["graphs"] = len(model._graphed.graphs.graphs)
-                row["eager_calls"] = model._graphed.graphs.eager_calls
+            if flag:
+                row.update(graph_counts(model))
         except Exception as e:  # noqa: BLE001
             row["error"] = error_text(e)
         torch.cuda.empty_cache()
@@ -123,8 +129,7 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
                 row["refresh_ms"] = 1e3 * statistics.median([t for s, t in late if s % every == 0])
                 row["losses"] = [loss for _, _, loss in rec.rows]
                 if flag:
-                    row["graphs"] = {k: len(g.graphs) for k, g in model._graphed.graphs.items()}
-                    row["eager_calls"] = {k: g.eager_calls for k, g in model._graphed.graphs.items()}
+                    row.update(graph_counts(model))
             except Exception as e:  # noqa: BLE001
                 row["error"] = error_text(e)
             torch.cuda.empty_cache()

@@ -75,6 +75,17 @@ class LocalGradients:
         self.weight = 0
 
 
+class GraphedZeroGrad:
+    """Mixin for LightningModules with a ``_graphed`` :class:`GraphedTraining` and automatic
+    optimization: after a replayed step the graph has already zeroed and written this step's
+    gradients, and Lightning zeroes them after ``training_step``, so that zeroing is skipped."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
+        if self._graphed.differentiated:
+            return
+        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+
 class GraphedTraining:
     """The ``cuda_graph`` option of the package's LightningModules (docs/cuda-graphs.md).
 

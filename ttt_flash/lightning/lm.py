@@ -48,7 +48,7 @@ from lightning.pytorch import Callback, LightningDataModule, LightningModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
+from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
 from ..models import GPT, GPTConfig
 from ..hessian import probe_like
 from ..optim import AdaHessian, HessianOptimizer, SophiaH
@@ -252,7 +252,7 @@ class HessianRefresh(Callback):
 # --------------------------------------------------------------------------- module
 
 
-class LanguageModel(LightningModule):
+class LanguageModel(GraphedZeroGrad, LightningModule):
     """Next-token language modelling with :class:`ttt_flash.models.GPT`.
 
     Batches are ``(x, y)`` pairs of (B, N) token ids with ``y`` the next tokens of ``x``
@@ -413,11 +413,6 @@ class LanguageModel(LightningModule):
             return []  # the user's own HessianRefresh (e.g. a different every_k) stays
         recompute = "model.blocks" if self.hparams.get("hessian_recompute", False) else None
         return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"), recompute=recompute)]
-
-    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
-        if self._graphed.differentiated:
-            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
-        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self._graphed.take_backward():

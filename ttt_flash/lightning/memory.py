@@ -39,7 +39,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from ._step import GraphedTraining, LocalGradients, StepTimer, outside_autocast
+from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
 from .context_parallel import ContextParallelPlan
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
@@ -169,7 +169,7 @@ def _gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, ro
                          window=window, attention=attention, checkpoint=checkpoint, rope_base=rope_base))
 
 
-class _RecallModule(LightningModule):
+class _RecallModule(GraphedZeroGrad, LightningModule):
     """Shared by the three modules: metrics, logging, optimizer, throughput.
 
     Subclasses set ``self.net`` and implement ``_query_logits(batch, write)`` returning the
@@ -264,11 +264,6 @@ class _RecallModule(LightningModule):
         if self.trainer.accumulate_grad_batches != 1:
             return "gradient accumulation"
         return None
-
-    def optimizer_zero_grad(self, epoch, batch_idx, optimizer) -> None:
-        if self._graphed.differentiated:
-            return  # the graph zeroed and wrote this step's gradients (Lightning zeroes after training_step)
-        super().optimizer_zero_grad(epoch, batch_idx, optimizer)
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
         if self._graphed.take_backward():

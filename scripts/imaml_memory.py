@@ -35,6 +35,7 @@ import argparse
 import gc
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -188,7 +189,7 @@ def run_one(method, k, steps, args, device, evaluate=True):
 
 
 def _fmt(x, spec):
-    width = spec.split(".")[0]
+    width = re.match(r"\d*", spec).group()  # "5d" -> "5", "9.2f" -> "9"
     return format("-", ">" + width) if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 

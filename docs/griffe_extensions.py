@@ -16,7 +16,10 @@
     one docstring is a warning too;
   - Sphinx roles (``:func:`name```, ``:class:`~a.b.C```) become inline code, and a paragraph
     ending in ``::`` before a literal block ends in ``:``
-    (a ``::`` line alone is dropped).
+    (a ``::`` line alone is dropped);
+
+  and a class's instance attributes without a docstring (state its methods set on ``self``)
+  are left out of the reference, which otherwise lists public names with or without one.
 """
 
 from __future__ import annotations
@@ -182,7 +185,13 @@ def plain_roles(text: str) -> str:
 
 class LibraryDocstrings(griffe.Extension):
     """Every docstring through :func:`split_grouped_args` and :func:`plain_roles`; a warning
-    names a parameter documented twice."""
+    names a parameter documented twice; undocumented instance attributes are dropped."""
+
+    def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
+        for name, member in list(cls.members.items()):
+            if (not member.is_alias and member.is_attribute and member.docstring is None
+                    and "instance-attribute" in member.labels and "class-attribute" not in member.labels):
+                cls.del_member(name)
 
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is None:

@@ -162,6 +162,31 @@ def h(a: int, b: int):
     assert [p.name for p in plain["f"].docstring.parsed[1].value][0] == "a, b"
 
 
+def test_undocumented_instance_attributes_are_dropped(tmp_path):
+    ext = _extensions()
+    source = '''
+class C:
+    """A class.
+
+    Args:
+        n: a size.
+    """
+
+    LIMIT = 3
+
+    def __init__(self, n: int):
+        self.n = n
+        """The size."""
+        self.cache = {}
+
+    def run(self):
+        pass
+'''
+    cls = _load(tmp_path, source, ext.LibraryDocstrings)["C"]
+    assert {"n", "LIMIT", "run"} <= set(cls.members) and "cache" not in cls.members
+    assert "cache" in _load(tmp_path, source)["C"].members
+
+
 def test_sphinx_roles_become_inline_code():
     ext = _extensions()
     text = "Uses :func:`ttt_flash.flash_attention` and :class:`~ttt_flash.models.GPT`; see::\n\n    x = 1\n"

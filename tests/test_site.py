@@ -17,7 +17,7 @@ from pathlib import Path
 
 import griffe
 import pytest
-import yaml
+from mkdocs.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,7 +82,7 @@ def _nav_pages(nav):
 
 
 def test_every_page_is_in_the_nav():
-    nav = list(_nav_pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]))
+    nav = list(_nav_pages(load_config(str(ROOT / "mkdocs.yml"))["nav"]))
     pages = sorted(p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md"))
     assert sorted(nav) == pages
 

@@ -14,9 +14,12 @@
     entry with the shared description, so every name is still checked against the signature
     (a misspelt or removed parameter fails the strict build); a parameter documented twice in
     one docstring is a warning too;
-  - Sphinx roles (``:func:`name```, ``:class:`~a.b.C```) become inline code, and a paragraph
-    ending in ``::`` before a literal block ends in ``:``
-    (a ``::`` line alone is dropped);
+  - Sphinx roles (``:func:`name```, ``:class:`~a.b.C```) become inline code linked to the
+    target's entry in the reference, resolved as Sphinx does (relative to the object's class
+    and module, then absolute); a role naming a ``ttt_flash.`` path that does not exist is a
+    warning, one naming an object no page shows (private, or of torch) stays plain code;
+  - a paragraph ending in ``::`` before a literal block ends in ``:`` (a ``::`` line alone is
+    dropped);
 
   and a class's instance attributes without a docstring (state its methods set on ``self``)
   are left out of the reference, which otherwise lists public names with or without one.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import griffe
 
@@ -170,22 +173,52 @@ def documented_twice(text: str) -> List[str]:
     return sorted(name for name, n in seen.items() if n > 1)
 
 
-_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|data|attr|obj|exc|const|term):`(~?)([^`]+)`")
+_ROLE = re.compile(r":(?:py:)?(?:func|class|mod|meth|data|attr|obj|exc|const|term):`(~?)\.?([^`]+)`")
 _LITERAL_MARK = re.compile(r"(?m)(?<=[^\s:])::$(?=\n[ \t]*\n)")
 _LITERAL_LINE = re.compile(r"(?m)^[ \t]*::[ \t]*$(?=\n[ \t]*\n)")
 
 
-def plain_roles(text: str) -> str:
-    """``text`` with Sphinx roles written as inline code (``~a.b.c`` as ``c``) and the
-    ``::`` that ends a paragraph before a literal block written as ``:`` (a ``::`` line alone
-    is dropped)."""
-    text = _ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", text)
+def literal_blocks(text: str) -> str:
+    """``text`` with the ``::`` that ends a paragraph before a literal block written as ``:``
+    (a ``::`` line alone is dropped): the block itself is already Markdown's indented code."""
     return _LITERAL_LINE.sub("", _LITERAL_MARK.sub(":", text))
 
 
+def link_roles(text: str, resolve: Callable[[str], Optional[str]] = lambda name: None) -> str:
+    """``text`` with each Sphinx role as inline code (``~a.b.c`` shown as ``c``), linked to the
+    reference page of its target where ``resolve(name)`` gives the target's path (an optional
+    cross-reference: plain code if no page documents that object)."""
+    def one(m: re.Match) -> str:
+        name = m.group(2)
+        shown = name.rsplit(".", 1)[-1] if m.group(1) else name
+        path = resolve(name)
+        if path is None:
+            return f"`{shown}`"
+        return f'<autoref identifier="{path}" optional><code>{shown}</code></autoref>'
+
+    return _ROLE.sub(one, text)
+
+
+def lookup(root: griffe.Module, path: str) -> Optional[Any]:
+    """The object at ``path`` (dotted, starting with ``root``'s name) in ``root``'s tree,
+    inherited class members included; None if there is none."""
+    parts = path.split(".")
+    if parts[0] != root.name:
+        return None
+    obj: Any = root
+    try:
+        for part in parts[1:]:
+            obj = (obj.all_members if obj.is_class else obj.members)[part]
+    except (KeyError, griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return None
+    return obj
+
+
 class LibraryDocstrings(griffe.Extension):
-    """Every docstring through :func:`split_grouped_args` and :func:`plain_roles`; a warning
-    names a parameter documented twice; undocumented instance attributes are dropped."""
+    """Every docstring through :func:`split_grouped_args` and :func:`literal_blocks` when it is
+    read, and :func:`link_roles` once its package is loaded; warnings name a parameter
+    documented twice and a role naming a path of the package that does not exist.
+    Undocumented instance attributes are dropped."""
 
     def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
         for name, member in list(cls.members.items()):
@@ -196,8 +229,55 @@ class LibraryDocstrings(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is None:
             return
-        obj.docstring.value = plain_roles(split_grouped_args(obj.docstring.value))
+        obj.docstring.value = literal_blocks(split_grouped_args(obj.docstring.value))
         twice = documented_twice(obj.docstring.value)
         if twice:
-            where = f"{obj.relative_filepath}:{obj.docstring.lineno}"
-            griffe.logger.warning("%s: %s documents %s more than once", where, obj.path, ", ".join(twice))
+            griffe.logger.warning("%s: %s documents %s more than once", _where(obj), obj.path, ", ".join(twice))
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
+        self._link(pkg, pkg)
+
+    def _link(self, obj: Any, root: griffe.Module) -> None:
+        if obj.is_alias:
+            return
+        if obj.docstring is not None:
+            obj.docstring.value = link_roles(obj.docstring.value, lambda name: self._resolve(name, obj, root))
+        for member in list(obj.members.values()):
+            self._link(member, root)
+
+    @staticmethod
+    def _resolve(name: str, obj: Any, root: griffe.Module) -> Optional[str]:
+        """Sphinx's order: the name as written relative to the object's class or module and
+        each enclosing one, then as an absolute path; a path into ``root``'s package that
+        names nothing is a warning."""
+        scope = obj if (obj.is_module or obj.is_class) else obj.parent
+        for path in [*(f"{s.path}.{name}" for s in _enclosing(scope)), name]:
+            found = lookup(root, path)
+            if found is not None:
+                # an imported name links to where its object is defined (a page's entry
+                # answers to its own path and to that canonical one)
+                return _canonical(found) or path
+        if name.split(".", 1)[0] == root.name:
+            griffe.logger.warning("%s: %s names %s, which does not exist", _where(obj), obj.path, name)
+        return None
+
+
+def _enclosing(scope: Any) -> List[Any]:
+    out = []
+    while scope is not None:
+        out.append(scope)
+        scope = scope.parent
+    return out
+
+
+def _canonical(obj: Any) -> Optional[str]:
+    if not obj.is_alias:
+        return None
+    try:
+        return obj.final_target.path
+    except (griffe.AliasResolutionError, griffe.CyclicAliasError):
+        return None
+
+
+def _where(obj: Any) -> str:
+    return f"{obj.relative_filepath}:{obj.docstring.lineno}"

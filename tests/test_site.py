@@ -190,11 +190,43 @@ class C:
     assert "cache" in _load(tmp_path, source)["C"].members
 
 
-def test_sphinx_roles_become_inline_code():
+def test_sphinx_roles_become_linked_code(tmp_path, caplog):
     ext = _extensions()
-    text = "Uses :func:`ttt_flash.flash_attention` and :class:`~ttt_flash.models.GPT`; see::\n\n    x = 1\n"
-    assert ext.plain_roles(text) == "Uses `ttt_flash.flash_attention` and `GPT`; see:\n\n    x = 1\n"
-    assert ext.plain_roles("Example:\n\n::\n\n    x = 1") == "Example:\n\n\n\n    x = 1"
+    assert ext.literal_blocks("see::\n\n    x = 1\n\n::\n\n    y") == "see:\n\n    x = 1\n\n\n\n    y"
+    assert ext.link_roles("a :func:`torch.func.grad` and :class:`~a.b.C`") == "a `torch.func.grad` and `C`"
+    source = '''
+"""Module: :func:`f`, :class:`~sample_mod.C`, :func:`torch.func.grad`."""
+
+
+def f():
+    """Calls :meth:`C.run`."""
+
+
+class C:
+    """Its own :meth:`run`, and :func:`sample_mod.missing`."""
+
+    def run(self):
+        """Back to :func:`f`."""
+'''
+    with caplog.at_level(logging.WARNING, logger="griffe"):
+        module = _load(tmp_path, source, ext.LibraryDocstrings)
+
+    def link(path, shown):
+        return f'<autoref identifier="{path}" optional><code>{shown}</code></autoref>'
+
+    assert module.docstring.value == (f"Module: {link('sample_mod.f', 'f')}, {link('sample_mod.C', 'C')}, "
+                                      "`torch.func.grad`.")
+    assert module["f"].docstring.value == f"Calls {link('sample_mod.C.run', 'C.run')}."
+    assert module["C"].docstring.value.startswith(f"Its own {link('sample_mod.C.run', 'run')}, and `sample_mod.missing`")
+    assert module["C.run"].docstring.value == f"Back to {link('sample_mod.f', 'f')}."
+    assert "names sample_mod.missing, which does not exist" in caplog.text
+    assert caplog.text.count("does not exist") == 1
+
+
+def test_roles_link_across_pages(site):
+    _, _, out = site
+    assert 'href="#ttt_flash.meta.inner_loop"' in (out / "reference" / "meta" / "index.html").read_text()
+    assert 'href="../models/#ttt_flash.models.GPT"' in (out / "reference" / "memory" / "index.html").read_text()
 
 
 def test_relocated_subpackages_load_under_their_installed_names():

@@ -422,7 +422,6 @@ class TTTE2EMQAR(_RecallModule):
         window: attention window (required: the point of the task).
         fast_layers: blocks whose MLP is a fast weight (negative: from the end).
         chunk_size: context tokens per inner update.
-        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps: as in :class:`GradMemKV`.
         context_parallel: as in :class:`GradMemKV`; each rank runs its block of every chunk's
             sequence (:class:`ttt_flash.memory.FastWeightTTT`).
         inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps, rope_base,

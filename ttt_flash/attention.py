@@ -606,14 +606,25 @@ def _apply_lse(q, k, v, spec: _Spec, cu_q, cu_k):
         o, lse = _apply_lse(q.float(), k.float(), v.float(), spec, cu_q, cu_k)
         return o.to(q.dtype), lse
     if torch.compiler.is_compiling():
-        raise NotImplementedError(
-            "return_lse=True is not supported inside torch.compile (the compiled attention "
-            "returns the output only); call flash_attention with return_lse=True outside the "
-            "compiled region (e.g. in a function decorated with torch.compiler.disable), or "
-            "drop return_lse"
-        )
+        # the custom operators of ttt_flash.ops carry the output only: run this call eagerly
+        return _apply_lse_eager(q, k, v, spec, cu_q, cu_k)
     o, lse = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
     return o, _LogSumExp.fast_apply(q, k, lse, spec, cu_q, cu_k)
+
+
+def _apply_lse_eager(q, k, v, spec: _Spec, cu_q, cu_k):
+    """:func:`_apply_lse` outside the graph that ``torch.compile`` traces (a graph break;
+    ``fullgraph=True`` refuses it, naming this reason)."""
+    return _apply_lse(q, k, v, spec, cu_q, cu_k)
+
+
+_EAGER_LSE_REASON = ("flash_attention(return_lse=True) runs eagerly under torch.compile (the compiled "
+                     "attention operator returns the output only): compile without fullgraph=True, "
+                     "or call it with return_lse=False")
+try:
+    _apply_lse_eager = torch.compiler.disable(_apply_lse_eager, reason=_EAGER_LSE_REASON)
+except TypeError:  # a torch whose disable takes no reason
+    _apply_lse_eager = torch.compiler.disable(_apply_lse_eager)
 
 
 # --------------------------------------------------------------------------- validation
@@ -821,8 +832,8 @@ def flash_attention(
             differentiable like the output: first, second and higher derivatives of a loss
             of (o, lse) are exact, with no N_q × N_k tensor (docs/bob-math.md, "The
             log-sum-exp as an output"). A cotangent of ``lse`` costs one more forward and
-            first backward in each backward (with K as the values). Not under
-            ``torch.compile`` (a ``NotImplementedError`` says so).
+            first backward in each backward (with K as the values). Under ``torch.compile``
+            the call runs eagerly (a graph break; ``fullgraph=True`` refuses it).
 
     Returns:
         Tensor of shape (B, H_q, N_q, D) (``layout="bnhd"``: (B, N_q, H_q, D)), dtype of

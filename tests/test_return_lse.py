@@ -275,6 +275,40 @@ def test_jvp_of_lse_matches_float64():
     assert (ld - ld2).abs().max().item() <= 1e-10
 
 
+def _mixed_loss(fn, q, k, v):
+    o, lse = fn(q, k, v, causal=True)
+    return lse.square().sum() + (torch.sin(o) * lse.unsqueeze(-1)).sum()
+
+
+def _ours(*a, **kw):
+    return flash_attention(*a, return_lse=True, **kw)
+
+
+def test_hessian_forward_over_reverse_through_lse():
+    q, k, v = _dense_inputs(DENSE[1], b=1)
+    got = torch.func.hessian(lambda *a: _mixed_loss(_ours, *a), argnums=(0, 1))(q, k, v)
+    want = torch.func.hessian(lambda *a: _mixed_loss(_dense_oracle, *a), argnums=(0, 1))(q, k, v)
+    for row_got, row_want in zip(got, want):
+        for a, e in zip(row_got, row_want):
+            assert (a - e).abs().max().item() <= 1e-10
+
+
+def test_reverse_over_forward_through_lse():
+    """Gradients of a loss of the tangents (Ȯ, L̇) in (q, k)."""
+    q, k, v = _dense_inputs(DENSE[2])
+    tq, tk = torch.randn_like(q), torch.randn_like(k)
+
+    def grads(fn):
+        def loss(a, b):
+            _, (od, ld) = torch.func.jvp(lambda x, y: fn(x, y, v, causal=True, window=3), (a, b), (tq, tk))
+            return ld.square().sum() + (od * ld.unsqueeze(-1)).sum()
+
+        return torch.func.grad(loss, argnums=(0, 1))(q, k)
+
+    for a, e in zip(grads(_ours), grads(_dense_oracle)):
+        assert (a - e).abs().max().item() <= 1e-10
+
+
 def test_vmap_of_grad_through_lse():
     c = DENSE[1]
     q, k, v = _dense_inputs(c)

@@ -371,3 +371,40 @@ def test_under_torch_compile_runs_eagerly_and_matches():
         assert all(torch.equal(a, b) for a, b in zip(g, g2))
     finally:
         torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
+def test_gpu_kernels_chain_matches_float64(dtype, tol):
+    c = dict(hq=8, hkv=2, nq=384, nk=512, causal=True, window=None)
+    xs = _dense_inputs(c, d=64, b=1)
+    wo = torch.randn(xs[0].shape, dtype=F64, device=DEV)
+    wl = torch.randn(xs[0].shape[:-1], dtype=F64, device=DEV)
+    us = [torch.randn_like(x) for x in xs]
+    exact = _chain(lambda *a: flash_attention(*a, causal=True, return_lse=True, backend="reference"),
+                   _leaves(xs, F64), wo, wl, us)
+    ours = _chain(lambda *a: flash_attention(*a, causal=True, return_lse=True, backend="triton"),
+                  _leaves(xs, dtype), wo.to(dtype), wl.float(), [u.to(dtype) for u in us])
+    for a, e in zip(ours, exact):
+        assert ((a.double() - e).norm() / e.norm()).item() < tol
+
+
+@pytest.mark.gpu
+def test_gpu_second_order_memory_has_no_n_by_n_tensor():
+    """The second-order chain of a loss of (o, lse) at N = 16,384 stays far below one head's
+    N × N float32 matrix (1 GiB)."""
+    n = 16384
+    xs = [torch.randn(1, h, n, 64, device=DEV, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2)]
+    wl = torch.randn(1, 4, n, device=DEV)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o, lse = flash_attention(*xs, causal=True, return_lse=True)
+    g = torch.autograd.grad(o.float().square().sum() + (lse * wl).sum(), xs, create_graph=True)
+    h = torch.autograd.grad(g, xs, [torch.randn_like(t) for t in g])
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(t).all() for t in h)
+    assert torch.cuda.max_memory_allocated() - base < 2**29

@@ -17,6 +17,9 @@ style so that ``torch.func`` transforms compose with them):
   statistics α = l̇, E + αD = rowsum(Ō̇∘ȯ): reverse mode through a jvp.
   ``_AttentionBackward.jvp`` (forward-over-reverse) is the first backward with dO = dȮ plus
   the BoB's (q̄, k̄, v̄) with U = ẋ. Other forward-mode compositions raise.
+* ``_LogSumExp``: (q, k, lse) -> lse, the differentiable row log-sum-exp of
+  ``return_lse=True``; its backward runs ``_Attention`` and ``_AttentionBackward`` on
+  (q, k, k), so every order of derivative is theirs (docs/bob-math.md).
 
 A backward that records no graph (``create_graph=False``, no torch.func transform) calls the
 next composer directly instead of through the next Function: nothing will differentiate it.

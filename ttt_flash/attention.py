@@ -17,6 +17,9 @@ style so that ``torch.func`` transforms compose with them):
   statistics α = l̇, E + αD = rowsum(Ō̇∘ȯ): reverse mode through a jvp.
   ``_AttentionBackward.jvp`` (forward-over-reverse) is the first backward with dO = dȮ plus
   the BoB's (q̄, k̄, v̄) with U = ẋ. Other forward-mode compositions raise.
+* ``_LogSumExp``: (q, k, lse) -> lse, the differentiable row log-sum-exp of
+  ``return_lse=True``; its backward runs ``_Attention`` and ``_AttentionBackward`` on
+  (q, k, k), so every order of derivative is theirs (docs/bob-math.md).
 
 A backward that records no graph (``create_graph=False``, no torch.func transform) calls the
 next composer directly instead of through the next Function: nothing will differentiate it.
@@ -32,7 +35,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -521,6 +524,112 @@ for _fn in (_Attention, _AttentionBackward, _AttentionBoB, _AttentionTangent):
 del _fn
 
 
+# --------------------------------------------------------------------------- return_lse
+#
+# ``return_lse=True`` makes the row log-sum-exp L a second, differentiable output. L is a
+# function of (q, k) alone; with L̄ its cotangent (docs/bob-math.md, "The log-sum-exp as an
+# output") its first backward adds L̄∘P to dS:
+#
+#     Q̄ += τ L̄ ∘ (P K)        K̄ += τ Pᵀ (L̄ ∘ Q)
+#
+# P K is the attention output with K as the values, Pᵀ (L̄∘Q) the dV of a first backward with
+# dO = L̄∘Q: ``_LogSumExp.backward`` forms both with the existing Functions (or, recording no
+# graph, their composers), so its derivatives are theirs: exact to any order, no N×N tensor.
+
+
+class _LogSumExp(_Function):
+    """(q, k, lse) -> lse, made differentiable in (q, k): ``lse`` is the forward's row
+    log-sum-exp ((B, H_q, N_q); varlen (H_q, T_q)), returned as a new tensor. Backward:
+    (τ L̄∘(P K), τ Pᵀ(L̄∘Q)) through ``_Attention`` and ``_AttentionBackward`` with the keys
+    as the values; jvp: L̇ = rowsum(P∘Ṡ) = τ (rowsum(Q̇∘(P K)) + rowsum(Q∘(P K̇)))."""
+
+    _KINDS = ("tensor", "tensor", "row", "static", "cu", "cu")
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, lse, spec, cu_q, cu_k):
+        outs, dims = _vmap_rule(lambda *a: (_LogSumExp.apply(*a),), info, in_dims,
+                                (q, k, lse, spec, cu_q, cu_k), _LogSumExp._KINDS, ("row",))
+        return outs[0], dims[0]
+
+    @staticmethod
+    def forward(q, k, lse, spec: _Spec, cu_q, cu_k):
+        return lse.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, _lse, spec, cu_q, cu_k = inputs
+        ctx.save_for_backward(q, k, cu_q, cu_k)
+        if _forward_mode_possible():
+            ctx.save_for_forward(q, k, cu_q, cu_k)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, glse):
+        if glse is None:
+            return (None,) * 6
+        q, k, cu_q, cu_k = ctx.saved_tensors
+        spec = ctx.spec
+        # L̄ broadcast over the head dim of q: (B, H, N, 1); varlen (T, H, 1)
+        w = (glse.transpose(0, 1) if cu_q is not None else glse).unsqueeze(-1)
+        if _no_graph():
+            composers = backend_module(spec.backend)
+            pk, lse = composers.attn_fwd(q, k, k, **spec.kwargs(cu_q, cu_k))
+            pq = composers.attn_bwd(q, k, k, pk, lse, (w * q).to(q.dtype), **spec.kwargs(cu_q, cu_k),
+                                    **spec.kernel_kwargs())[2]
+        else:  # a graph is recorded: through the Functions, so that it differentiates again
+            pk, lse = _Attention.fast_apply(q, k, k, spec, cu_q, cu_k)
+            pq = _AttentionBackward.fast_apply(q, k, k, pk, lse, (w * q).to(q.dtype), spec, cu_q, cu_k)[2]
+        return (spec.scale * w * pk).to(q.dtype), (spec.scale * pq).to(k.dtype), None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, qd, kd, _lsed, *_):
+        q, k, cu_q, cu_k = ctx.saved_tensors
+        spec = ctx.spec
+        acc = None
+        if qd is not None:
+            acc = (qd * _Attention.fast_apply(q, k, k, spec, cu_q, cu_k)[0]).sum(-1)
+        if kd is not None:
+            t = (q * _Attention.fast_apply(q, k, kd, spec, cu_q, cu_k)[0]).sum(-1)
+            acc = t if acc is None else acc + t
+        if acc is None:
+            return None
+        acc = spec.scale * (acc.transpose(0, 1) if cu_q is not None else acc)
+        return acc.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+
+
+_LogSumExp.forward.__signature__ = inspect.signature(_LogSumExp.forward)
+
+
+def _apply_lse(q, k, v, spec: _Spec, cu_q, cu_k):
+    """``(o, lse)`` for ``return_lse=True``: ``_Attention``'s output and its row log-sum-exp
+    made differentiable by ``_LogSumExp`` (the path without ``return_lse`` is ``_apply``)."""
+    if spec.backend == "triton" and not q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        # The Triton interpreter (CPU) computes 16-bit dots wrongly: run the kernels in float32.
+        o, lse = _apply_lse(q.float(), k.float(), v.float(), spec, cu_q, cu_k)
+        return o.to(q.dtype), lse
+    if torch.compiler.is_compiling():
+        # the custom operators of ttt_flash.ops carry the output only: run this call eagerly
+        return _apply_lse_eager(q, k, v, spec, cu_q, cu_k)
+    o, lse = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
+    return o, _LogSumExp.fast_apply(q, k, lse, spec, cu_q, cu_k)
+
+
+def _apply_lse_eager(q, k, v, spec: _Spec, cu_q, cu_k):
+    """:func:`_apply_lse` outside the graph that ``torch.compile`` traces (a graph break;
+    ``fullgraph=True`` refuses it, naming this reason)."""
+    return _apply_lse(q, k, v, spec, cu_q, cu_k)
+
+
+_EAGER_LSE_REASON = ("flash_attention(return_lse=True) runs eagerly under torch.compile (the compiled "
+                     "attention operator returns the output only): compile without fullgraph=True, "
+                     "or call it with return_lse=False")
+try:
+    _apply_lse_eager = torch.compiler.disable(_apply_lse_eager, reason=_EAGER_LSE_REASON)
+except TypeError:  # a torch whose disable takes no reason
+    _apply_lse_eager = torch.compiler.disable(_apply_lse_eager)
+
+
 # --------------------------------------------------------------------------- validation
 
 
@@ -677,7 +786,8 @@ def flash_attention(
     precise_bob: bool = True,
     deterministic: bool = False,
     layout: Optional[str] = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable to any order exactly.
 
     ``o = softmax(scale · q kᵀ + mask) v`` for each batch and head, with exact gradients
@@ -719,10 +829,21 @@ def flash_attention(
             says so when the tensors would be consistent read as (B, N, H, D). Tensors of
             one layout with equal shapes and at least as many positions as heads cannot
             be told apart: pass ``layout`` explicitly to state it (and silence the check).
+        return_lse: also return the row log-sum-exp of the masked, scaled scores,
+            ``lse[b, h, i] = log Σ_j exp(scale · q_i·k_j)`` over the keys query i sees, as
+            FlashAttention's ``return_softmax_lse`` / ``return_attn_probs``. ``lse`` is
+            differentiable like the output: first, second and higher derivatives of a loss
+            of (o, lse) are exact, with no N_q × N_k tensor (docs/bob-math.md, "The
+            log-sum-exp as an output"). A cotangent of ``lse`` costs one more forward and
+            first backward in each backward (with K as the values). Under ``torch.compile``
+            the call runs eagerly (a graph break; ``fullgraph=True`` refuses it).
 
     Returns:
         Tensor of shape (B, H_q, N_q, D) (``layout="bnhd"``: (B, N_q, H_q, D)), dtype of
         ``q``. A query row that sees no key returns 0, and all its gradients are 0.
+        With ``return_lse=True``: the pair ``(o, lse)``, ``lse`` of shape (B, H_q, N_q) in
+        either layout, float64 for float64 inputs and float32 otherwise; a row that sees no
+        key has ``lse = -inf`` (gradients through it stay 0, never NaN).
 
     Inputs may be non-contiguous (e.g. produced by ``transpose``). Derivatives of any order
     are exact: the third and higher recompute the backward-over-backward in blocks of query
@@ -766,6 +887,9 @@ def flash_attention(
         backend = "reference"  # nothing for a kernel to do; the reference handles empties
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
                  precise_bob=bool(precise_bob), deterministic=bool(deterministic))
+    if return_lse is not False and _flag("return_lse", return_lse):
+        o, lse = _apply_lse(q, k, v, spec, None, None)
+        return (o.transpose(1, 2) if layout == "bnhd" else o), lse
     o = _apply(q, k, v, spec, None, None)
     return o.transpose(1, 2) if layout == "bnhd" else o
 
@@ -785,13 +909,14 @@ def flash_attention_varlen(
     backend: str = "auto",
     precise_bob: bool = True,
     deterministic: bool = False,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     r"""Attention over variable-length sequences packed along the token axis.
 
     Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
     ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
     sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend``,
-    ``precise_bob`` and ``deterministic`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
+    ``precise_bob``, ``deterministic`` and ``return_lse`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
 
     The packed (T, H, D) layout is FlashAttention's ``flash_attn_varlen_func`` layout (no
     ``layout`` argument here).
@@ -805,7 +930,10 @@ def flash_attention_varlen(
             it (one device synchronisation).
 
     Returns:
-        (T_q, H_q, D) tensor, differentiable twice like :func:`flash_attention`.
+        (T_q, H_q, D) tensor, differentiable twice like :func:`flash_attention`. With
+        ``return_lse=True``: the pair ``(o, lse)``, ``lse`` the differentiable row
+        log-sum-exp of shape (H_q, T_q) (FlashAttention's varlen layout), float64 for
+        float64 inputs and float32 otherwise, ``-inf`` on rows that see no key.
 
     Example::
 
@@ -860,4 +988,6 @@ def flash_attention_varlen(
         precise_bob=bool(precise_bob),
         deterministic=bool(deterministic),
     )
+    if return_lse is not False and _flag("return_lse", return_lse):
+        return _apply_lse(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
     return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

@@ -165,6 +165,18 @@ def _ceil_to(x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi) from the visible span [lo, hi) and the span [full_lo,
+    full_hi) seen whole: hi >= 0, lo <= hi, and the unmasked tiles (starting at multiples of
+    BLOCK) [mid_lo, mid_hi) inside [lo, hi)."""
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK), lo), hi)
+    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Key tiles a query tile [m0, m0 + BLOCK_M) visits: (lo, mid_lo, mid_hi, hi).
@@ -185,11 +197,7 @@ def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
         if WINDOW:
             lo = _floor_to(m0 + shift - window + 1, BLOCK_N)
             full_lo = m_last + shift - window + 1
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(lo, hi)
-    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_N), lo), hi)
-    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_N), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK_N)
 
 
 @triton.jit
@@ -212,11 +220,7 @@ def _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
         if WINDOW:
             hi = tl.minimum(hi, n_last - shift + window)
             full_hi = tl.minimum(full_hi, n0 - shift + window)
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(lo, hi)
-    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_M), lo), hi)
-    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_M), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK_M)
 
 
 @triton.jit
@@ -421,12 +425,19 @@ class Layout:
     t_q: int  # total query tokens (B*N_q dense, T_q varlen)
 
 
+@functools.lru_cache(maxsize=None)
+def _several_gpus() -> bool:
+    """More than one visible CUDA device (fixed for the process): only then can q's device
+    differ from the current one."""
+    return torch.cuda.device_count() > 1
+
+
 def on_input_device(fn):
     """Run a composer with q's CUDA device current: Triton launches on the current device."""
 
     @functools.wraps(fn)
     def wrapper(q, *args, **kwargs):
-        if q.is_cuda and q.device.index != torch.cuda.current_device():
+        if q.is_cuda and _several_gpus() and q.get_device() != torch.cuda.current_device():
             with torch.cuda.device(q.device):
                 return fn(q, *args, **kwargs)
         return fn(q, *args, **kwargs)
@@ -461,15 +472,21 @@ def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layo
         h_q, h_kv = q.shape[1], k.shape[1]
         return Layout(True, batch, h_q, h_kv, h_q // h_kv, q.shape[-1], int(max_seqlen_q),
                       int(max_seqlen_k), q.shape[0])
-    b, h_q, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
+    return _dense_layout(q.shape, k.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_layout(q_shape, k_shape) -> Layout:
+    """The dense call's Layout, made once per pair of shapes (host time per call)."""
+    b, h_q, n_q, d = q_shape
+    h_kv, n_k = k_shape[1], k_shape[2]
     return Layout(False, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
 
 
 def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """Make ``x`` kernel-readable: unit stride along d and no stride-0 (expanded) dims."""
-    if x is None:
-        return None
+    if x is None or x.is_contiguous():
+        return x
     if x.stride(-1) != 1 or any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
         x = x.contiguous()
     return x
@@ -487,9 +504,10 @@ def view(x: torch.Tensor, varlen: bool, like: Optional[torch.Tensor] = None) -> 
     an absent ``x`` (None) the view of ``like`` (never read: a constexpr flag says so)."""
     if x is None:
         x = like
+    s = x.stride()
     if varlen:
-        return x, 0, x.stride(1), x.stride(0)
-    return x, x.stride(0), x.stride(1), x.stride(2)
+        return x, 0, s[1], s[0]
+    return x, s[0], s[1], s[2]
 
 
 def new_empty(shape, dtype, device) -> torch.Tensor:
@@ -502,6 +520,13 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
 def new_rowvec(lay: Layout, device) -> torch.Tensor:
     shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
     return new_empty(shape, torch.float32, device)
+
+
+def new_rowvecs(lay: Layout, device, count: int) -> tuple:
+    """``count`` float32 row vectors in ``lse``'s layout, each contiguous, carved from one
+    allocation (one allocator call instead of ``count``)."""
+    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
+    return new_empty((count, *shape), torch.float32, device).unbind(0)
 
 
 def block_d(head_dim: int) -> int:

@@ -43,6 +43,8 @@ from .common import (
     _store_view,
     _tile_base,
     _visible,
+)
+from .host import (
     block_d,
     cu_or_dummy,
     dot_precision,

@@ -19,13 +19,14 @@ from .bob_cols import _bob_col_kernel
 from .bob_rows import _bob_affine_kernel, _bob_direct_kernel, _bob_stats_kernel
 from .common import (
     LOG2E,
+)
+from .host import (
     block_d,
     cu_or_dummy,
     dot_precision,
     layout,
     long_rows,
     new_empty,
-    new_rowvec,
     new_rowvecs,
     on_input_device,
     prep,

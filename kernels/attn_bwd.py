@@ -43,6 +43,8 @@ from .common import (
     _store_view,
     _tile_base,
     _visible,
+)
+from .host import (
     block_d,
     cu_or_dummy,
     dot_precision,
@@ -50,6 +52,7 @@ from .common import (
     long_rows,
     new_empty,
     new_rowvec,
+    new_rowvecs,
     on_input_device,
     prep,
     rowvec_strides,
@@ -228,8 +231,10 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
                   CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen,
                   PREC=dot_precision(q.dtype), LONG=long_rows(lay, q, k, v, o, do, dq, dk, dv))
     args = (lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
-    delta = new_rowvec(lay, q.device)
-    rho = new_rowvec(lay, q.device) if p.rowsum else delta
+    if p.rowsum:
+        delta, rho = new_rowvecs(lay, q.device, 2)
+    else:
+        delta = rho = new_rowvec(lay, q.device)
     if dq.numel() and lay.n_q > 0:
         # dQ first: its programs also form D = rowsum(dO∘O) and ρ, which dK/dV read
         cfg = p.dq

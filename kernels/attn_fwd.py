@@ -23,6 +23,8 @@ from .common import (
     _store_tile,
     _tile_base,
     _visible,
+)
+from .host import (
     block_d,
     cu_or_dummy,
     dot_precision,

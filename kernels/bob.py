@@ -19,13 +19,15 @@ from .bob_cols import _bob_col_kernel
 from .bob_rows import _bob_affine_kernel, _bob_direct_kernel, _bob_stats_kernel
 from .common import (
     LOG2E,
+)
+from .host import (
     block_d,
     cu_or_dummy,
     dot_precision,
     layout,
     long_rows,
     new_empty,
-    new_rowvec,
+    new_rowvecs,
     on_input_device,
     prep,
     rowvec_strides,
@@ -96,9 +98,12 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         alpha, ee = stats[0].contiguous(), stats[1].contiguous()
         rho = stats[2].contiguous() if p.rowsum else lse
     else:
-        alpha = new_rowvec(lay, q.device) if p.with_stats else lse
-        ee = new_rowvec(lay, q.device) if p.with_stats else lse
-        rho = new_rowvec(lay, q.device) if p.with_stats and p.rowsum else lse
+        if p.with_stats and p.rowsum:
+            alpha, ee, rho = new_rowvecs(lay, q.device, 3)
+        elif p.with_stats:
+            (alpha, ee), rho = new_rowvecs(lay, q.device, 2), lse
+        else:
+            alpha = ee = rho = lse
 
     bd = block_d(lay.head_dim)
     varlen = lay.varlen

@@ -15,8 +15,8 @@ inside the loop only boundary tiles (the diagonal, the window edge, the ragged t
 outside [mid_lo, mid_hi)) pay for the mask, through a runtime-uniform branch. One loop per
 kernel keeps register pressure lower than separate masked/unmasked loops.
 
-The host half turns dense (B, H, N, D) and varlen (T, H, D) tensors into views, so both
-layouts share the kernels.
+The host half (``host.py``) turns dense (B, H, N, D) and varlen (T, H, D) tensors into
+views, so both layouts share the kernels.
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ LN2 = 0.6931471805599453
 #: Sequence lengths, group size and window are runtime values: not specialising on them
 #: (divisibility by 16, == 1) keeps one compiled kernel per dtype/head dim/mask kind.
 _NO_SPECIALIZE = ["N_Q", "N_K", "GROUPS", "window"]
-
-#: Test hook: when True, every output is allocated filled with NaN, so that an element a
-#: kernel forgets to write fails loudly.
-POISON_OUTPUTS = False
 
 
 # --------------------------------------------------------------------------- jit helpers
@@ -165,6 +161,18 @@ def _ceil_to(x, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """(lo, mid_lo, mid_hi, hi) from the visible span [lo, hi) and the span [full_lo,
+    full_hi) seen whole: hi >= 0, lo <= hi, and the unmasked tiles (starting at multiples of
+    BLOCK) [mid_lo, mid_hi) inside [lo, hi)."""
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(lo, hi)
+    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK), lo), hi)
+    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK), mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
 def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """Key tiles a query tile [m0, m0 + BLOCK_M) visits: (lo, mid_lo, mid_hi, hi).
@@ -185,11 +193,7 @@ def _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
         if WINDOW:
             lo = _floor_to(m0 + shift - window + 1, BLOCK_N)
             full_lo = m_last + shift - window + 1
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(lo, hi)
-    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_N), lo), hi)
-    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_N), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK_N)
 
 
 @triton.jit
@@ -212,11 +216,7 @@ def _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M: tl.constexpr,
         if WINDOW:
             hi = tl.minimum(hi, n_last - shift + window)
             full_hi = tl.minimum(full_hi, n0 - shift + window)
-    hi = tl.maximum(hi, 0)
-    lo = tl.minimum(lo, hi)
-    mid_lo = tl.minimum(tl.maximum(_ceil_to(full_lo, BLOCK_M), lo), hi)
-    mid_hi = tl.maximum(_floor_to(full_hi, BLOCK_M), mid_lo)
-    return lo, mid_lo, mid_hi, hi
+    return _clamp_tile_range(lo, full_lo, full_hi, hi, BLOCK_M)
 
 
 @triton.jit
@@ -401,143 +401,3 @@ def _lse_log2(lse):
     """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""
     lse2 = lse * 1.4426950408889634
     return tl.where(lse2 == float("-inf"), float("inf"), lse2)
-
-
-# --------------------------------------------------------------------------- host helpers
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Sizes of one attention call, dense or varlen, as the kernels see them."""
-
-    varlen: bool
-    batch: int
-    h_q: int
-    h_kv: int
-    groups: int
-    head_dim: int
-    n_q: int  # dense length, or max_seqlen_q for varlen (grid size)
-    n_k: int
-    t_q: int  # total query tokens (B*N_q dense, T_q varlen)
-
-
-def on_input_device(fn):
-    """Run a composer with q's CUDA device current: Triton launches on the current device."""
-
-    @functools.wraps(fn)
-    def wrapper(q, *args, **kwargs):
-        if q.is_cuda and q.device.index != torch.cuda.current_device():
-            with torch.cuda.device(q.device):
-                return fn(q, *args, **kwargs)
-        return fn(q, *args, **kwargs)
-
-    return wrapper
-
-
-def check_inputs(q: torch.Tensor) -> None:
-    """Raise for dtypes / head dims the kernels do not handle (float64 goes to the reference)."""
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(
-            f"ttt_flash.kernels supports float16, bfloat16 and float32 inputs, got {q.dtype}"
-            " (float64 runs on ttt_flash.reference)"
-        )
-    d = q.shape[-1]
-    if d > MAX_HEAD_DIM or d < 1:
-        raise ValueError(f"head dim {d} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
-
-
-def _max_len(cu: torch.Tensor) -> int:
-    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
-
-
-def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layout:
-    check_inputs(q)
-    if cu_seqlens_q is not None:
-        batch = cu_seqlens_q.numel() - 1
-        if max_seqlen_q is None:  # host sync: pass max_seqlen_* to avoid it
-            max_seqlen_q = _max_len(cu_seqlens_q)
-        if max_seqlen_k is None:
-            max_seqlen_k = _max_len(cu_seqlens_k)
-        h_q, h_kv = q.shape[1], k.shape[1]
-        return Layout(True, batch, h_q, h_kv, h_q // h_kv, q.shape[-1], int(max_seqlen_q),
-                      int(max_seqlen_k), q.shape[0])
-    b, h_q, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
-    return Layout(False, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
-
-
-def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Make ``x`` kernel-readable: unit stride along d and no stride-0 (expanded) dims."""
-    if x is None:
-        return None
-    if x.stride(-1) != 1 or any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
-        x = x.contiguous()
-    return x
-
-
-def rowvec_strides(lay: Layout):
-    """(batch, head) strides of a contiguous row vector: (B, H, N) dense or (H, T) varlen."""
-    if lay.varlen:
-        return 0, lay.t_q
-    return lay.h_q * lay.n_q, lay.n_q
-
-
-def view(x: torch.Tensor, varlen: bool, like: Optional[torch.Tensor] = None) -> tuple:
-    """The kernels' view of a tile tensor: (x, batch stride, head stride, token stride); for
-    an absent ``x`` (None) the view of ``like`` (never read: a constexpr flag says so)."""
-    if x is None:
-        x = like
-    if varlen:
-        return x, 0, x.stride(1), x.stride(0)
-    return x, x.stride(0), x.stride(1), x.stride(2)
-
-
-def new_empty(shape, dtype, device) -> torch.Tensor:
-    """Uninitialised contiguous output (NaN-filled under POISON_OUTPUTS)."""
-    if POISON_OUTPUTS:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def new_rowvec(lay: Layout, device) -> torch.Tensor:
-    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
-    return new_empty(shape, torch.float32, device)
-
-
-def block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
-
-
-def dot_precision(dtype: torch.dtype):
-    """``tl.dot`` input precision: IEEE for float32 (no TF32), the default for 16-bit inputs."""
-    if dtype == torch.float32:
-        return "ieee"
-    return None
-
-
-def long_rows(lay: Layout, *tensors) -> bool:
-    """True when an in-sequence row offset times a token stride may overflow int32."""
-    n = max(lay.n_q, lay.n_k, 1)
-    stride = max((t.stride(0 if lay.varlen else 2) for t in tensors if t is not None), default=1)
-    return (n + 256) * stride + 256 >= 2**31
-
-
-_DUMMIES: dict = {}
-
-
-def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls (one
-    per device, made once: dense kernels never read it)."""
-    if cu is None:
-        dummy = _DUMMIES.get(like.device)
-        if dummy is None:
-            dummy = _DUMMIES[like.device] = torch.zeros(1, dtype=torch.int32, device=like.device)
-        return dummy
-    return cu.to(device=like.device, dtype=torch.int32).contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def device_capability(index) -> tuple:
-    """(major, minor) compute capability of CUDA device ``index``, cached: the query costs
-    more than a kernel launch's own bookkeeping."""
-    return tuple(torch.cuda.get_device_capability(index))

@@ -1,7 +1,7 @@
 """The one place that decides which passes a call runs, and with which tiles.
 
 The composers (``attn_fwd``, ``attn_bwd``, ``attn_bob``, ``attn_jvp``, ``attn_tangent``)
-describe a call by hashable facts (its ``common.Layout``, dtype, device and flags) and read
+describe a call by hashable facts (its ``host.Layout``, dtype, device and flags) and read
 back a plan: the Triton tiles of each pass (``configs`` tables and overrides; the
 interpreter's small tiles off CUDA), whether a pass runs as its Gluon kernel (the verifiers
 of ``gluon/scope.py``), and which BoB passes run at all. Plans are cached per call shape, so a
@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import configs
-from .common import Layout, block_d, device_capability
+from .host import Layout, block_d, device_capability
 from .gluon import scope
 
 Tiles = Union[configs.TileConfig, configs.GluonConfig]

@@ -30,7 +30,7 @@ from .attn_bwd import attn_bwd
 from .attn_fwd import attn_fwd
 from .attn_jvp import attn_jvp
 from .bob import attn_bob
-from .common import block_d
+from .host import block_d
 
 #: kernel kind -> (composer name, extra composer kwargs)
 KIND_COMPOSER = {

@@ -66,7 +66,7 @@ class _Sm90Stub:
 def load_module(name):
     """kernels/gluon/<name>.py by path (this script may run under an interpreter where the
     package is not installed), as a module of a bare package over kernels/ (so that its
-    relative imports of gluon/common.py, configs.py and common.py resolve; kernels/__init__.py
+    relative imports of gluon/common.py, configs.py, common.py and host.py resolve; kernels/__init__.py
     is not run)."""
     pkg = "_gluon_kernels"
     if pkg not in sys.modules:

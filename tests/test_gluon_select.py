@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ttt_flash.kernels import attn_bob, attn_fwd, configs, plan
-from ttt_flash.kernels.common import Layout
+from ttt_flash.kernels.host import Layout
 from ttt_flash.kernels.gluon import scope
 
 attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")

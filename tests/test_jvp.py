@@ -284,11 +284,11 @@ def _check_kernel(x, t, kw, tol_o, tol_row):
     from ttt_flash import kernels
 
     up = lambda a: None if a is None else a.double()  # noqa: E731
-    kernels.common.POISON_OUTPUTS = True
+    kernels.host.POISON_OUTPUTS = True
     try:
         got = kernels.attn_jvp(*x, *t, **kw)
     finally:
-        kernels.common.POISON_OUTPUTS = False
+        kernels.host.POISON_OUTPUTS = False
     ref = reference.attn_jvp(*(up(a) for a in x), *(up(a) for a in t), **kw)
     for name, g, r, tol in zip(("o", "lse", "od", "lsed"), got, ref, (tol_o, tol_row, tol_o, tol_row)):
         assert not torch.isnan(g).any(), f"{name} has NaN (unwritten element)"
@@ -380,11 +380,11 @@ def _check_tangent_kernel(x, t, kw, tol):
 
     up = lambda a: None if a is None else a.double()  # noqa: E731
     o, lse = kernels.attn_fwd(*x, **kw)
-    kernels.common.POISON_OUTPUTS = True
+    kernels.host.POISON_OUTPUTS = True
     try:
         got = kernels.attn_tangent(*x, o, lse, *t, **kw)
     finally:
-        kernels.common.POISON_OUTPUTS = False
+        kernels.host.POISON_OUTPUTS = False
     ref = reference.attn_tangent(*(up(a) for a in x), up(o), lse.double(), *(up(a) for a in t), **kw)
     one_pass = kernels.attn_jvp(*x, *t, **kw)
     for name, g, r, j in zip(("od", "lsed", "rho"), got, ref, (one_pass[2], one_pass[3], None)):
@@ -453,12 +453,12 @@ def test_bob_with_the_tangent_statistics_interpreter(case, deterministic, one_th
     ee = (do.double() * od.double()).sum(-1).float()
     needs = (True, True, True, False)
     plain = kernels.attn_bob(*x, o, lse, do, delta, *t, needs=needs, deterministic=deterministic, **kw)
-    kernels.common.POISON_OUTPUTS = True
+    kernels.host.POISON_OUTPUTS = True
     try:
         given = kernels.attn_bob(*x, o, lse, do, delta, *t, needs=needs, deterministic=deterministic,
                                  stats=(lsed, ee, rho), **kw)
     finally:
-        kernels.common.POISON_OUTPUTS = False
+        kernels.host.POISON_OUTPUTS = False
     for name, g, p in zip(("qb", "kb", "vb"), given, plain):
         assert not torch.isnan(g).any(), f"{name} has NaN (unwritten element)"
         scale = max(p.abs().max().item(), 1.0)

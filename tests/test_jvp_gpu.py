@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from ttt_flash import flash_attention, flash_attention_varlen  # noqa: E402
-from ttt_flash.kernels import attn_jvp, common  # noqa: E402
+from ttt_flash.kernels import attn_jvp, host  # noqa: E402
 from ttt_flash.reference import naive_attention, naive_attention_varlen  # noqa: E402
 
 DEV = "cuda"
@@ -98,11 +98,11 @@ def test_tangent_kernel_gpu(case, dt):
     low = [a.to(dtype) for a in x]
     lowt = [a.to(dtype) for a in t]
     math = jvp(naive, tuple(low), tuple(lowt))
-    common.POISON_OUTPUTS = True
+    host.POISON_OUTPUTS = True
     try:
         o, lse, od, lsed = attn_jvp(*low, *lowt, **kern)
     finally:
-        common.POISON_OUTPUTS = False
+        host.POISON_OUTPUTS = False
     assert not torch.isnan(o).any() and not torch.isnan(od).any() and not torch.isnan(lsed).any()
     _rule("o", o, math[0], exact[0], dtype)
     _rule("od", od, math[1], exact[1], dtype)
@@ -150,11 +150,11 @@ def test_tangent_from_saved_forward_gpu(case, dt):
     lowt = [a.to(dtype) for a in t]
     math = jvp(naive, tuple(low), tuple(lowt))
     o, lse = attn_fwd(*low, **kern)
-    common.POISON_OUTPUTS = True
+    host.POISON_OUTPUTS = True
     try:
         od, lsed, rho = attn_tangent(*low, o, lse, *lowt, **kern)
     finally:
-        common.POISON_OUTPUTS = False
+        host.POISON_OUTPUTS = False
     assert not torch.isnan(od).any() and not torch.isnan(lsed).any() and not torch.isnan(rho).any()
     _rule("od", od, math[1], exact[1], dtype)
 

@@ -27,7 +27,7 @@ from ttt_flash.kernels import (  # noqa: E402
     attn_bob,
     attn_bwd,
     attn_fwd,
-    common,
+    host,
 )
 from ttt_flash.reference import naive_attention  # noqa: E402
 
@@ -47,7 +47,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(host, "POISON_OUTPUTS", True)
 
 
 # --------------------------------------------------------------------------- oracles

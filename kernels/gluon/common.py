@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from .. import configs
-from ..common import LOG2E, device_capability
+from ..common import LOG2E
+from ..host import device_capability
 
 try:
     from triton.experimental import gluon

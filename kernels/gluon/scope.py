@@ -50,7 +50,7 @@ def importable(kind: str) -> bool:
 def common_reason(kind: str, lay, dtype: torch.dtype, capability, *, window: bool,
                   rowsum: bool, contiguous: bool) -> Optional[str]:
     """Why pass ``kind`` cannot take the call (the conditions shared by every Gluon pass),
-    or None. ``lay``: the call's ``common.Layout``; ``capability``: the device's (major,
+    or None. ``lay``: the call's ``host.Layout``; ``capability``: the device's (major,
     minor), None off CUDA or under the interpreter; ``contiguous``: every tile input is."""
     cfg = configs.GLUON.get((kind, lay.head_dim))
     if not configs.gluon_passes_enabled():

@@ -1,0 +1,181 @@
+"""The host half of the kernels: what a composer does before a launch.
+
+It sizes a call (:class:`Layout`), makes its tensors kernel-readable (:func:`prep`), turns
+dense (B, H, N, D) and varlen (T, H, D) tensors into the kernels' views (:func:`view`: the
+tuple (pointer, batch stride, head stride, token stride)), allocates outputs and row vectors,
+and picks per-call flags (:func:`long_rows`, :func:`dot_precision`). The jit half is
+``common.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from .common import MAX_HEAD_DIM
+
+#: Test hook: when True, every output is allocated filled with NaN, so that an element a
+#: kernel forgets to write fails loudly.
+POISON_OUTPUTS = False
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Sizes of one attention call, dense or varlen, as the kernels see them."""
+
+    varlen: bool
+    batch: int
+    h_q: int
+    h_kv: int
+    groups: int
+    head_dim: int
+    n_q: int  # dense length, or max_seqlen_q for varlen (grid size)
+    n_k: int
+    t_q: int  # total query tokens (B*N_q dense, T_q varlen)
+
+
+@functools.lru_cache(maxsize=None)
+def _several_gpus() -> bool:
+    """More than one visible CUDA device (fixed for the process): only then can q's device
+    differ from the current one."""
+    return torch.cuda.device_count() > 1
+
+
+def on_input_device(fn):
+    """Run a composer with q's CUDA device current: Triton launches on the current device."""
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        if q.is_cuda and _several_gpus() and q.get_device() != torch.cuda.current_device():
+            with torch.cuda.device(q.device):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
+
+    return wrapper
+
+
+def check_inputs(q: torch.Tensor) -> None:
+    """Raise for dtypes / head dims the kernels do not handle (float64 goes to the reference)."""
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(
+            f"ttt_flash.kernels supports float16, bfloat16 and float32 inputs, got {q.dtype}"
+            " (float64 runs on ttt_flash.reference)"
+        )
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM or d < 1:
+        raise ValueError(f"head dim {d} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
+
+
+def _max_len(cu: torch.Tensor) -> int:
+    return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+
+
+def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layout:
+    check_inputs(q)
+    if cu_seqlens_q is not None:
+        batch = cu_seqlens_q.numel() - 1
+        if max_seqlen_q is None:  # host sync: pass max_seqlen_* to avoid it
+            max_seqlen_q = _max_len(cu_seqlens_q)
+        if max_seqlen_k is None:
+            max_seqlen_k = _max_len(cu_seqlens_k)
+        h_q, h_kv = q.shape[1], k.shape[1]
+        return Layout(True, batch, h_q, h_kv, h_q // h_kv, q.shape[-1], int(max_seqlen_q),
+                      int(max_seqlen_k), q.shape[0])
+    return _dense_layout(q.shape, k.shape)
+
+
+@functools.lru_cache(maxsize=256)
+def _dense_layout(q_shape, k_shape) -> Layout:
+    """The dense call's Layout, made once per pair of shapes (host time per call)."""
+    b, h_q, n_q, d = q_shape
+    h_kv, n_k = k_shape[1], k_shape[2]
+    return Layout(False, b, h_q, h_kv, h_q // h_kv, d, n_q, n_k, b * n_q)
+
+
+def prep(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Make ``x`` kernel-readable: unit stride along d and no stride-0 (expanded) dims."""
+    if x is None or x.is_contiguous():
+        return x
+    if x.stride(-1) != 1 or any(s == 0 and n > 1 for s, n in zip(x.stride(), x.shape)):
+        x = x.contiguous()
+    return x
+
+
+def rowvec_strides(lay: Layout):
+    """(batch, head) strides of a contiguous row vector: (B, H, N) dense or (H, T) varlen."""
+    if lay.varlen:
+        return 0, lay.t_q
+    return lay.h_q * lay.n_q, lay.n_q
+
+
+def view(x: torch.Tensor, varlen: bool, like: Optional[torch.Tensor] = None) -> tuple:
+    """The kernels' view of a tile tensor: (x, batch stride, head stride, token stride); for
+    an absent ``x`` (None) the view of ``like`` (never read: a constexpr flag says so)."""
+    if x is None:
+        x = like
+    s = x.stride()
+    if varlen:
+        return x, 0, s[1], s[0]
+    return x, s[0], s[1], s[2]
+
+
+def new_empty(shape, dtype, device) -> torch.Tensor:
+    """Uninitialised contiguous output (NaN-filled under POISON_OUTPUTS)."""
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def new_rowvec(lay: Layout, device) -> torch.Tensor:
+    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
+    return new_empty(shape, torch.float32, device)
+
+
+def new_rowvecs(lay: Layout, device, count: int) -> tuple:
+    """``count`` float32 row vectors in ``lse``'s layout, each contiguous, carved from one
+    allocation (one allocator call instead of ``count``)."""
+    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
+    return new_empty((count, *shape), torch.float32, device).unbind(0)
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def dot_precision(dtype: torch.dtype):
+    """``tl.dot`` input precision: IEEE for float32 (no TF32), the default for 16-bit inputs."""
+    if dtype == torch.float32:
+        return "ieee"
+    return None
+
+
+def long_rows(lay: Layout, *tensors) -> bool:
+    """True when an in-sequence row offset times a token stride may overflow int32."""
+    n = max(lay.n_q, lay.n_k, 1)
+    stride = max((t.stride(0 if lay.varlen else 2) for t in tensors if t is not None), default=1)
+    return (n + 256) * stride + 256 >= 2**31
+
+
+_DUMMIES: dict = {}
+
+
+def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls (one
+    per device, made once: dense kernels never read it)."""
+    if cu is None:
+        dummy = _DUMMIES.get(like.device)
+        if dummy is None:
+            dummy = _DUMMIES[like.device] = torch.zeros(1, dtype=torch.int32, device=like.device)
+        return dummy
+    return cu.to(device=like.device, dtype=torch.int32).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def device_capability(index) -> tuple:
+    """(major, minor) compute capability of CUDA device ``index``, cached: the query costs
+    more than a kernel launch's own bookkeeping."""
+    return tuple(torch.cuda.get_device_capability(index))

@@ -381,16 +381,15 @@ def main(argv: Optional[Sequence[str]] = None, extra: Optional[Dict[str, Callabl
         result["triton"] = triton.__version__
     except ImportError:  # pragma: no cover
         pass
-    if "chain" in parts:
-        result["rows"] += chain_rows([int(x) for x in a.seq_lens.split(",")])
-    if "meta" in parts:
-        result["rows"] += meta_rows([int(x) for x in a.meta_seq_lens.split(",")], a.tasks)
-    if "lm" in parts:
-        result["rows"] += lm_rows()
-    for name, fn in extra.items():
-        if name in parts:
-            result["rows"] += fn(a)
+    runs = {"chain": lambda: chain_rows([int(x) for x in a.seq_lens.split(",")]),
+            "meta": lambda: meta_rows([int(x) for x in a.meta_seq_lens.split(",")], a.tasks),
+            "lm": lm_rows, **{name: (lambda fn=fn: fn(a)) for name, fn in extra.items()}}
     path = write_json(result, a.out, "bench_graph.json")
+    for name in known:
+        if name in parts:
+            result["rows"] += runs[name]()
+            # written after every part: a run cut short keeps the parts it finished
+            path = write_json(result, a.out, "bench_graph.json")
     print(format_table(result))
     print(f"wrote {path}")
     return 1 if any("error" in r for r in result["rows"]) else 0

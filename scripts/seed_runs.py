@@ -7,6 +7,7 @@ the target metric, and whether the target holds for the worst seed.
     python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --probe                 # step time and memory at the full length only
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --tiny       # the same plan on the CPU, tiny shapes
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --tiny --in-process  # no process per run
+    python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --gpus 0,1 --deadline 540 --resume  # again: continue
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --summarize-only
 
 Every run is ``ttt-flash fit --config RECIPE --seed_everything S --data.init_args.seed S`` (seed
@@ -20,7 +21,8 @@ loss. A recipe meets them when every seed does, i.e. the target holds for the mi
 Runs start as GPU slots free up (``--gpus`` x ``--per-gpu`` slots; one at a time on the CPU with
 ``--tiny``). ``--max-time`` caps every run (Lightning's ``max_time``, which stops with a last
 validation); ``--deadline`` stops (SIGTERM, then SIGKILL) whatever still runs, so that the
-summary is always written. ``--probe`` runs each recipe's method and baseline for a few steps at
+summary is always written: a stopped run writes its ``last.ckpt`` first, and ``--resume``
+continues it (and skips the runs that finished), so runs longer than one call can be split. ``--probe`` runs each recipe's method and baseline for a few steps at
 its final length only (no validation), to check the recipe's time budget before the full runs.
 Writes DIR/seeds.json (every run's curve, steps, step time and peak memory; per recipe the
 values per seed, min / median / max and the verdicts), DIR/seeds.md, and prints the table last.
@@ -140,11 +142,27 @@ def plan(recipes: List[Recipe], seeds: List[int], probe: bool) -> List[Run]:
     return runs
 
 
-def command(run: Run, runs_dir: Path, max_time: str, probe: bool, tiny: bool) -> List[str]:
+def last_checkpoint(runs_dir: Path, name: str) -> Optional[Path]:
+    """The run's ``last.ckpt`` (written every few steps and when a deadline stops it), if any."""
+    path = runs_dir / name / "checkpoints" / "last.ckpt"
+    return path if path.is_file() else None
+
+
+def command(run: Run, runs_dir: Path, max_time: str, probe: bool, tiny: bool, resume: bool = False) -> List[str]:
+    """The run's ``ttt-flash fit`` command; with ``resume`` it continues from the run's
+    ``last.ckpt`` where there is one (the same CSV log continues; ``max_time`` counts the time
+    already trained)."""
+    ckpt = last_checkpoint(runs_dir, run.name) if resume else None
     return [sys.executable, "-m", "ttt_flash.cli", "fit", "--config", str(run.recipe.path),
             f"--trainer.logger.init_args.save_dir={runs_dir}", f"--trainer.logger.init_args.version={run.name}",
             "--trainer.logger.init_args.flush_logs_every_n_steps=10", "--trainer.enable_progress_bar=false",
-            f"--trainer.max_time={max_time}", *run.overrides(probe, tiny)]
+            f"--trainer.max_time={max_time}", *run.overrides(probe, tiny),
+            *([f"--ckpt_path={ckpt}"] if ckpt else [])]
+
+
+def to_run(runs: List[Run], results: Dict[str, dict], resume: bool) -> List[Run]:
+    """With ``resume``: the runs that have not finished (no exit status 0 recorded)."""
+    return [r for r in runs if not resume or results.get(r.name, {}).get("rc") != 0]
 
 
 def run_in_process(runs: List[Run], out: Path, max_time: str, probe: bool, tiny: bool) -> Dict[str, dict]:
@@ -173,10 +191,11 @@ def run_in_process(runs: List[Run], out: Path, max_time: str, probe: bool, tiny:
 
 
 def launch(runs: List[Run], out: Path, slots: List[str], max_time: str, deadline_s: float, probe: bool,
-           tiny: bool) -> Dict[str, dict]:
+           tiny: bool, resume: bool = False, grace_s: float = 120.0) -> Dict[str, dict]:
     """Run everything, ``len(slots)`` at a time (a slot is a CUDA_VISIBLE_DEVICES value; on the
     CPU one slot); returns {name: {"rc", "wall_s", "gpu"}}. Runs still going at the deadline get
-    SIGTERM, then SIGKILL; runs not started by then are left out."""
+    SIGTERM (each finishes its step and writes last.ckpt), then SIGKILL after ``grace_s``; runs not
+    started by then are left out."""
     runs_dir = out / "runs"
     runs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -205,9 +224,11 @@ def launch(runs: List[Run], out: Path, slots: List[str], max_time: str, deadline
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
             if not tiny:
                 env["CUDA_VISIBLE_DEVICES"] = slot
-            log = open(out / f"{run.name}.log", "w")
-            print(f"{stamp()} start {run.name}" + ("" if tiny else f" (GPU {slot})"), flush=True)
-            proc = subprocess.Popen(command(run, runs_dir, max_time, probe, tiny), cwd=ROOT, env=env, stdout=log,
+            log = open(out / f"{run.name}.log", "a" if resume else "w")
+            cmd = command(run, runs_dir, max_time, probe, tiny, resume)
+            print(f"{stamp()} {'resume' if any(c.startswith('--ckpt_path') for c in cmd) else 'start'} {run.name}"
+                  + ("" if tiny else f" (GPU {slot})"), flush=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             procs[run.name] = (proc, time.monotonic(), log, slot)
         reap(block=False)
@@ -215,7 +236,9 @@ def launch(runs: List[Run], out: Path, slots: List[str], max_time: str, deadline
             for name, (proc, _, _, _) in procs.items():
                 print(f"deadline: stopping {name}", flush=True)
                 os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(15)
+            stop = time.monotonic() + grace_s  # a stopped run finishes its step and writes last.ckpt
+            while time.monotonic() < stop and any(proc.poll() is None for proc, _, _, _ in procs.values()):
+                time.sleep(1)
             for proc, _, _, _ in procs.values():
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -356,9 +379,13 @@ def main(argv=None) -> int:
     p.add_argument("--per-gpu", type=int, default=1, help="runs at once per GPU (1: each run alone, honest times)")
     p.add_argument("--max-time", default="00:00:15:00", help="Lightning max_time of every run (DD:HH:MM:SS)")
     p.add_argument("--deadline", type=float, default=float("inf"), help="seconds after which unfinished runs are stopped")
+    p.add_argument("--grace", type=float, default=120.0,
+                   help="seconds a run stopped at the deadline has to finish its step and write last.ckpt before SIGKILL")
     p.add_argument("--probe", action="store_true",
                    help=f"{PROBE_STEPS} steps of method and baseline at the final length, no validation (seed: the first)")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, 4 steps, one run at a time (a dry run)")
+    p.add_argument("--resume", action="store_true",
+                   help="skip the runs that finished, continue the others from their last.ckpt (after a --deadline)")
     p.add_argument("--in-process", action="store_true", help="with --tiny: the runs in this process, one after another")
     p.add_argument("--summarize-only", action="store_true", help="no runs: summarize DIR/runs again")
     a = p.parse_args(argv)
@@ -382,10 +409,16 @@ def main(argv=None) -> int:
     results: Dict[str, dict] = json.loads(results_file.read_text()) if results_file.is_file() else {}
     if not a.summarize_only:
         slots = ["cpu"] if a.tiny else [g.strip() for g in a.gpus.split(",") if g.strip()] * a.per_gpu
+        todo = to_run(runs, results, a.resume)
         if a.in_process:
-            results.update(run_in_process(runs, a.out, a.max_time, a.probe, a.tiny))
+            results.update(run_in_process(todo, a.out, a.max_time, a.probe, a.tiny))
         else:
-            results.update(launch(runs, a.out, slots, a.max_time, a.deadline, a.probe, a.tiny))
+            new = launch(todo, a.out, slots, a.max_time, a.deadline, a.probe, a.tiny, a.resume, a.grace)
+            for name, r in new.items():  # a resumed run's wall time adds up over its calls
+                before = results.get(name, {}).get("wall_s") if a.resume else None
+                if before:
+                    r["wall_s"] = round(r["wall_s"] + before, 1)
+            results.update(new)
         results_file.write_text(json.dumps(results, indent=1))
     records = {r.name: run_record(r, a.out / "runs", results.get(r.name, {}), a.probe, a.tiny) for r in runs}
     summary = summarize(recipes, runs, records, a.probe)

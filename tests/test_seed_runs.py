@@ -109,3 +109,19 @@ def test_tiny_probe_measures_the_final_length(script, tmp_path):
     entry = summary["recipes"]["maml_transformer_131k"]
     assert entry["final_stage_steps"] == 6 and entry["final_stage_s"] > 0
     assert "final-stage steps" in (tmp_path / "seeds.md").read_text()
+
+
+def test_resume_skips_finished_runs_and_continues_from_last_ckpt(script, tmp_path):
+    recipe = script.Recipe.load(TTT)
+    runs = script.plan([recipe], [0], probe=False)
+    results = {"ttt_e2e_mqar_131k_s0": {"rc": 0}, "ttt_e2e_mqar_131k_base_s0": {"rc": 143}}  # the baseline was stopped
+    assert [r.name for r in script.to_run(runs, results, resume=True)] == ["ttt_e2e_mqar_131k_base_s0"]
+    assert len(script.to_run(runs, results, resume=False)) == 2
+    runs_dir = tmp_path / "runs"
+    assert not any(c.startswith("--ckpt_path") for c in script.command(runs[1], runs_dir, "00:00:15:00", False, False, True))
+    ckpt = runs_dir / "ttt_e2e_mqar_131k_base_s0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    cmd = script.command(runs[1], runs_dir, "00:00:15:00", False, False, True)
+    assert cmd[-1] == f"--ckpt_path={ckpt}" and f"--trainer.logger.init_args.version={runs[1].name}" in cmd
+    assert not any(c.startswith("--ckpt_path") for c in script.command(runs[1], runs_dir, "00:00:15:00", False, False))

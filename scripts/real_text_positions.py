@@ -28,7 +28,8 @@ All three train on the same windows (``--curriculum`` of lengths, ``--tokens-per
 step: the batch is ``tokens_per_step // length``), AdamW with warm-up and cosine decay, for the
 same number of steps; each model's training wall time is recorded (a model may also stop at
 ``--max-train-s``). Checkpoints go to DIR/<model>.pt; a model whose checkpoint is there is not
-trained again. Writes DIR/positions.json (per model: mean loss per bin in nats and bits per byte,
+trained again, and an interrupted one continues exactly from DIR/<model>.partial.pt (saved every
+``--save-every`` steps). Writes DIR/positions.json (per model: mean loss per bin in nats and bits per byte,
 the overall mean, steps, training time, parameters; the bins; the configuration), DIR/positions.png
 (bits per byte against position, log scale; needs matplotlib) and prints a table last.
 """
@@ -162,7 +163,11 @@ def _autocast(a, device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
 
 
-def train(name: str, a, train_tokens: Tensor, device) -> Dict:
+def train(name: str, a, train_tokens: Tensor, device, stop_after: Optional[int] = None) -> Optional[Dict]:
+    """Train the model ``name``; its checkpoint DIR/<name>.pt at the end. Every ``a.save_every``
+    steps (and at ``stop_after``, which then returns None) the whole state goes to
+    DIR/<name>.partial.pt, from which a later call continues exactly: the windows are a function
+    of (seed, index) and nothing else is random."""
     from ttt_flash.tasks import ByteWindows
 
     model = build(name, a).to(device)
@@ -170,16 +175,32 @@ def train(name: str, a, train_tokens: Tensor, device) -> Dict:
     warmup = max(1, a.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min((s + 1) / warmup, 0.1 + 0.45 * (
         1 + math.cos(math.pi * min(1.0, max(0, s - warmup) / max(1, a.steps - warmup))))))
-    curriculum, seen, trained_bytes, losses, started = a.curriculum, 0, 0, [], time.perf_counter()
+    partial = a.out / f"{name}.partial.pt"
+    state = {"step": 0, "seen": 0, "trained_bytes": 0, "losses": [], "elapsed": 0.0}
+    if partial.is_file():
+        saved = torch.load(partial, map_location=device)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        sched.load_state_dict(saved["sched"])
+        state = saved["state"]
+        print(f"{name}: continuing from step {state['step']} ({partial})", flush=True)
+
+    def save(path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "state": state}, tmp)
+        tmp.replace(path)
+
+    curriculum, started = a.curriculum, time.perf_counter() - state["elapsed"]
     bar = _progress(a.steps, f"train {name}")
-    step = 0
-    for step in range(a.steps):
-        length = curriculum.length_at(step)
-        batch = max(1, a.tokens_per_step // length)
+    bar.update(state["step"])
+    while state["step"] < a.steps:
+        if a.max_train_s and time.perf_counter() - started > a.max_train_s:
+            break
+        length = curriculum.length_at(state["step"])
+        batch, seen = max(1, a.tokens_per_step // length), state["seen"]
         windows = ByteWindows(train_tokens, length, a.seed, random=True, count=seen + batch)
         x, y = (torch.stack(t).to(device) for t in zip(*(windows[seen + b] for b in range(batch))))
-        seen += batch
-        trained_bytes += batch * length
         with _autocast(a, device):
             loss = token_nll(model, name, x, y, create_graph=True).mean()
         opt.zero_grad(set_to_none=True)
@@ -187,20 +208,28 @@ def train(name: str, a, train_tokens: Tensor, device) -> Dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss.detach()))
+        state["losses"].append(float(loss.detach()))
+        state["step"] += 1
+        state["seen"] += batch
+        state["trained_bytes"] += batch * length
+        state["elapsed"] = time.perf_counter() - started
         bar.update(1)
-        bar.set_postfix(len=length, loss=f"{losses[-1]:.3f}", refresh=False)
-        if a.max_train_s and time.perf_counter() - started > a.max_train_s:
-            break
+        bar.set_postfix(len=length, loss=f"{state['losses'][-1]:.3f}", refresh=False)
+        if state["step"] == stop_after or (a.save_every and state["step"] % a.save_every == 0):
+            save(partial)
+            if state["step"] == stop_after:
+                bar.close()
+                return None
     bar.close()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    record = {"steps": step + 1, "train_s": round(time.perf_counter() - started, 1), "train_loss_last": losses[-1],
-              "train_bytes": trained_bytes,
-              "params": sum(p.numel() for p in model.parameters())}
+    record = {"steps": state["step"], "train_s": round(time.perf_counter() - started, 1),
+              "train_loss_last": state["losses"][-1] if state["losses"] else None,
+              "train_bytes": state["trained_bytes"], "params": sum(p.numel() for p in model.parameters())}
     if name == "ttt":
         record["inner_lr"] = float(model.inner_lr.detach())
     torch.save({"model": model.state_dict(), "record": record}, a.out / f"{name}.pt")
+    partial.unlink(missing_ok=True)
     return record
 
 
@@ -281,6 +310,7 @@ def main(argv=None) -> int:
                    help="training length by step, FIRST_STEP:LENGTH,... (the last stage: the evaluation length)")
     p.add_argument("--steps", type=int, default=560, help="optimizer steps per model")
     p.add_argument("--tokens-per-step", type=int, default=131072, help="bytes per step (batch = this // length)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between resumable saves (DIR/<model>.partial.pt; 0: none)")
     p.add_argument("--max-train-s", type=float, default=0.0, help="stop a model's training after this many seconds (0: never)")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
@@ -309,6 +339,8 @@ def main(argv=None) -> int:
     for flag in ("eval_len", "docs", "bins", "steps", "tokens_per_step", "window", "chunk"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
+    if a.save_every < 0 or a.max_train_s < 0:
+        p.error(f"--save-every and --max-train-s must be >= 0, got {a.save_every} and {a.max_train_s}")
     try:
         a.curriculum = parse_curriculum(a.curriculum)
     except ValueError as e:

@@ -112,3 +112,26 @@ def test_tiny_run_on_cpu_then_eval_only(script, tmp_path, capsys):
     again = json.loads((tmp_path / "positions.json").read_text())["models"]
     for name in first:
         assert again[name]["bits_per_byte"] == pytest.approx(first[name]["bits_per_byte"], rel=1e-6)
+
+
+def test_interrupted_training_continues_exactly(script, tmp_path):
+    import argparse
+
+    a = argparse.Namespace(**{**script.TINY, "seed": 0, "rope_base": 1e4, "checkpoint": False, "inner_lr": 0.1,
+                              "lr": 1e-3, "max_train_s": 0.0, "save_every": 0, "paths": None, "val_fraction": 0.05})
+    a.curriculum = script.parse_curriculum(a.curriculum)
+    a.out = tmp_path / "straight"
+    a.out.mkdir()
+    tokens = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    straight = script.train("ttt", a, tokens, torch.device("cpu"))
+    a.out = tmp_path / "split"
+    a.out.mkdir()
+    assert script.train("ttt", a, tokens, torch.device("cpu"), stop_after=3) is None  # crosses the curriculum switch
+    assert (a.out / "ttt.partial.pt").is_file() and not (a.out / "ttt.pt").exists()
+    split = script.train("ttt", a, tokens, torch.device("cpu"))
+    assert not (a.out / "ttt.partial.pt").exists()
+    assert split["steps"] == straight["steps"] == 4 and split["train_bytes"] == straight["train_bytes"]
+    one = torch.load(tmp_path / "straight" / "ttt.pt")["model"]
+    two = torch.load(tmp_path / "split" / "ttt.pt")["model"]
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=0)

@@ -134,12 +134,11 @@ class Run:
 
 
 def plan(recipes: List[Recipe], seeds: List[int], probe: bool) -> List[Run]:
-    runs = []
-    for recipe in recipes:
-        for seed in ([seeds[0]] if probe else seeds):
-            runs.append(Run(f"{recipe.name}_s{seed}", recipe, seed, "method"))
-            runs.append(Run(f"{recipe.name}_base_s{seed}", recipe, seed, "baseline"))
-    return runs
+    """Every method run (recipes in the given order, then seeds), then every baseline: the
+    methods cost most, so they start first (give the dearest recipe first)."""
+    seeds = [seeds[0]] if probe else seeds
+    methods = [Run(f"{r.name}_s{s}", r, s, "method") for r in recipes for s in seeds]
+    return methods + [Run(f"{r.name}_base_s{s}", r, s, "baseline") for r in recipes for s in seeds]
 
 
 def last_checkpoint(runs_dir: Path, name: str) -> Optional[Path]:

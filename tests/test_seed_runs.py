@@ -41,8 +41,8 @@ def test_min_median_max_and_the_worst_seed_decides(script, tmp_path):
     assert (recipe.kind, recipe.metric, recipe.baseline, recipe.chance) == (
         "acc", "val/acc_post", ["--model.init_args.inner_steps=0"], 1 / 64)
     runs = script.plan([recipe], [0, 1, 2], probe=False)
-    assert [r.name for r in runs] == [f"ttt_e2e_mqar_131k{b}_s{s}" for s in (0, 1, 2) for b in ("", "_base")]
-    assert runs[3].overrides(False, False) == ["--seed_everything=1", "--data.init_args.seed=1",
+    assert [r.name for r in runs] == [f"ttt_e2e_mqar_131k{b}_s{s}" for b in ("", "_base") for s in (0, 1, 2)]
+    assert runs[4].overrides(False, False) == ["--seed_everything=1", "--data.init_args.seed=1",
                                                 "--model.init_args.inner_steps=0"]  # seeds weights and data
     runs_dir = tmp_path / "runs"
     for seed, (m, b) in enumerate([(0.9, 0.02), (0.5, 0.01), (0.1, 0.0)]):  # seed 2 below 10 x chance

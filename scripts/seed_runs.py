@@ -18,12 +18,14 @@ S seeds the weights and the data), its CSV log under ``DIR/runs/<recipe>_s<S>/``
 MAML the post-adaptation loss <= 0.7 x the pre-adaptation loss and <= the same seed's first-order
 loss. A recipe meets them when every seed does, i.e. the target holds for the minimum.
 
-Runs start as GPU slots free up (``--gpus`` x ``--per-gpu`` slots; one at a time on the CPU with
-``--tiny``). ``--max-time`` caps every run (Lightning's ``max_time``, which stops with a last
-validation); ``--deadline`` stops (SIGTERM, then SIGKILL) whatever still runs, so that the
-summary is always written: a stopped run writes its ``last.ckpt`` first, and ``--resume``
-continues it (and skips the runs that finished), so runs longer than one call can be split. ``--probe`` runs each recipe's method and baseline for a few steps at
-its final length only (no validation), to check the recipe's time budget before the full runs.
+Runs start as GPU slots free up (``--gpus`` x ``--per-gpu`` slots; one at a time on the CPU
+with ``--tiny``). ``--max-time`` replaces the recipes' own time cap (Lightning's ``max_time``,
+which stops with a last validation). ``--deadline`` stops (SIGTERM, then SIGKILL) whatever
+still runs, so that the summary is always written: a stopped run writes its ``last.ckpt``
+first, and ``--resume`` continues it (and skips the runs that finished; ``max_time`` counts the
+time already trained), so runs longer than one call can be split over calls. ``--probe`` runs
+each recipe's method and baseline for a few steps at its final length only (no validation), to
+check the recipe's time budget before the full runs.
 Writes DIR/seeds.json (every run's curve, steps, step time and peak memory; per recipe the
 values per seed, min / median / max and the verdicts), DIR/seeds.md, and prints the table last.
 """
@@ -155,7 +157,7 @@ def command(run: Run, runs_dir: Path, max_time: str, probe: bool, tiny: bool, re
     return [sys.executable, "-m", "ttt_flash.cli", "fit", "--config", str(run.recipe.path),
             f"--trainer.logger.init_args.save_dir={runs_dir}", f"--trainer.logger.init_args.version={run.name}",
             "--trainer.logger.init_args.flush_logs_every_n_steps=10", "--trainer.enable_progress_bar=false",
-            f"--trainer.max_time={max_time}", *run.overrides(probe, tiny),
+            *([f"--trainer.max_time={max_time}"] if max_time else []), *run.overrides(probe, tiny),
             *([f"--ckpt_path={ckpt}"] if ckpt else [])]
 
 
@@ -376,7 +378,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (weights and data)")
     p.add_argument("--gpus", default="0", help="comma-separated GPU indices to spread the runs over")
     p.add_argument("--per-gpu", type=int, default=1, help="runs at once per GPU (1: each run alone, honest times)")
-    p.add_argument("--max-time", default="00:00:15:00", help="Lightning max_time of every run (DD:HH:MM:SS)")
+    p.add_argument("--max-time", default="", help="Lightning max_time of every run (DD:HH:MM:SS; default: the recipe's)")
     p.add_argument("--deadline", type=float, default=float("inf"), help="seconds after which unfinished runs are stopped")
     p.add_argument("--grace", type=float, default=120.0,
                    help="seconds a run stopped at the deadline has to finish its step and write last.ckpt before SIGKILL")

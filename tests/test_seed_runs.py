@@ -125,3 +125,6 @@ def test_resume_skips_finished_runs_and_continues_from_last_ckpt(script, tmp_pat
     cmd = script.command(runs[1], runs_dir, "00:00:15:00", False, False, True)
     assert cmd[-1] == f"--ckpt_path={ckpt}" and f"--trainer.logger.init_args.version={runs[1].name}" in cmd
     assert not any(c.startswith("--ckpt_path") for c in script.command(runs[1], runs_dir, "00:00:15:00", False, False))
+    # the recipe's own max_time stays unless --max-time replaces it
+    assert not any(c.startswith("--trainer.max_time") for c in script.command(runs[0], runs_dir, "", False, False))
+    assert "--trainer.max_time=00:00:05:00" in script.command(runs[0], runs_dir, "00:00:05:00", False, False)

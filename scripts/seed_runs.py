@@ -5,6 +5,7 @@ the target metric, and whether the target holds for the worst seed.
     python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --gpus 0,1,2,3,4,5,6,7  # every 131K recipe, a queue per GPU
     python3 scripts/seed_runs.py --recipe recipes/*_long.yaml --out DIR --gpus 0,1 --per-gpu 3  # the 32K recipes, 3 runs per GPU
     python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --probe                 # step time and memory at the full length only
+    python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --probe --roles method --probe-steps 2  # the cheapest probe
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --tiny       # the same plan on the CPU, tiny shapes
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --tiny --in-process  # no process per run
     python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --gpus 0,1 --deadline 540 --resume  # again: continue
@@ -67,7 +68,7 @@ _TINY = {
     _MAML: ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
             "--data.init_args.curriculum=[[0,16],[2,32]]"],
 }
-PROBE_STEPS = 3  # steps per probe run; the first (Triton compilation, autotuning) is left out of the median
+PROBE_STEPS = 3  # default steps per probe run; the first (Triton compilation, autotuning) is left out of the median
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Run:
     recipe: Recipe
     seed: int
     role: str  # "method" or "baseline"
+    probe_steps: int = PROBE_STEPS
 
     def overrides(self, probe: bool, tiny: bool) -> List[str]:
         out = [f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}"]
@@ -130,17 +132,23 @@ class Run:
             out += _TINY_COMMON + _TINY[self.recipe.model_class]
         if probe:
             length = self.recipe.tiny_context() if tiny else self.recipe.context
-            out += [f"--data.init_args.curriculum=[[0,{length}]]", f"--trainer.max_steps={PROBE_STEPS}",
-                    "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1"]
+            out += [f"--data.init_args.curriculum=[[0,{length}]]", f"--trainer.max_steps={self.probe_steps}",
+                    "--trainer.limit_val_batches=0", "--trainer.log_every_n_steps=1",
+                    "--trainer.logger.init_args.flush_logs_every_n_steps=1"]  # every step on disk, even if stopped
         return out
 
 
-def plan(recipes: List[Recipe], seeds: List[int], probe: bool) -> List[Run]:
+def plan(recipes: List[Recipe], seeds: List[int], probe: bool, roles=("method", "baseline"),
+         probe_steps: int = PROBE_STEPS) -> List[Run]:
     """Every method run (recipes in the given order, then seeds), then every baseline: the
     methods cost most, so they start first (give the dearest recipe first)."""
     seeds = [seeds[0]] if probe else seeds
-    methods = [Run(f"{r.name}_s{s}", r, s, "method") for r in recipes for s in seeds]
-    return methods + [Run(f"{r.name}_base_s{s}", r, s, "baseline") for r in recipes for s in seeds]
+    runs = []
+    for role in ("method", "baseline"):
+        if role in roles:
+            runs += [Run(f"{r.name}{'' if role == 'method' else '_base'}_s{s}", r, s, role, probe_steps)
+                     for r in recipes for s in seeds]
+    return runs
 
 
 def last_checkpoint(runs_dir: Path, name: str) -> Optional[Path]:
@@ -383,7 +391,10 @@ def main(argv=None) -> int:
     p.add_argument("--grace", type=float, default=120.0,
                    help="seconds a run stopped at the deadline has to finish its step and write last.ckpt before SIGKILL")
     p.add_argument("--probe", action="store_true",
-                   help=f"{PROBE_STEPS} steps of method and baseline at the final length, no validation (seed: the first)")
+                   help="a few steps (--probe-steps) at the final length, no validation (seed: the first)")
+    p.add_argument("--probe-steps", type=int, default=PROBE_STEPS,
+                   help="steps per probe run (>= 2: the first, with compilation, is not timed)")
+    p.add_argument("--roles", default="method,baseline", help="which runs: method, baseline or both")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, 4 steps, one run at a time (a dry run)")
     p.add_argument("--resume", action="store_true",
                    help="skip the runs that finished, continue the others from their last.ckpt (after a --deadline)")
@@ -404,7 +415,12 @@ def main(argv=None) -> int:
         recipes = [Recipe.load(path) for path in a.recipe]
     except (FileNotFoundError, ValueError) as e:
         p.error(str(e))
-    runs = plan(recipes, seeds, a.probe)
+    roles = {r.strip() for r in a.roles.split(",") if r.strip()}
+    if not roles or roles - {"method", "baseline"}:
+        p.error(f"--roles must be method, baseline or both (comma-separated), got {a.roles!r}")
+    if a.probe_steps < 2:
+        p.error(f"--probe-steps must be >= 2 (the first step compiles and is not timed), got {a.probe_steps}")
+    runs = plan(recipes, seeds, a.probe, roles, a.probe_steps)
     a.out.mkdir(parents=True, exist_ok=True)
     results_file = a.out / "results.json"
     results: Dict[str, dict] = json.loads(results_file.read_text()) if results_file.is_file() else {}

@@ -76,7 +76,9 @@ def test_refuses_bad_arguments(script, tmp_path, capsys):
     for argv, message in ((["--recipe", str(TTT), "--seeds", "a,b"], "--seeds must be comma-separated integers"),
                           (["--recipe", str(tmp_path / "nope.yaml")], "no such file"),
                           (["--recipe", str(ROOT / "recipes" / "sophia_gpt_tiny.yaml")], "this runner knows"),
-                          (["--recipe", str(TTT), "--in-process"], "--in-process is for --tiny")):
+                          (["--recipe", str(TTT), "--in-process"], "--in-process is for --tiny"),
+                          (["--recipe", str(TTT), "--roles", "method,other"], "--roles must be"),
+                          (["--recipe", str(TTT), "--probe", "--probe-steps", "1"], "--probe-steps must be >= 2")):
         with pytest.raises(SystemExit):
             script.main([*argv, "--out", str(tmp_path / "o")])
         assert message in capsys.readouterr().err
@@ -100,6 +102,8 @@ def test_tiny_seed_run_on_cpu(script, tmp_path, capsys):
 
 
 def test_tiny_probe_measures_the_final_length(script, tmp_path):
+    assert [r.name for r in script.plan([script.Recipe.load(MAML)], [0, 1], True, {"method"})] == [
+        "maml_transformer_131k_s0"]  # a probe: the first seed; --roles method: no baseline
     assert script.main(["--recipe", str(MAML), "--out", str(tmp_path), "--tiny", "--in-process", "--probe"]) == 0
     summary = json.loads((tmp_path / "seeds.json").read_text())
     assert sorted(summary["runs"]) == ["maml_transformer_131k_base_s0", "maml_transformer_131k_s0"]

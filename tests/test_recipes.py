@@ -1,7 +1,8 @@
 """Every shipped recipe (recipes/*.yaml) parses with the ``ttt-flash`` CLI, has a comment on
 every key, and builds its model and data; CPU recipes also run one ``fast_dev_run`` step.
 
-Recipes named ``*_long.yaml`` are long-context / GPU recipes: parsed and built, never run here.
+Recipes named ``*_long.yaml`` or ``*_131k.yaml`` are long-context / GPU recipes: parsed and built
+here, run with tiny overrides by tests/test_long_recipes.py and tests/test_131k_recipes.py.
 A recipe whose ``trainer.accelerator`` is ``gpu``/``cuda`` runs its ``fast_dev_run`` only where
 CUDA is available (skipped on the CPU). New recipes are picked up automatically.
 """
@@ -17,7 +18,7 @@ from ttt_flash.cli import main
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 RECIPES = sorted(RECIPE_DIR.glob("*.yaml"))
-CPU_RECIPES = [p for p in RECIPES if not p.name.endswith("_long.yaml")]
+CPU_RECIPES = [p for p in RECIPES if not p.name.endswith(("_long.yaml", "_131k.yaml"))]
 
 _KEY = re.compile(r"^\s*(?:-\s+)?[\w.\-/]+\s*:")
 

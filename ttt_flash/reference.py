@@ -877,9 +877,9 @@ def _autograd_vjp(f, primals, cotangents):
     """Jᵀc of ``f`` at ``primals`` with ``torch.autograd.grad`` (None cotangents: zero). The
     graph is freed as the backward runs, so its saved tensors are not all alive at once at the
     end (``torch.func.vjp`` keeps them for a second call). Under grad mode (a derivative of
-    the result is being recorded) the graph is kept and connects to the primals that require
-    grad: the result is differentiable again."""
-    create = torch.is_grad_enabled()
+    the result is being recorded) and with an input or cotangent that requires grad, the graph
+    is kept and connects to them: the result is differentiable again."""
+    create = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in primals + tuple(cotangents))
     with torch.enable_grad():
         ins = tuple(x.view_as(x) if create and x.requires_grad else x.detach().requires_grad_() for x in primals)
         out = f(*ins)

@@ -65,7 +65,8 @@ class LiveBytes:
     """Live tensor bytes on any device: a TorchDispatchMode that adds the storage bytes of
     every new storage an op creates and subtracts them when the storage is freed (weakref
     finalizer); ``peak`` is the largest sum. ``opaque`` names functions of modules whose
-    allocations count as their outputs only (:meth:`opaque`). Reads: ``live``, ``peak``."""
+    allocations count as their outputs only (:meth:`opaque`). Reads: ``live``, ``peak``, and
+    :meth:`composition` (what was alive at the peak, by shape and dtype)."""
 
     def __init__(self):
         import weakref
@@ -75,6 +76,7 @@ class LiveBytes:
         tracker = self
         self.live = self.peak = 0
         self._seen, self._hidden, self._weakref = {}, 0, weakref
+        self._kind, self._at_peak, self._snap_bytes = {}, {}, 0
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -98,12 +100,25 @@ class LiveBytes:
         if n == 0 or key in self._seen:
             return
         self._seen[key] = n
+        self._kind[key] = (tuple(out.shape), str(out.dtype).removeprefix("torch."))
         self.live += n
         self.peak = max(self.peak, self.live)
+        if self.live > self._snap_bytes * 1.01:  # a new peak (by 1 %): note what is alive
+            self._snap_bytes = self.live
+            self._at_peak = {}
+            for k, b in self._seen.items():
+                self._at_peak[self._kind[k]] = self._at_peak.get(self._kind[k], 0) + b
         self._weakref.finalize(st, self._free, key, n)
+
+    def composition(self, top: int = 12):
+        """[(shape, dtype, MiB)] of the tensors alive at the peak (within 1 %), largest first,
+        summed over tensors of the same shape and dtype."""
+        rows = sorted(self._at_peak.items(), key=lambda kv: -kv[1])[:top]
+        return [(list(shape), dtype, round(b / 2**20, 1)) for (shape, dtype), b in rows]
 
     def _free(self, key, n):
         if self._seen.pop(key, None) is not None:
+            self._kind.pop(key, None)
             self.live -= n
 
     def opaque(self, module, names):
@@ -314,6 +329,7 @@ def _worker(args) -> dict:
                     peaks.append(max(rec["step_floor"], torch.cuda.max_memory_allocated(device)) / 2**30)
                 else:
                     peaks.append(tracker.peak / 2**30)
+                    row["peak_composition_mib"] = tracker.composition()
                 thirds.append(rec)
         row.update(status="ok", step_ms=1e3 * statistics.median(times),
                    peak_gib=max(peaks) if peaks else None,

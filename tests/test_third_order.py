@@ -359,6 +359,8 @@ def test_bench_worker_reports_the_third_derivative_memory(capsys):
     row = json.loads([ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert row["status"] == "ok" and row["recompute"] == "auto"
     assert 0 < row["third_entry_gib"] < row["third_peak_gib"] <= row["peak_gib"]
+    parts = row["peak_composition_mib"]  # what was alive at the peak, largest first
+    assert parts and parts[0][2] >= parts[-1][2] and sum(p[2] for p in parts) <= 1.01 * 1024 * row["peak_gib"] + 1
 
 
 # --------------------------------------------------------------------------- MAML over a memory layer

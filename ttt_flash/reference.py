@@ -125,7 +125,6 @@ def naive_attention(
         p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     else:
         p = torch.softmax(s, dim=-1)
-    del s
     return torch.matmul(p, v)
 
 

@@ -278,6 +278,27 @@ def _bench():
     return mod
 
 
+@pytest.mark.parametrize("present", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (1, 1, 0), (0, 1, 1), (1, 0, 1), (1, 1, 1)],
+                         ids=lambda p: "U" + "".join(n for n, b in zip("qkv", p) if b))
+def test_lean_block_equals_the_closed_form(present):
+    """The recomputation's rearranged BoB (_bob_rows_lean) gives the composer's closed form
+    (_bob_rows) for every subset of U_Q, U_K, U_V, rows without keys included."""
+    g = torch.Generator().manual_seed(0)
+    hq, nq, nk, d, scale = 2, 7, 4, 3, 0.6
+    q, do, uq = (torch.randn(1, hq, nq, d, generator=g, dtype=F64) for _ in range(3))
+    k, v, uk, uv = (torch.randn(1, hq, nk, d, generator=g, dtype=F64) for _ in range(4))
+    uq, uk, uv = (u if b else None for u, b in zip((uq, uk, uv), present))
+    s = (q @ k.transpose(-1, -2)) * scale
+    mask = reference.attention_mask(nq, nk, causal=True, window=None)
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(-1, keepdim=True), 0), -1)
+    p = p.masked_fill(~mask.any(-1, keepdim=True), 0)
+    assert (p.sum(-1) == 0).any()  # rows that see no key
+    delta = (do * (p @ v)).sum(-1)
+    lean = reference._bob_rows_lean(p, q, do, uq, k, v, uk, uv, delta, scale)
+    full = reference._bob_rows(p, q, do, uq, k, v, uk, uv, delta, scale)
+    _close(lean, full, tol=1e-13)
+
+
 def test_live_bytes_account():
     """LiveBytes adds a storage's bytes when an op creates it and takes them off when it is
     freed (views and in-place results share the storage); an opaque function counts as its

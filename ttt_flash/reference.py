@@ -688,8 +688,11 @@ def _bob_rows_lean(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale):
 
         α = rowsum(P∘G) = τ (U_Q·(P K) + Q·(P U_K))             (row-wise dot products)
         P̄ = (G − α)∘(dP − D) − αD + B,   B = dO U_Vᵀ
-        E = rowsum(P∘P̄) = rowsum(H∘(dP − D)) − αD rowsum(P) + dO·(P U_V)
-        R = P∘(P̄ − E) = H∘(dP − D) + P∘(B − c),   c = αD + E
+        E = rowsum(P∘P̄) = rowsum(H∘(dP − D)) − αD + dO·(P U_V)
+        R = P∘(P̄ − E) = H∘(dP − D) + P∘(B − c),   c = αD + E = rowsum(H∘(dP − D)) + dO·(P U_V)
+
+    (rowsum(P) = 1 identically on rows that see a key; on rows that see none P = 0 and α = 0,
+    so the identities hold there too, and so do their derivatives.)
 
     Same outputs as :func:`_bob_rows`: (Q̄, dŌ) of the rows, and their K̄ share (without τ
     and the sum over shared heads) and V̄ share."""
@@ -714,18 +717,18 @@ def _bob_rows_lean(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale):
         del g, t  # only G − α is kept (locals would hold score-shaped tensors alive)
         hmat = p * gma
         hd = hmat * dpmd
-        ad = alpha * delta
-        c = hd.sum(-1) - ad * p.sum(-1) + ad
+        c = hd.sum(-1)
         if puv is not None:
             c = c + _rowdot(dof, puv)
     elif puv is not None:
         c = _rowdot(dof, puv)
     if uvf is not None:
         rest = p * (torch.matmul(dof, uvf.transpose(-1, -2)) - c.unsqueeze(-1))
-    else:
-        rest = -(p * c.unsqueeze(-1))
-    r = rest if hmat is None else hd + rest
-    del rest, hd
+        r = rest if hd is None else hd + rest
+        del rest
+    else:  # G is there (the BoB has a U)
+        r = hd - p * c.unsqueeze(-1)
+    del hd
     qb = torch.matmul(r, kf)
     kb = torch.matmul(r.transpose(-1, -2), qf)
     if ukf is not None:

@@ -297,14 +297,20 @@ def _worker(args) -> dict:
         net = _model(args, attention, dtype, device)
         batch = _batch(args, n, dtype, device)
         times, peaks, thirds = [], [], []
-        for rep in range(args.reps + 1):
-            tracker = LiveBytes() if device.type != "cuda" else None
+        cuda = device.type == "cuda"
+        # rep 0: warm-up; 1..reps: timed; on CUDA one more, untimed, with the third derivative
+        # watched (its synchronisations would perturb the times)
+        for rep in range(args.reps + 1 + (cuda and attention == "ttt_flash")):
+            tracker = LiveBytes() if not cuda else None
             undo = []
             if tracker is not None:
                 from ttt_flash import reference
                 undo.append(tracker.opaque(reference, ("attn_fwd", "attn_bwd", "attn_bob", "attn_tangent")))
-            rec, restore = _watch_third(device, tracker)
-            undo.append(restore)
+            watch = not cuda or rep > args.reps
+            rec = {"third_entry_gib": None, "step_floor": 0}
+            if watch:
+                rec, restore = _watch_third(device, tracker)
+                undo.append(restore)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
@@ -323,18 +329,19 @@ def _worker(args) -> dict:
             if not all(torch.isfinite(g).all() for g in grads):
                 raise RuntimeError("non-finite meta-gradient")
             del grads
-            if rep:  # the first is a warm-up (kernel compilation)
+            if watch and rep:
+                thirds.append(rec)
+            if 0 < rep <= args.reps:  # the first is a warm-up (kernel compilation)
                 times.append(elapsed)
-                if device.type == "cuda":
+                if cuda:
                     peaks.append(max(rec["step_floor"], torch.cuda.max_memory_allocated(device)) / 2**30)
                 else:
                     peaks.append(tracker.peak / 2**30)
                     row["peak_composition_mib"] = tracker.composition()
-                thirds.append(rec)
         row.update(status="ok", step_ms=1e3 * statistics.median(times),
                    peak_gib=max(peaks) if peaks else None,
                    peak_kind="max_memory_allocated" if device.type == "cuda" else "live tensor bytes (LiveBytes)")
-        if thirds and thirds[-1]["third_entry_gib"] is not None:
+        if thirds and thirds[-1]["third_entry_gib"] is not None:  # on CUDA: from the watched run
             row.update(third_entry_gib=max(t["third_entry_gib"] for t in thirds),
                        third_peak_gib=max(t["third_peak_gib"] for t in thirds))
     except Exception as e:  # noqa: BLE001 - reported, not hidden

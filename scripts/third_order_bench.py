@@ -21,6 +21,19 @@ step. Each configuration runs in its own process; one that runs out of memory is
 
     python scripts/third_order_bench.py --seq-lens 8192,32768 --out runs/third_order_bench
 
+Each ttt_flash row also gives the memory allocated when the third derivative starts (the first
+reference.bob_vjp call: what the step holds for its outer backward) and the peak inside it.
+--recompute sweeps the score elements per block of that recomputation ("auto": the library's
+rule, reference._recompute_rows; an integer: that many elements per block, floor and cap).
+
+--device cpu: no allocator statistics there, so the peak is an account of live tensor bytes
+(LiveBytes: the storage bytes of every tensor created during the step, summed while alive).
+The attention composers (forward, first backward, BoB, tangent) count as their outputs only,
+as the GPU kernels allocate: their chunked CPU arithmetic is left out. Weights and the batch
+(created before the step) are not counted; they are small here (a few MiB).
+
+    python scripts/third_order_bench.py --device cpu --attentions ttt_flash --seq-lens 1024,2048 --reps 1 --out /tmp/t3acct
+
 --per-order: instead, what each order of derivative of one attention call costs (B = 1,
 --heads heads of dimension --d-model / --heads, causal, ttt_flash only): order 1 = forward +
 backward; order 2 = forward + create_graph backward + a vector-Jacobian product of the
@@ -46,6 +59,87 @@ import torch
 GATE = 1e-2
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class LiveBytes:
+    """Live tensor bytes on any device: a TorchDispatchMode that adds the storage bytes of
+    every new storage an op creates and subtracts them when the storage is freed (weakref
+    finalizer); ``peak`` is the largest sum. ``opaque`` names functions of modules whose
+    allocations count as their outputs only (:meth:`opaque`). Reads: ``live``, ``peak``, and
+    :meth:`composition` (what was alive at the peak, by shape and dtype)."""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+        self.live = self.peak = 0
+        self._seen, self._hidden, self._weakref = {}, 0, weakref
+        self._kind, self._at_peak, self._snap_bytes = {}, {}, 0
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not tracker._hidden:
+                    tracker.add(out)
+                return out
+
+        self.mode = _Mode()
+
+    def add(self, out):
+        """Count the storages of the tensors in ``out`` (a tensor or a nest of tuples/lists)."""
+        if isinstance(out, (tuple, list)):
+            for o in out:
+                self.add(o)
+            return
+        if not isinstance(out, torch.Tensor):
+            return
+        st = out.untyped_storage()
+        key, n = st.data_ptr(), st.nbytes()
+        if n == 0 or key in self._seen:
+            return
+        self._seen[key] = n
+        self._kind[key] = (tuple(out.shape), str(out.dtype).removeprefix("torch."))
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        if self.live > self._snap_bytes * 1.01:  # a new peak (by 1 %): note what is alive
+            self._snap_bytes = self.live
+            self._at_peak = {}
+            for k, b in self._seen.items():
+                self._at_peak[self._kind[k]] = self._at_peak.get(self._kind[k], 0) + b
+        self._weakref.finalize(st, self._free, key, n)
+
+    def composition(self, top: int = 12):
+        """[(shape, dtype, MiB)] of the tensors alive at the peak (within 1 %), largest first,
+        summed over tensors of the same shape and dtype."""
+        rows = sorted(self._at_peak.items(), key=lambda kv: -kv[1])[:top]
+        return [(list(shape), dtype, round(b / 2**20, 1)) for (shape, dtype), b in rows]
+
+    def _free(self, key, n):
+        if self._seen.pop(key, None) is not None:
+            self._kind.pop(key, None)
+            self.live -= n
+
+    def opaque(self, module, names):
+        """Replace ``module.<name>`` (each of ``names``) by a wrapper under which nothing is
+        counted but the returned tensors: a fused kernel's footprint. Returns an undo function."""
+        saved = {n: getattr(module, n) for n in names}
+
+        def wrap(fn):
+            def inner(*a, **k):
+                self._hidden += 1
+                try:
+                    out = fn(*a, **k)
+                finally:
+                    self._hidden -= 1
+                self.add(out)
+                return out
+            return inner
+
+        for n, fn in saved.items():
+            setattr(module, n, wrap(fn))
+        return lambda: [setattr(module, n, fn) for n, fn in saved.items()]
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -144,34 +238,112 @@ def _order_worker(args) -> dict:
     return row
 
 
+def _set_recompute(value: str) -> None:
+    """``auto``: the library's block rule; an integer: that many score elements per block."""
+    from ttt_flash import reference
+
+    if value != "auto":
+        reference.RECOMPUTE_BLOCK_ELEMENTS = reference.RECOMPUTE_BLOCK_FLOOR = int(value)
+
+
+def _watch_third(device, tracker):
+    """Wrap reference.bob_vjp (the third derivative's recomputation): record the memory
+    allocated at the first call's entry and the largest peak inside a call (GiB). On CUDA the
+    peak statistics are reset at each entry; ``step_floor`` keeps the step's peak before it.
+    Returns (record dict, undo)."""
+    from ttt_flash import reference
+
+    rec = {"third_entry_gib": None, "third_peak_gib": 0.0, "step_floor": 0}
+    orig = reference.bob_vjp
+    cuda = device.type == "cuda"
+
+    def watched(*a, **k):
+        if cuda:
+            torch.cuda.synchronize(device)
+            live, before = torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            live, before = tracker.live, tracker.peak
+            tracker.peak = live
+        if rec["third_entry_gib"] is None:
+            rec["third_entry_gib"] = live / 2**30
+        rec["step_floor"] = max(rec["step_floor"], before)
+        try:
+            return orig(*a, **k)
+        finally:
+            if cuda:
+                torch.cuda.synchronize(device)
+            inside = torch.cuda.max_memory_allocated(device) if cuda else tracker.peak
+            rec["third_peak_gib"] = max(rec["third_peak_gib"], inside / 2**30)
+            if not cuda:
+                tracker.peak = max(before, inside)
+
+    reference.bob_vjp = watched
+    return rec, lambda: setattr(reference, "bob_vjp", orig)
+
+
 def _worker(args) -> dict:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     n = args.worker_n
     args.chunk_size = n // args.chunks
-    row = {"attention": args.worker_attention, "seq_len": n, "dtype": args.dtype, "chunk_size": args.chunk_size,
+    attention, _, recompute = args.worker_attention.partition("@")
+    row = {"attention": attention, "seq_len": n, "dtype": args.dtype, "chunk_size": args.chunk_size,
            "slots": args.slots, "d_model": args.d_model, "heads": args.heads}
+    if attention == "ttt_flash":
+        row["recompute"] = recompute or "auto"
+        _set_recompute(row["recompute"])
     try:
-        net = _model(args, args.worker_attention, dtype, device)
+        net = _model(args, attention, dtype, device)
         batch = _batch(args, n, dtype, device)
-        times, peaks = [], []
-        for rep in range(args.reps + 1):
+        times, peaks, thirds = [], [], []
+        cuda = device.type == "cuda"
+        # rep 0: warm-up; 1..reps: timed; on CUDA one more, untimed, with the third derivative
+        # watched (its synchronisations would perturb the times)
+        for rep in range(args.reps + 1 + (cuda and attention == "ttt_flash")):
+            tracker = LiveBytes() if not cuda else None
+            undo = []
+            if tracker is not None:
+                from ttt_flash import reference
+                undo.append(tracker.opaque(reference, ("attn_fwd", "attn_bwd", "attn_bob", "attn_tangent")))
+            watch = not cuda or rep > args.reps
+            rec = {"third_entry_gib": None, "step_floor": 0}
+            if watch:
+                rec, restore = _watch_third(device, tracker)
+                undo.append(restore)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             _sync(device)
             start = time.perf_counter()
-            grads = _meta_step(net, batch, args.inner_lr)
-            _sync(device)
-            elapsed = time.perf_counter() - start
+            try:
+                if tracker is not None:
+                    with tracker.mode:
+                        grads = _meta_step(net, batch, args.inner_lr)
+                else:
+                    grads = _meta_step(net, batch, args.inner_lr)
+                _sync(device)
+                elapsed = time.perf_counter() - start
+            finally:
+                for u in undo:
+                    u()
             if not all(torch.isfinite(g).all() for g in grads):
                 raise RuntimeError("non-finite meta-gradient")
             del grads
-            if rep:  # the first is a warm-up (kernel compilation)
+            if watch and rep:
+                thirds.append(rec)
+            if 0 < rep <= args.reps:  # the first is a warm-up (kernel compilation)
                 times.append(elapsed)
-                if device.type == "cuda":
-                    peaks.append(torch.cuda.max_memory_allocated(device) / 2**30)
+                if cuda:
+                    peaks.append(max(rec["step_floor"], torch.cuda.max_memory_allocated(device)) / 2**30)
+                else:
+                    peaks.append(tracker.peak / 2**30)
+                    row["peak_composition_mib"] = tracker.composition()
         row.update(status="ok", step_ms=1e3 * statistics.median(times),
-                   peak_gib=max(peaks) if peaks else None)
+                   peak_gib=max(peaks) if peaks else None,
+                   peak_kind="max_memory_allocated" if device.type == "cuda" else "live tensor bytes (LiveBytes)")
+        if thirds and thirds[-1]["third_entry_gib"] is not None:  # on CUDA: from the watched run
+            row.update(third_entry_gib=max(t["third_entry_gib"] for t in thirds),
+                       third_peak_gib=max(t["third_peak_gib"] for t in thirds))
     except Exception as e:  # noqa: BLE001 - reported, not hidden
         if not _is_oom(e):
             raise
@@ -194,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
     ap.add_argument("--per-order", action="store_true", help="time orders 1-3 of one attention call instead")
+    ap.add_argument("--recompute", default="auto",
+                    help="comma-separated score elements per block of the third derivative's recomputation "
+                         "for the ttt_flash rows: auto (the library's rule) or integers (one row each)")
     ap.add_argument("--out", help="folder for results.json (required unless --worker-n)")
     ap.add_argument("--worker-n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--worker-attention", help=argparse.SUPPRESS)
@@ -214,12 +389,14 @@ def main(argv=None) -> int:
         passed = check <= GATE
         print(f"correctness gate (N = 256, float32, meta-gradient ttt_flash vs math): relative L2 {check:.2e} "
               f"({'pass' if passed else 'FAIL'}, tolerance {GATE})", flush=True)
-        configs = args.attentions.split(",")
+        configs = []
+        for a in args.attentions.split(","):
+            configs += [f"{a}@{r}" for r in args.recompute.split(",")] if a == "ttt_flash" else [a]
     rows = []
     for n in (int(s) for s in args.seq_lens.split(",")):
         for attention in configs:
-            if attention == "ttt_flash" and not passed:
-                rows.append({"attention": attention, "seq_len": n, "status": "not timed (gate failed)"})
+            if attention.startswith("ttt_flash") and not passed:
+                rows.append({"attention": "ttt_flash", "seq_len": n, "status": "not timed (gate failed)"})
                 continue
             cmd = [sys.executable, __file__, "--worker-n", str(n), "--worker-attention", attention]
             cmd += [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
@@ -232,16 +409,18 @@ def main(argv=None) -> int:
                 else:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                     status = "OOM" if any("out of memory" in t.lower() for t in tail) else "error: " + " | ".join(tail)
-                    rows.append({"attention": attention, "seq_len": n, "status": status})
+                    rows.append({"attention": attention.split("@")[0], "seq_len": n, "status": status})
             except subprocess.TimeoutExpired:
-                rows.append({"attention": attention, "seq_len": n, "status": f"timeout ({args.timeout} s)"})
+                rows.append({"attention": attention.split("@")[0], "seq_len": n,
+                             "status": f"timeout ({args.timeout} s)"})
             print(json.dumps(rows[-1]), flush=True)
     info = {"device": torch.cuda.get_device_name() if args.device == "cuda" and torch.cuda.is_available() else args.device,
             "torch": torch.__version__, "gate_rel_l2": check, "args": {k: v for k, v in vars(args).items()
                                                                       if not k.startswith("worker")},
             "rows": rows}
     (out / "results.json").write_text(json.dumps(info, indent=1))
-    print(f"\n{'N':>7} {'attention':>10} {'status':>8} {'step ms':>9} {'peak GiB':>9} {'peak vs math':>13}")
+    print(f"\n{'N':>7} {'attention':>10} {'recompute':>10} {'status':>8} {'step ms':>9} {'peak GiB':>9} "
+          f"{'peak vs math':>13} {'at 3rd GiB':>11} {'in 3rd GiB':>11}")
     for r in rows:
         math_peak = next((m.get("peak_gib") for m in rows if m["seq_len"] == r["seq_len"]
                           and m["attention"] == "math" and m.get("status") == "ok"), None)
@@ -249,7 +428,9 @@ def main(argv=None) -> int:
                  else "")
         ms = f"{r['step_ms']:.1f}" if r.get("step_ms") is not None else "-"
         gib = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
-        print(f"{r['seq_len']:>7} {r['attention']:>10} {str(r.get('status'))[:8]:>8} {ms:>9} {gib:>9} {ratio:>13}")
+        third = [f"{r[k]:.2f}" if r.get(k) is not None else "-" for k in ("third_entry_gib", "third_peak_gib")]
+        print(f"{r['seq_len']:>7} {r['attention']:>10} {r.get('recompute', ''):>10} {str(r.get('status'))[:8]:>8} "
+              f"{ms:>9} {gib:>9} {ratio:>13} {third[0]:>11} {third[1]:>11}")
     return 0
 
 

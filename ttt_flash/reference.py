@@ -645,25 +645,113 @@ def attn_tangent(
 #
 # The BoB is a function of (q, k, v, dO, U_Q, U_K, U_V) alone: O, L and D are functions of
 # those. Its derivatives (third order and up) recompute it in blocks of query rows with the
-# out-of-place ops above, O, L and D included, and differentiate each block with torch.func:
+# out-of-place ops above, O, L and D included, and differentiate each block (autograd or torch.func):
 # a block's rows reach Q̄ and dŌ of those rows only and add a share to K̄ and V̄, so the
 # vector-Jacobian (and Jacobian-vector) product is a sum over blocks, one block alive at a
 # time: memory O(rows × N_k) per head, never N_q × N_k.
 
-#: Elements of one score-shaped (B, H, rows, N_k) block in the recomputation of the BoB for
-#: its derivatives; sets the rows per block (at least 1).
+#: Most elements of one score-shaped (B, H, rows, N_k) block in the recomputation of the BoB
+#: for its derivatives (:func:`_recompute_rows`).
 RECOMPUTE_BLOCK_ELEMENTS = 1 << 25
+
+#: Fewest elements of one score-shaped block (unless the whole problem is smaller): below it
+#: the blocks are too small to keep the device busy.
+RECOMPUTE_BLOCK_FLOOR = 1 << 20
+
+
+def _recompute_rows(bh: int, n_q: int, n_k: int, d: int) -> int:
+    """Query rows per block of the BoB's recomputation (at least 1): a score-shaped (bh, rows,
+    N_k) block holds as many elements as the queries (bh, N_q, D) of the call, within
+    [:data:`RECOMPUTE_BLOCK_FLOOR`, :data:`RECOMPUTE_BLOCK_ELEMENTS`]. The working set of the
+    third derivative (about ten such blocks in the compute dtype) is then a fixed multiple of
+    the inputs' own size, O(N_q·D) per head like the rest of the pass, and a block count of
+    about N_k / D, instead of a fixed block that is most of the memory on short sequences."""
+    elements = min(RECOMPUTE_BLOCK_ELEMENTS, max(RECOMPUTE_BLOCK_FLOOR, bh * n_q * d))
+    return max(1, elements // max(1, bh * n_k))
 
 #: Names of the BoB's differentiable inputs, in the order :func:`bob_vjp` and :func:`bob_jvp`
 #: take them.
 BOB_INPUTS = ("q", "k", "v", "do", "uq", "uk", "uv")
 
 
+def _rowdot(a: Tensor, b: Tensor) -> Tensor:
+    """rowsum(a ∘ b) over the last axis: (…, rows, D) × (…, rows, D) → (…, rows)."""
+    return (a * b).sum(-1)
+
+
+def _bob_rows_lean(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale):
+    """The BoB of one block of query rows (as :func:`_bob_rows` without statistics), written
+    so that differentiating it keeps few score-shaped (rows, N_k) tensors: its reverse-mode
+    graph saves P, dP − D, P∘(dP − D), G − α, H = P∘(G − α), R and (with U_V) B − c, where
+    :func:`_bob_rows` also saves S, G, dP, P̄ and P̄ − E. The row statistics come from
+    (rows, D) products instead of score-shaped ones:
+
+        α = rowsum(P∘G) = τ (U_Q·(P K) + Q·(P U_K))             (row-wise dot products)
+        P̄ = (G − α)∘(dP − D) − αD + B,   B = dO U_Vᵀ
+        E = rowsum(P∘P̄) = rowsum(H∘(dP − D)) − αD + dO·(P U_V)
+        R = P∘(P̄ − E) = H∘(dP − D) + P∘(B − c),   c = αD + E = rowsum(H∘(dP − D)) + dO·(P U_V)
+
+    (rowsum(P) = 1 identically on rows that see a key; on rows that see none P = 0 and α = 0,
+    so the identities hold there too, and so do their derivatives.)
+
+    Same outputs as :func:`_bob_rows`: (Q̄, dŌ) of the rows, and their K̄ share (without τ
+    and the sum over shared heads) and V̄ share."""
+    dpmd = torch.matmul(dof, vf.transpose(-1, -2)) - delta.unsqueeze(-1)
+    has_g = uqf is not None or ukf is not None
+    pd = p * dpmd if has_g else None
+    puv = None if uvf is None else torch.matmul(p, uvf)
+    hmat = hd = None
+    c = None  # the row vector c = αD + E (E alone without G)
+    if has_g:
+        g, t, alpha = None, None, None
+        if uqf is not None:
+            g = torch.matmul(uqf, kf.transpose(-1, -2))
+            alpha = _rowdot(uqf, torch.matmul(p, kf))
+        if ukf is not None:
+            t = torch.matmul(qf, ukf.transpose(-1, -2))
+            g = t if g is None else g + t
+            a = _rowdot(qf, torch.matmul(p, ukf))
+            alpha = a if alpha is None else alpha + a
+        alpha = scale * alpha
+        gma = g * scale - alpha.unsqueeze(-1)
+        del g, t  # only G − α is kept (locals would hold score-shaped tensors alive)
+        hmat = p * gma
+        hd = hmat * dpmd
+        c = hd.sum(-1)
+        if puv is not None:
+            c = c + _rowdot(dof, puv)
+    elif puv is not None:
+        c = _rowdot(dof, puv)
+    if uvf is not None:
+        rest = p * (torch.matmul(dof, uvf.transpose(-1, -2)) - c.unsqueeze(-1))
+        r = rest if hd is None else hd + rest
+        del rest
+    else:  # G is there (the BoB has a U)
+        r = hd - p * c.unsqueeze(-1)
+    del hd
+    qb = torch.matmul(r, kf)
+    kb = torch.matmul(r.transpose(-1, -2), qf)
+    if ukf is not None:
+        qb = qb + torch.matmul(pd, ukf)
+    if uqf is not None:
+        kb = kb + torch.matmul(pd.transpose(-1, -2), uqf)
+    if hmat is not None:
+        dob = torch.matmul(hmat, vf)
+        vb = torch.matmul(hmat.transpose(-1, -2), dof)
+        if puv is not None:
+            dob = dob + puv
+    else:
+        dob = torch.zeros_like(dof) if puv is None else puv
+        vb = torch.zeros_like(vf)
+    return scale * qb, dob, kb, vb
+
+
 def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1, k0):
     """(Q̄, K̄ share, V̄ share, dŌ) of query rows r0:r1 (q, do, uq hold those rows; k, v, uk,
-    uv keys k0:k0 + k.shape[-2] of n_k, all those the rows see), recomputing L, P, O and D
+    uv keys k0:k0 + k.shape[-2] of n_k, all those the rows see), recomputing P, O and D
     from q, k, v and dO, out of place: differentiable to any order. Rows that see no key give
-    0 (and gradients 0, never NaN)."""
+    0 (and gradients 0, never NaN). P is a softmax (its graph saves P alone) and the BoB is
+    :func:`_bob_rows_lean`."""
     cd = _compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     qf, kf, vf, dof = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups), do.to(cd)
@@ -675,14 +763,15 @@ def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1,
         i = torch.arange(r0, r1, device=q.device).unsqueeze(1) + (n_k - n_q)
         j = torch.arange(k0, k0 + k.shape[-2], device=q.device).unsqueeze(0)
         mask = (j <= i) if window is None else (j <= i) & (j > i - window)
-        s = s.masked_fill(~mask, float("-inf"))
-        # a row without keys: L from zeros (finite), P = exp(-inf) = 0 on the whole row
-        lse = torch.logsumexp(s.masked_fill(~mask.any(-1, keepdim=True), 0.0), dim=-1)
+        # a row without keys: softmax of zeros (finite), then P = 0 on the whole row
+        empty = ~mask.any(-1, keepdim=True)
+        s = s.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
+        p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     else:
-        lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
-    delta = (dof * torch.matmul(p, vf)).sum(-1)
-    qb, dob, kb, vb = _bob_rows(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale)
+        p = torch.softmax(s, dim=-1)
+    del s
+    delta = _rowdot(dof, torch.matmul(p, vf))
+    qb, dob, kb, vb = _bob_rows_lean(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale)
     kb = _reduce_kv(scale * kb, groups)
     vb = _reduce_kv(vb, groups)
     return qb.to(q.dtype), kb.to(k.dtype), vb.to(v.dtype), dob.to(do.dtype)
@@ -724,7 +813,7 @@ def _over_blocks(tensors, is_row, cu_q, cu_k, chunk, causal, window, fn):
         blocks, key_sum = [], None
         if n_q > 0 and n_k > 0:
             bh = views[0].shape[0] * views[0].shape[1]
-            rows = chunk if chunk is not None else max(1, RECOMPUTE_BLOCK_ELEMENTS // max(1, bh * n_k))
+            rows = chunk if chunk is not None else _recompute_rows(bh, n_q, n_k, views[0].shape[-1])
             for r0, r1 in _chunks(n_q, rows):
                 k0, k1 = _key_range(n_q, n_k, r0, r1, causal, window)
                 sliced = tuple(None if x is None else (x[:, :, r0:r1] if r else x[:, :, k0:k1])
@@ -777,6 +866,33 @@ def _join(row_parts, key_parts, row_like, key_like, varlen: bool):
     return rows, keys
 
 
+def _plain_autograd(tensors) -> bool:
+    """True when a block's vjp may run as one ``torch.autograd.grad`` call: no torch.func
+    transform is active (its wrapped tensors need ``torch.func.vjp``) and no forward-AD level
+    (whose tangents a detached input would drop)."""
+    if _forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    return not any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def _autograd_vjp(f, primals, cotangents):
+    """Jᵀc of ``f`` at ``primals`` with ``torch.autograd.grad`` (None cotangents: zero). The
+    graph is freed as the backward runs, so its saved tensors are not all alive at once at the
+    end (``torch.func.vjp`` keeps them for a second call). Under grad mode (a derivative of
+    the result is being recorded) and with an input or cotangent that requires grad, the graph
+    is kept and connects to them: the result is differentiable again."""
+    create = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in primals + tuple(cotangents))
+    with torch.enable_grad():
+        ins = tuple(x.view_as(x) if create and x.requires_grad else x.detach().requires_grad_() for x in primals)
+        out = f(*ins)
+        pairs = [(o, c) for o, c in zip(out, cotangents) if c is not None and o is not None and o.requires_grad]
+        grads = (None,) * len(ins)
+        if pairs:
+            grads = torch.autograd.grad([o for o, _ in pairs], ins, [c for _, c in pairs],
+                                        create_graph=create, allow_unused=True)
+    return tuple(torch.zeros_like(x) if g is None else g for g, x in zip(grads, primals))
+
+
 def bob_vjp(
     inputs: Sequence[Optional[Tensor]],
     cotangents: Sequence[Optional[Tensor]],
@@ -797,9 +913,11 @@ def bob_vjp(
     None; ``needs``: which of the seven inputs want a gradient. Returns the seven gradients
     (None where not needed), total derivatives: O, L and D are recomputed from the inputs.
 
-    Blocks of ``chunk`` query rows (None: :data:`RECOMPUTE_BLOCK_ELEMENTS` score elements per
-    block) are recomputed with out-of-place ops and differentiated one at a time with
-    ``torch.func.vjp``: O(rows × N_k) memory per head, never N_q × N_k. The results are
+    Blocks of ``chunk`` query rows (None: :func:`_recompute_rows`, score blocks the size of
+    the queries) are recomputed with out-of-place ops and differentiated one at a time, by
+    one ``torch.autograd.grad`` call that frees the block's graph as it runs (under a
+    torch.func transform or a forward-AD level: ``torch.func.vjp``): O(rows × N_k) memory per
+    head, never N_q × N_k. The results are
     built of differentiable ops, so a fourth derivative differentiates them (that keeps every
     block's graph: O(N_q × N_k) per head)."""
     from torch.func import vjp
@@ -819,9 +937,13 @@ def bob_vjp(
                 vals[i] = p
             return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
 
-        out, fn = vjp(f, *(xs[i] for i in idx))
-        cot = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(out, (cq, ck, cv, cdo)))
-        g = dict(zip(idx, fn(cot)))
+        primals = tuple(xs[i] for i in idx)
+        if _plain_autograd(primals + (cq, ck, cv, cdo)):
+            g = dict(zip(idx, _autograd_vjp(f, primals, (cq, ck, cv, cdo))))
+        else:
+            out, fn = vjp(f, *primals)
+            cot = tuple(torch.zeros_like(o) if c is None else c for o, c in zip(out, (cq, ck, cv, cdo)))
+            g = dict(zip(idx, fn(cot)))
         return (g.get(0), g.get(3), g.get(4)), (g.get(1), g.get(2), g.get(5), g.get(6))
 
     is_row = _ROW_INPUT + (True, False, False, True)
@@ -861,7 +983,7 @@ def bob_jvp(
 
     ``inputs`` as :func:`bob_vjp`; ``tangents``: one per input (None: not varied). Returns
     the tangents of (Q̄, K̄, V̄, dŌ) (all None when every tangent is None), computed block by
-    block with ``torch.func.jvp`` as :func:`bob_vjp` does."""
+    block with ``torch.func.jvp`` over :func:`bob_vjp`'s blocks."""
     from torch.func import jvp
 
     idx = [i for i in range(7) if inputs[i] is not None and tangents[i] is not None]

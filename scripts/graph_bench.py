@@ -151,6 +151,9 @@ if __name__ == "__main__":
     parser = build_parser((*PARTS, "maml", "lm_module"), prog="scripts/graph_bench.py OUT_DIR")
     parser.add_argument("--recipe", default="recipes/maml_transformer.yaml", help="MAML recipe (maml part)")
     parser.add_argument("--maml-steps", type=int, default=60, help="training steps per MAML run")
+    parser.add_argument("--lm-shapes", default="1x1024,8x2048",
+                        help="lm_module part: comma-separated BATCHxSEQ_LEN shapes")
     raise SystemExit(main(["--out", sys.argv[1], *sys.argv[2:]],
-                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps), "lm_module": lm_module_rows},
+                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps), "lm_module": lambda a: lm_module_rows(
+                              tuple(tuple(int(x) for x in sh.split("x")) for sh in a.lm_shapes.split(",")))},
                           parser=parser))

@@ -283,13 +283,14 @@ def _triton_row(x, o, lse, delta, causal, monkeypatch):
     off, atomic-free, K̄ wanted so that α, E + αD go through HBM) and the α, E + αD they
     passed between them."""
     made = []
-    real = bob_mod.new_rowvec
+    real = bob_mod.new_rowvecs
 
-    def capture(lay, device):  # α, E + αD are the composer's first two row vectors
-        made.append(real(lay, device))
-        return made[-1]
+    def capture(lay, device, count):  # α, E + αD are the composer's first two row vectors
+        rows = real(lay, device, count)
+        made.extend(rows)
+        return rows
 
-    monkeypatch.setattr(bob_mod, "new_rowvec", capture)
+    monkeypatch.setattr(bob_mod, "new_rowvecs", capture)
     with configs.use_gluon_passes(False):
         qb, _, _, dob = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None,
                                  causal=causal, window=None, needs=(True, True, False, True),

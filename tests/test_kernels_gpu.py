@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from ttt_flash import reference  # noqa: E402
-from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, common  # noqa: E402
+from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, host  # noqa: E402
 from ttt_flash.reference import naive_attention, naive_attention_varlen  # noqa: E402
 
 DEV = "cuda"
@@ -165,7 +165,7 @@ def _parallel_compile():
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(common, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(host, "POISON_OUTPUTS", True)
 
 
 # --------------------------------------------------------------------------- tests

@@ -1,0 +1,107 @@
+"""Host time of the eager attention chain, phase by phase: where a short-sequence chain spends
+its time when the GPU work is a fraction of a millisecond.
+
+For each shape: the median host time (no synchronisation) of the forward, the first backward
+with ``create_graph``, the chain's inner product <U, grad> and the backward-over-backward, over
+``--iters`` chains after 10 warm-up chains; the CUDA kernels one chain launches (profiler); and a
+cProfile of 50 chains (by own time and by cumulative time) in OUT/<shape>.txt.
+
+    python3 scripts/host_phases.py --out OUT                     # the four shapes of docs/benchmarks.md
+    python3 scripts/host_phases.py --out OUT --shapes 1x1024,1x1024c
+
+Writes OUT/host_phases.json and prints a table last (one H200, bf16, H = 12, d = 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+
+def _shape(text: str):
+    """"BxN" or "BxNc" (causal) -> (B, N, causal)."""
+    causal = text.endswith("c")
+    b, n = text.rstrip("c").split("x")
+    return int(b), int(n), causal
+
+
+def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from ttt_flash import flash_attention
+
+    x = [torch.randn(b, 12, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
+    q, k, v, do = (t.requires_grad_(True) for t in x[:4])
+    u = x[4:]
+
+    def run(rec=None):
+        t0 = time.perf_counter()
+        o = flash_attention(q, k, v, causal=causal)
+        t1 = time.perf_counter()
+        g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        t2 = time.perf_counter()
+        inner = sum((a * w).sum() for a, w in zip(g, u))
+        t3 = time.perf_counter()
+        torch.autograd.grad(inner, (q, k, v, do))
+        t4 = time.perf_counter()
+        if rec is not None:
+            rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+
+    for _ in range(10):
+        run()
+    torch.cuda.synchronize()
+    rec: list = []
+    for _ in range(iters):
+        run(rec)
+    torch.cuda.synchronize()
+    med = [statistics.median(r[i] for r in rec) * 1e3 for i in range(4)]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(50):
+        run()
+    torch.cuda.synchronize()
+    pr.disable()
+    key = f"b{b}_n{n}_{'causal' if causal else 'full'}"
+    with open(os.path.join(out, key + ".txt"), "w") as f:
+        for order in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
+            f.write(buf.getvalue())
+    return dict(key=key, forward_ms=med[0], backward_ms=med[1], inner_ms=med[2], bob_ms=med[3],
+                total_ms=sum(med), kernels=kernels)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for host_phases.json and the profiles")
+    p.add_argument("--shapes", default="1x1024,1x1024c,1x4096c,8x2048c",
+                   help="comma-separated BxN, a trailing c for causal")
+    p.add_argument("--iters", type=int, default=100, help="chains timed per shape")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_phases.py needs a CUDA GPU (it times kernel launches)")
+    os.makedirs(a.out, exist_ok=True)
+    rows = [phases(n, c, b, a.iters, a.out) for b, n, c in map(_shape, a.shapes.split(","))]
+    with open(os.path.join(a.out, "host_phases.json"), "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"{'shape':<18}{'forward':>9}{'backward':>10}{'inner':>8}{'BoB':>8}{'total':>8}{'kernels':>9}  (host ms)")
+    for r in rows:
+        print(f"{r['key']:<18}{r['forward_ms']:9.3f}{r['backward_ms']:10.3f}{r['inner_ms']:8.3f}"
+              f"{r['bob_ms']:8.3f}{r['total_ms']:8.3f}{len(r['kernels']):9d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

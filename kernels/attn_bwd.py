@@ -15,14 +15,12 @@ pass runs as the Gluon kernel where the plan selects it (plan.py, gluon/dkdv.py)
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from .common import (
     _key_tile,
     _row_probs,
-    _row_scores,
     LOG2E,
     _NO_SPECIALIZE,
     _dot_acc,
@@ -42,7 +40,6 @@ from .common import (
     _rows,
     _store_view,
     _tile_base,
-    _visible,
 )
 from .host import (
     block_d,

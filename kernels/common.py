@@ -21,11 +21,6 @@ views, so both layouts share the kernels.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
 import triton
 import triton.language as tl
 

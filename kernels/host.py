@@ -130,16 +130,19 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _rowvec_shape(lay: Layout) -> tuple:
+    """Shape of a row vector (``lse``'s layout): (B, H_q, N_q) dense, (H_q, T_q) varlen."""
+    return (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
+
+
 def new_rowvec(lay: Layout, device) -> torch.Tensor:
-    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
-    return new_empty(shape, torch.float32, device)
+    return new_empty(_rowvec_shape(lay), torch.float32, device)
 
 
 def new_rowvecs(lay: Layout, device, count: int) -> tuple:
     """``count`` float32 row vectors in ``lse``'s layout, each contiguous, carved from one
     allocation (one allocator call instead of ``count``)."""
-    shape = (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
-    return new_empty((count, *shape), torch.float32, device).unbind(0)
+    return new_empty((count, *_rowvec_shape(lay)), torch.float32, device).unbind(0)
 
 
 def block_d(head_dim: int) -> int:

@@ -142,49 +142,18 @@ def stage_profile(out: str) -> None:
 
 
 def stage_host(out: str) -> None:
-    """Host (Python) cost of a chain at N=1024, where the GPU work is ~0.2 ms: wall time per
-    chain, kernels launched per chain, and the cProfile of 50 chains."""
-    import cProfile
-    import io
-    import pstats
+    """Host (Python) cost of a chain at N=1024, where the GPU work is ~0.2 ms: host time per
+    phase, kernels launched per chain, their GPU time and the cProfile of 50 chains
+    (``host_phases.py``, its B=1, N=1024 row; the profile in OUT/b1_n1024_full.txt)."""
+    import host_phases  # scripts/host_phases.py, beside this script
 
-    from torch.profiler import ProfilerActivity, profile
-
-    from ttt_flash import flash_attention
-
-    x = [torch.randn(1, 12, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
-    q, k, v, do = (t.requires_grad_(True) for t in x[:4])
-    run = lambda: _chain(lambda a, b, c: flash_attention(a, b, c), q, k, v, do, x[4:])
-    for _ in range(5):
-        run()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        run()
-    t_host = (time.perf_counter() - t0) / 50
-    torch.cuda.synchronize()
-    t_all = (time.perf_counter() - t0) / 50
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        run()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_ms = sum(e.device_time for e in kernels) / 1e3 if kernels and hasattr(kernels[0], "device_time") else float("nan")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(50):
-        run()
-    torch.cuda.synchronize()
-    pr.disable()
-    buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(30)
-    text = (f"N=1024 chain: {t_host * 1e3:.2f} ms host per chain (no sync), {t_all * 1e3:.2f} ms with sync; "
-            f"{len(kernels)} GPU kernels per chain, {gpu_ms:.3f} ms GPU time\n"
-            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25) + "\n" + buf.getvalue())
-    log(text[:6000])
-    with open(os.path.join(out, "host.txt"), "w") as f:
-        f.write(text)
-    SUMMARY.append(("host cost N=1024 chain", f"{t_host * 1e3:.2f} ms host, {t_all * 1e3:.2f} ms total, "
-                                              f"{len(kernels)} kernels, {gpu_ms:.3f} ms GPU"))
+    r = host_phases.phases(1024, False, 1, 50, out)
+    text = (f"N=1024 chain: {r['total_ms']:.2f} ms host per chain (forward {r['forward_ms']:.2f}, backward "
+            f"{r['backward_ms']:.2f}, inner product {r['inner_ms']:.2f}, BoB {r['bob_ms']:.2f}); "
+            f"{len(r['kernels'])} GPU kernels per chain, {r['gpu_ms']:.3f} ms GPU time")
+    log(text)
+    SUMMARY.append(("host cost N=1024 chain", f"{r['total_ms']:.2f} ms host, {len(r['kernels'])} kernels, "
+                                              f"{r['gpu_ms']:.3f} ms GPU"))
 
 
 def stage_regs(out: str) -> None:

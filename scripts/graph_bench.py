@@ -14,6 +14,7 @@ Writes OUT_DIR/bench_graph.json and prints a table last.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -145,15 +146,26 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
     return rows
 
 
+def _shapes(text: str):
+    """"1x1024,8x2048" -> ((1, 1024), (8, 2048)) (batch, sequence length)."""
+    try:
+        shapes = tuple(tuple(int(x) for x in sh.split("x")) for sh in text.split(","))
+    except ValueError:
+        shapes = ()
+    if not shapes or any(len(sh) != 2 or min(sh) < 1 for sh in shapes):
+        raise argparse.ArgumentTypeError(f"BATCHxSEQ_LEN pairs of positive integers separated by commas "
+                                         f"(e.g. 1x1024,8x2048), got {text!r}")
+    return shapes
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         raise SystemExit(__doc__)
     parser = build_parser((*PARTS, "maml", "lm_module"), prog="scripts/graph_bench.py OUT_DIR")
     parser.add_argument("--recipe", default="recipes/maml_transformer.yaml", help="MAML recipe (maml part)")
     parser.add_argument("--maml-steps", type=int, default=60, help="training steps per MAML run")
-    parser.add_argument("--lm-shapes", default="1x1024,8x2048",
+    parser.add_argument("--lm-shapes", default="1x1024,8x2048", type=_shapes,
                         help="lm_module part: comma-separated BATCHxSEQ_LEN shapes")
     raise SystemExit(main(["--out", sys.argv[1], *sys.argv[2:]],
-                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps), "lm_module": lambda a: lm_module_rows(
-                              tuple(tuple(int(x) for x in sh.split("x")) for sh in a.lm_shapes.split(",")))},
+                          extra={"maml": lambda a: maml_rows(a.recipe, a.maml_steps), "lm_module": lambda a: lm_module_rows(a.lm_shapes)},
                           parser=parser))

@@ -3,7 +3,8 @@ its time when the GPU work is a fraction of a millisecond.
 
 For each shape: the median host time (no synchronisation) of the forward, the first backward
 with ``create_graph``, the chain's inner product <U, grad> and the backward-over-backward, over
-``--iters`` chains after 10 warm-up chains; the CUDA kernels one chain launches (profiler); and a
+``--iters`` chains after 10 warm-up chains; the CUDA kernels one chain launches and their GPU
+time (profiler); and a
 cProfile of 50 chains (by own time and by cumulative time) in OUT/<shape>.txt.
 
     python3 scripts/host_phases.py --out OUT                     # the four shapes of docs/benchmarks.md
@@ -29,8 +30,14 @@ import torch
 def _shape(text: str):
     """"BxN" or "BxNc" (causal) -> (B, N, causal)."""
     causal = text.endswith("c")
-    b, n = text.rstrip("c").split("x")
-    return int(b), int(n), causal
+    try:
+        b, n = (int(x) for x in text[:-1 if causal else None].split("x"))
+    except ValueError:
+        b = n = 0
+    if b < 1 or n < 1:
+        raise SystemExit(f"--shapes takes BxN items (a trailing c for causal) separated by commas, "
+                         f"e.g. 1x1024,1x1024c; got {text!r}")
+    return b, n, causal
 
 
 def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
@@ -66,7 +73,9 @@ def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e.name for e in events]
+    gpu_ms = sum(getattr(e, "device_time", float("nan")) for e in events) / 1e3
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(50):
@@ -80,7 +89,7 @@ def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
             pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
             f.write(buf.getvalue())
     return dict(key=key, forward_ms=med[0], backward_ms=med[1], inner_ms=med[2], bob_ms=med[3],
-                total_ms=sum(med), kernels=kernels)
+                total_ms=sum(med), gpu_ms=gpu_ms, kernels=kernels)
 
 
 def main(argv=None) -> int:
@@ -90,10 +99,11 @@ def main(argv=None) -> int:
                    help="comma-separated BxN, a trailing c for causal")
     p.add_argument("--iters", type=int, default=100, help="chains timed per shape")
     a = p.parse_args(argv)
+    shapes = [_shape(x) for x in a.shapes.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("host_phases.py needs a CUDA GPU (it times kernel launches)")
     os.makedirs(a.out, exist_ok=True)
-    rows = [phases(n, c, b, a.iters, a.out) for b, n, c in map(_shape, a.shapes.split(","))]
+    rows = [phases(n, c, b, a.iters, a.out) for b, n, c in shapes]
     with open(os.path.join(a.out, "host_phases.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
     print(f"{'shape':<18}{'forward':>9}{'backward':>10}{'inner':>8}{'BoB':>8}{'total':>8}{'kernels':>9}  (host ms)")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _recipe_runs import CPU_FAST_DEV_RUN, TINY_OVERRIDES
 from ttt_flash.cli import main
 from ttt_flash.lightning.curriculum import LengthCurriculum
 
@@ -16,21 +17,9 @@ RECIPES = ROOT / "recipes"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-_CPU = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.fast_dev_run=2",
-        "--trainer.enable_progress_bar=false"]
-# Tiny shapes; the curriculum's second stage starts at step 1, so both stages run.
-TINY = {
-    "ttt_e2e_mqar_131k": ["--model.init_args.attention=math", "--model.init_args.chunk_size=16",
-                          "--model.init_args.window=4", "--data.init_args.context_len=64",
-                          "--data.init_args.curriculum=[[0,32],[1,64]]", "--data.init_args.batch_size=2"],
-    "gradmem_kv_131k": ["--model.init_args.attention=math", "--data.init_args.context_len=64",
-                        "--data.init_args.curriculum=[[0,16],[1,64]]", "--data.init_args.batch_size=2"],
-    "memory_layer_mqar_131k": ["--model.init_args.attention=math", "--model.init_args.chunk_size=16",
-                               "--model.init_args.memory_slots=8", "--data.init_args.context_len=64",
-                               "--data.init_args.curriculum=[[0,32],[1,64]]", "--data.init_args.batch_size=2"],
-    "maml_transformer_131k": ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
-                              "--data.init_args.curriculum=[[0,16],[1,32]]"],
-}
+_CPU = CPU_FAST_DEV_RUN
+METHODS = ("ttt_e2e_mqar", "gradmem_kv", "memory_layer_mqar", "maml_transformer")
+TINY = {f"{method}_131k": TINY_OVERRIDES[method] for method in METHODS}
 SHIPPED = sorted(p.stem for p in RECIPES.glob("*_131k.yaml"))
 
 

@@ -2,7 +2,11 @@
 scripts/README.md, and every script a doc or test names exists."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -36,3 +40,18 @@ def test_every_named_script_exists():
             if not (SCRIPTS / name).exists():
                 missing.append(f"{path.relative_to(ROOT)} names scripts/{name}")
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("graph_bench.py", ["OUT", "--parts", "lm_module", "--lm-shapes", "1x"], "--lm-shapes: BATCHxSEQ_LEN pairs"),
+    ("graph_bench.py", ["OUT", "--lm-shapes", "8x2048x3"], "--lm-shapes: BATCHxSEQ_LEN pairs"),
+    ("host_phases.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
+    ("host_phases.py", ["--out", "OUT", "--shapes", "0x1024c"], "--shapes takes BxN items"),
+])
+def test_shape_arguments_refuse_bad_values_before_any_work(script, args, message, tmp_path):
+    # checked before the GPU is asked for, with the argument named and an example of the form
+    args = [str(tmp_path) if a == "OUT" else a for a in args]
+    out = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode != 0
+    assert message in out.stderr and "Traceback" not in out.stderr

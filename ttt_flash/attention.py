@@ -121,18 +121,26 @@ ops.register_composers("reference", lambda: reference)
 ops.register_composers("triton", _triton_module)
 
 
-def _apply(q, k, v, spec: "_Spec", cu_q, cu_k) -> Tensor:
+def _apply(q, k, v, spec: "_Spec", cu_q, cu_k, with_lse: bool = False):
     """Eager: the autograd.Functions (differentiable twice, vmap rules). While
-    ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.ops` (first order)."""
+    ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.ops` (first order).
+    ``with_lse`` (``return_lse=True``): ``(o, lse)``, the row log-sum-exp made differentiable
+    by ``_LogSumExp``; under ``torch.compile`` that call runs eagerly (the compiled operator
+    returns the output only)."""
     if spec.backend == "triton" and not q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         # The Triton interpreter (CPU) computes 16-bit dots wrongly: run the kernels in float32.
-        return _apply(q.float(), k.float(), v.float(), spec, cu_q, cu_k).to(q.dtype)
+        out = _apply(q.float(), k.float(), v.float(), spec, cu_q, cu_k, with_lse)
+        return (out[0].to(q.dtype), out[1]) if with_lse else out.to(q.dtype)
     if torch.compiler.is_compiling():
+        if with_lse:
+            return _apply_lse_eager(q, k, v, spec, cu_q, cu_k)
         return ops.compiled_attention(
             q, k, v, cu_q, cu_k, scale=spec.scale, causal=spec.causal, window=spec.window,
             max_seqlen_q=spec.max_seqlen_q, max_seqlen_k=spec.max_seqlen_k, backend=spec.backend,
         )
-    o, _ = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
+    o, lse = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
+    if with_lse:
+        return o, _LogSumExp.fast_apply(q, k, lse, spec, cu_q, cu_k)
     return o
 
 
@@ -601,24 +609,10 @@ class _LogSumExp(_Function):
 _LogSumExp.forward.__signature__ = inspect.signature(_LogSumExp.forward)
 
 
-def _apply_lse(q, k, v, spec: _Spec, cu_q, cu_k):
-    """``(o, lse)`` for ``return_lse=True``: ``_Attention``'s output and its row log-sum-exp
-    made differentiable by ``_LogSumExp`` (the path without ``return_lse`` is ``_apply``)."""
-    if spec.backend == "triton" and not q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        # The Triton interpreter (CPU) computes 16-bit dots wrongly: run the kernels in float32.
-        o, lse = _apply_lse(q.float(), k.float(), v.float(), spec, cu_q, cu_k)
-        return o.to(q.dtype), lse
-    if torch.compiler.is_compiling():
-        # the custom operators of ttt_flash.ops carry the output only: run this call eagerly
-        return _apply_lse_eager(q, k, v, spec, cu_q, cu_k)
-    o, lse = _Attention.fast_apply(q, k, v, spec, cu_q, cu_k)
-    return o, _LogSumExp.fast_apply(q, k, lse, spec, cu_q, cu_k)
-
-
 def _apply_lse_eager(q, k, v, spec: _Spec, cu_q, cu_k):
-    """:func:`_apply_lse` outside the graph that ``torch.compile`` traces (a graph break;
-    ``fullgraph=True`` refuses it, naming this reason)."""
-    return _apply_lse(q, k, v, spec, cu_q, cu_k)
+    """``_apply(..., with_lse=True)`` outside the graph that ``torch.compile`` traces (a graph
+    break; ``fullgraph=True`` refuses it, naming this reason)."""
+    return _apply(q, k, v, spec, cu_q, cu_k, with_lse=True)
 
 
 _EAGER_LSE_REASON = ("flash_attention(return_lse=True) runs eagerly under torch.compile (the compiled "
@@ -888,7 +882,7 @@ def flash_attention(
     spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
                  precise_bob=bool(precise_bob), deterministic=bool(deterministic))
     if return_lse is not False and _flag("return_lse", return_lse):
-        o, lse = _apply_lse(q, k, v, spec, None, None)
+        o, lse = _apply(q, k, v, spec, None, None, with_lse=True)
         return (o.transpose(1, 2) if layout == "bnhd" else o), lse
     o = _apply(q, k, v, spec, None, None)
     return o.transpose(1, 2) if layout == "bnhd" else o
@@ -989,5 +983,5 @@ def flash_attention_varlen(
         deterministic=bool(deterministic),
     )
     if return_lse is not False and _flag("return_lse", return_lse):
-        return _apply_lse(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
+        return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k, with_lse=True)
     return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

@@ -381,13 +381,13 @@ def main(argv: Optional[Sequence[str]] = None, extra: Optional[Dict[str, Callabl
         result["triton"] = triton.__version__
     except ImportError:  # pragma: no cover
         pass
-    runs = {"chain": lambda: chain_rows([int(x) for x in a.seq_lens.split(",")]),
-            "meta": lambda: meta_rows([int(x) for x in a.meta_seq_lens.split(",")], a.tasks),
-            "lm": lm_rows, **{name: (lambda fn=fn: fn(a)) for name, fn in extra.items()}}
+    runs = {"chain": lambda _: chain_rows([int(x) for x in a.seq_lens.split(",")]),
+            "meta": lambda _: meta_rows([int(x) for x in a.meta_seq_lens.split(",")], a.tasks),
+            "lm": lambda _: lm_rows(), **extra}
     path = write_json(result, a.out, "bench_graph.json")
     for name in known:
         if name in parts:
-            result["rows"] += runs[name]()
+            result["rows"] += runs[name](a)
             # written after every part: a run cut short keeps the parts it finished
             path = write_json(result, a.out, "bench_graph.json")
     print(format_table(result))

@@ -62,6 +62,18 @@ def test_fit_writes_best_checkpoints_curves_and_shows_no_v_num(monkeypatch, tmp_
     assert (folder / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_without_the_progress_bar_the_summary_still_has_no_flops(monkeypatch, tmp_path):
+    # the summary does not depend on the progress bar: with it off, Lightning's own summary
+    # (FLOPs column and total) must not come back
+    from lightning.pytorch.callbacks import ModelSummary
+
+    from ttt_flash.lightning.outputs import RecipeModelSummary
+
+    trainer, _ = _fit(monkeypatch, tmp_path, "--trainer.enable_progress_bar=false")
+    summaries = [c for c in trainer.callbacks if isinstance(c, ModelSummary)]
+    assert len(summaries) == 1 and isinstance(summaries[0], RecipeModelSummary)
+
+
 def test_without_matplotlib_the_run_still_ends_well(monkeypatch, tmp_path):
     from ttt_flash.lightning import outputs
 

@@ -376,9 +376,9 @@ def recipe_callbacks(trainer_config: dict, model) -> list:
     bar = rich_progress_bar(trainer_config)
     if bar is not None:
         added.append(bar)
-        if trainer_config.get("enable_model_summary") is not False and not any(
-                isinstance(c, ModelSummary) for c in callbacks):
-            added.append(RecipeModelSummary())
+    if trainer_config.get("enable_model_summary") is not False and not any(
+            isinstance(c, ModelSummary) for c in callbacks):
+        added.append(RecipeModelSummary())
     metric = val_metric_of(model) if model is not None else None
     if (metric is not None and trainer_config.get("enable_checkpointing") is not False
             and not any(isinstance(c, ModelCheckpoint) and c.monitor for c in callbacks)):

@@ -18,7 +18,7 @@ Kernel kinds and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N ke
 - ``jvp``        the tangent forward (``attn_jvp``) and the tangent of a computed forward
   (``attn_tangent``): two tile x d accumulators, two query-side tiles.
 
-On Hopper (sm_90) four passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
+On Hopper (sm_90) five passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
 their tiles; ``gluon/scope.py`` says per call whether a pass can take it.
 """
 
@@ -51,8 +51,8 @@ class TileConfig:
 class GluonConfig:
     """Launch parameters of a Gluon pass. The key-tile passes (``bwd_dkdv``, ``bob_col``)
     own ``block_n`` keys per program and step over ``block_m`` queries; the row passes
-    (``bob_stats``, ``bob_direct``) own ``block_m`` queries (16 per warp) and step over
-    ``block_n`` keys."""
+    (``fwd``, ``bob_stats``, ``bob_direct``) own ``block_m`` queries (16 per warp) and step
+    over ``block_n`` keys."""
 
     block_n: int  #: keys per program (key-tile passes: block_n == 16·num_warps) or per step
     block_m: int  #: queries per step (key-tile passes) or per program (row passes)
@@ -205,6 +205,8 @@ FUSED_ROW_MAX_KEYS = 8192
 #: GQA runs the same tiles. ``min_keys``: below it the chain is host-bound and the Triton
 #: passes run.
 GLUON = {
+    ("fwd", 64): GluonConfig(128, 128, 8, stages=2, min_keys=16384),
+    ("fwd", 128): GluonConfig(128, 128, 8, stages=2, min_keys=16384),
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),

@@ -3,8 +3,8 @@
 The verifiers of ``kernels/gluon/scope.py`` and the plans of ``kernels/plan.py`` are exercised
 with the GPU capability, the interpreter check and the Gluon import mocked: the in-scope call
 selects the table's Gluon tiles, and every condition outside the Gluon kernels' scope (or the
-switch, or a tile override) selects Triton, with a reason. The call sites in ``attn_bwd`` and
-``attn_bob`` are run under the interpreter with the real plans (told the tensors are on an
+switch, or a tile override) selects Triton, with a reason. The call sites in ``attn_fwd``,
+``attn_bwd`` and ``attn_bob`` are run under the interpreter with the real plans (told the tensors are on an
 sm_90 device) and the Gluon launchers replaced by float64 implementations of their
 documented formulas: the results must equal the Triton pass's, so the arguments handed over
 mean what the Gluon kernels expect. Gluon itself is never compiled here (no GPU), and nothing
@@ -25,7 +25,7 @@ from ttt_flash.kernels.gluon import scope
 
 attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
 CUDA0 = torch.device("cuda", 0)
-KINDS = ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
+KINDS = ["fwd", "bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,8 @@ def _plan_pass(kind, lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
     """The plan's pass for ``kind`` (a ``plan.Pass``); ``complete``: the caller's own
     conditions for the Gluon pass hold (all three cotangents, every output wanted)."""
     lay = lay or _lay()
+    if kind == "fwd":
+        return plan.fwd(lay, dtype, device, window=window, contiguous=contiguous)
     if kind == "bwd_dkdv":
         return plan.bwd(lay, dtype, device, window=window, contiguous=contiguous).dkdv
     needs = (True, True, True, True)
@@ -95,7 +97,9 @@ def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
 
 def _flags(kind, **over):
     flags = dict(window=False, rowsum=False, contiguous=True)
-    if kind != "bwd_dkdv":
+    if kind == "fwd":  # the forward never applies the ρ correction
+        del flags["rowsum"]
+    if kind not in ("fwd", "bwd_dkdv"):
         flags.update(precise=True, all_u=True)
     if kind == "bob_direct":
         flags.update(need_qb=True, need_dob=True, split=False)
@@ -106,6 +110,9 @@ def _flags(kind, **over):
 
 
 def test_table_tiles_are_the_measured_ones():
+    for d in (64, 128):  # the forward: a row pass, 16 queries per warp
+        fwd = configs.GLUON[("fwd", d)]
+        assert fwd.block_m == 16 * fwd.num_warps and fwd.min_keys == 16384
     assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
     col = configs.GLUON[("bob_col", 64)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
@@ -153,8 +160,11 @@ OUT_OF_SCOPE = {
 
 
 @pytest.mark.parametrize("kind,case", [(kind, case) for kind in KINDS for case in OUT_OF_SCOPE
-                                       # the dK/dV pass has no caller conditions
-                                       if (kind, case) != ("bwd_dkdv", "caller-incomplete")])
+                                       # the forward and dK/dV passes have no caller
+                                       # conditions; the forward has no ρ correction
+                                       if (kind, case) not in (("bwd_dkdv", "caller-incomplete"),
+                                                               ("fwd", "caller-incomplete"),
+                                                               ("fwd", "rowsum"))])
 def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     spec = dict(OUT_OF_SCOPE[case])
     cap = spec.pop("cap", (9, 0))
@@ -166,9 +176,11 @@ def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     assert _select(kind, **spec) is None
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("flag,value,words", [
-    ("window", True, "window"), ("rowsum", True, "row-sum"), ("contiguous", False, "contiguous")])
+@pytest.mark.parametrize("kind,flag,value,words", [
+    (kind, *why) for kind in KINDS
+    for why in (("window", True, "window"), ("rowsum", True, "row-sum"),
+                ("contiguous", False, "contiguous"))
+    if (kind, why[0]) != ("fwd", "rowsum")])  # the forward has no ρ correction
 def test_the_verifiers_say_why(sm90, kind, flag, value, words):
     """Each verifier names the condition that fails (plan.explain prints it)."""
     text = plan.explain(kind, _lay(), torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
@@ -195,6 +207,34 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
     with pytest.raises(RuntimeError), configs.use_gluon_passes(False):
         raise RuntimeError
     assert configs.gluon_passes_enabled()  # restored after an exception
+
+
+def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
+    """The forward's plan: the Gluon tiles on sm_90 in scope, else the Triton forward's table
+    tiles (what ``attn_fwd`` launched before the Gluon pass), and ``explain`` says why."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(scope, "importable", lambda kind: True)
+    for cap, gluon in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(plan, "device_capability", lambda index, _c=cap: _c)
+        plan.clear_cache()
+        for d in (64, 128):
+            lay = _lay(h_q=12, h_kv=4, d=d)
+            p = plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
+            assert p.kind == "fwd" and p.gluon is gluon
+            want = (configs.GLUON[("fwd", d)] if gluon
+                    else configs.table_config("fwd", d, torch.bfloat16, cap[0]))
+            assert p.tiles == want
+            assert plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True) is p
+    plan.clear_cache()
+    monkeypatch.setattr(plan, "device_capability", lambda index: (9, 0))
+    why = plan.explain("fwd", _lay(n_q=16384, n_k=32768), torch.bfloat16, CUDA0,
+                       window=False, contiguous=True)
+    assert why == "Triton: N_q = 16384 differs from N_k = 32768"
+    why = plan.explain("fwd", _lay(n_q=8192, n_k=8192), torch.float16, CUDA0, window=False,
+                       contiguous=True)
+    assert why == "Triton: N = 8192 is below the pass's min_keys = 16384"
+    assert plan.explain("fwd", _lay(), torch.float16, CUDA0, window=False,
+                        contiguous=True) == "Gluon"
 
 
 def test_plans_are_cached_and_follow_the_switches(sm90):
@@ -225,7 +265,7 @@ def test_triton_version_range(monkeypatch, version, ok):
     scope.importable.cache_clear()
     try:
         assert scope.importable("bwd_dkdv") is (ok and common.HAVE_GLUON)
-        for kind in ("bob_col", "bob_stats", "bob_direct"):
+        for kind in ("fwd", "bob_col", "bob_stats", "bob_direct"):
             assert scope.importable(kind) is (ok and common.HAVE_GLUON
                                               and common.HAVE_WARP_SPECIALIZE)
     finally:
@@ -233,10 +273,12 @@ def test_triton_version_range(monkeypatch, version, ok):
 
 
 def test_gluon_modules_import_without_gpu():
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     assert not dkdv.available() and not bob_col.available()
-    assert not bob_row.available()
+    assert not bob_row.available() and not fwd.available()
+    with pytest.raises(RuntimeError, match="sm_90"):
+        fwd.gluon_attn_fwd(*(torch.empty(1, 1, 128, 64, dtype=torch.bfloat16),) * 3)
     with pytest.raises(RuntimeError, match="sm_90"):
         dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
                         torch.empty(1, 1, 64), torch.empty(1, 1, 64))
@@ -256,6 +298,26 @@ def _fold(x, like):
     ``like`` (B, H_kv, N, d)."""
     b, hk = like.shape[:2]
     return x.reshape(b, hk, x.shape[1] // hk, *x.shape[2:]).sum(2)
+
+
+def _fake_fwd(calls):
+    """launch_fwd's documented result (O and the natural-log L of softmax(τ Q Kᵀ), GQA:
+    query head h reads kv head h // G) in float64, written into ``out`` = (o, lse)."""
+
+    def fake(q, k, v, *, scale, causal, out, **tiles):
+        calls.append(("fwd", tiles))
+        assert out[0].shape == q.shape and out[0].dtype == q.dtype
+        assert out[1].shape == q.shape[:3] and out[1].dtype == torch.float32
+        assert all(x.is_contiguous() for x in (q, k, v, *out))
+        s = scale * q.double() @ _expand(k, q).transpose(-1, -2)
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[0].copy_(torch.softmax(s, -1) @ _expand(v, q))
+        out[1].copy_(torch.logsumexp(s, -1))
+        return out
+
+    return fake
 
 
 def _fake_dkdv(calls):
@@ -365,16 +427,18 @@ def _gluon_on_cpu(monkeypatch, calls):
     """The real plans, told the CPU tensors sit on an sm_90 GPU (the Gluon verifiers' view
     only: the Triton passes keep the interpreter's tiles), with d = 16 / 32-wide tiles in the
     Gluon table (interpreter-sized), and the float64 stand-ins for the Gluon launchers."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     monkeypatch.setattr(plan, "_gluon_capability", lambda device: (9, 0))
     monkeypatch.setattr(scope, "importable", lambda kind: True)
     monkeypatch.setattr(configs, "GLUON", {
+        ("fwd", 16): configs.GluonConfig(16, 32, 2, stages=3, warp_specialize=True),
         ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
                                              maxnreg=128),
         ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
         ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
+    monkeypatch.setattr(fwd, "launch_fwd", _fake_fwd(calls))
     monkeypatch.setattr(dkdv, "launch_dkdv", _fake_dkdv(calls))
     monkeypatch.setattr(bob_col, "launch_bob_col", _fake_bob_col(calls))
     monkeypatch.setattr(bob_row, "launch_bob_row", _fake_bob_row(calls))
@@ -394,7 +458,8 @@ def _chain(ts, kw, **bob_kw):
     o, lse = attn_fwd(q, k, v, **kw)
     dq, dk, dv, delta = attn_bwd_mod.attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     outs = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, deterministic=True, **kw, **bob_kw)
-    return dict(zip(("dq", "dk", "dv", "qb", "kb", "vb", "dob"), (dq, dk, dv, *outs)))
+    return dict(zip(("o", "lse", "dq", "dk", "dv", "qb", "kb", "vb", "dob"),
+                    (o, lse, dq, dk, dv, *outs)))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -407,13 +472,15 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     calls = []
     with _gluon_on_cpu(monkeypatch, calls):
         got = _chain(ts, kw)
-    assert [c[0] for c in calls] == ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
-    assert calls[0][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
-    assert calls[1][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
-                               warp_specialize=False, maxnreg=None)
-    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
+    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+    assert calls[0][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=True, maxnreg=None)
-    assert calls[3][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
+    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
+    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
+                               warp_specialize=False, maxnreg=None)
+    assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
+                               warp_specialize=True, maxnreg=None)
+    assert calls[4][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, maxnreg=128)
     for name, x in want.items():
         y = got[name]
@@ -440,7 +507,7 @@ def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, dro
         plan.clear_cache()
         got = _chain(ts, kw)
     kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
-    assert [c[0] for c in calls] == ["bwd_dkdv", kept, "bob_col"]
+    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", kept, "bob_col"]
     for name, x in want.items():
         mag = x.double().abs().max().item()
         err = (got[name].double() - x.double()).abs().max().item()
@@ -466,10 +533,11 @@ def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
     row = ["bob_stats", "bob_direct"]
     # the row passes without the Gluon direct pass: one Triton launch (statistics sweep
     # first, the keys being below FUSED_ROW_MAX_KEYS), so no Gluon statistics pass either
-    expect = {"split_col": ["bwd_dkdv", *row], "split_row": ["bwd_dkdv", "bob_col"],
-              "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
-              "kb-not-wanted": ["bwd_dkdv", *row],
-              "dob-not-wanted": ["bwd_dkdv", "bob_col"]}.get(case, [])
+    # the forward has no BoB conditions: it runs wherever the common scope holds
+    expect = {"split_col": ["fwd", "bwd_dkdv", *row], "split_row": ["fwd", "bwd_dkdv", "bob_col"],
+              "affine": ["fwd", "bwd_dkdv"], "uq-missing": ["fwd", "bwd_dkdv"],
+              "kb-not-wanted": ["fwd", "bwd_dkdv", *row],
+              "dob-not-wanted": ["fwd", "bwd_dkdv", "bob_col"]}.get(case, [])
     assert [c[0] for c in calls] == expect
 
 
@@ -482,9 +550,10 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     import json
     import pathlib
 
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     # the script wraps the launchers to count launches: put them back afterwards
+    monkeypatch.setattr(fwd, "launch_fwd", fwd.launch_fwd)
     monkeypatch.setattr(dkdv, "launch_dkdv", dkdv.launch_dkdv)
     monkeypatch.setattr(bob_col, "launch_bob_col", bob_col.launch_bob_col)
     monkeypatch.setattr(bob_row, "launch_bob_row", bob_row.launch_bob_row)

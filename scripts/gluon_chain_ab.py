@@ -38,10 +38,10 @@ import torch
 
 def _counter():
     """Wrap the Gluon launchers; return the list their calls append to."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     calls = []
-    for mod, name in ((dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
+    for mod, name in ((fwd, "launch_fwd"), (dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
                       (bob_row, "launch_bob_row")):
         real = getattr(mod, name)
 

@@ -187,11 +187,13 @@ def compile_fwd(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the forward
 FWD_VARIANTS = [
     (128, 128, 8, 2, 0, 0),
-    (128, 64, 8, 2, 0, 0),
     (128, 128, 8, 2, 1, 0),
+    (128, 128, 8, 3, 1, 0),
+    (128, 64, 8, 2, 0, 0),
+    (128, 64, 8, 3, 0, 0),
     (128, 64, 8, 3, 1, 0),
-    (128, 128, 8, 2, 1, 240),
     (64, 128, 4, 2, 0, 0),
+    (64, 128, 4, 3, 1, 0),
     (64, 64, 4, 3, 1, 0),
 ]
 

@@ -572,6 +572,8 @@ def test_gluon_fwd_rejects_bad_inputs():
         gluon_attn_fwd(q, q, q, block_m=128, num_warps=4)
     with pytest.raises(ValueError, match="stages must be"):
         gluon_attn_fwd(q, q, q, stages=5)
+    with pytest.raises(ValueError, match="q has no rows"):
+        gluon_attn_fwd(q[:, :, :0], q[:, :, :0], q[:, :, :0])
     q96 = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim must be one of"):
         gluon_attn_fwd(q96, q96, q96)

@@ -10,8 +10,9 @@ forward's format and layout, so every backward pass reads them unchanged: O cont
 
 One program owns one query tile (BLOCK_M queries of one (batch, query head)): Q comes to
 shared memory once by TMA, the key tiles that the queries see stream through a ring of
-``stages`` slots of (K, V) tiles, one mbarrier per tile per slot (K and V complete
-separately, so Q Kᵀ can start before V has arrived). Online softmax in log2 units, with
+``stages`` slots of (K, V) tiles, one mbarrier per tile per slot (K and V complete and are
+released separately: Q Kᵀ can start before V has arrived, and a K slot is refilled a softmax
+before its V slot). Online softmax in log2 units, with
 c = τ·log2e and per-query vectors broadcast along the keys:
 
     S_j = Q K_jᵀ      m ← max(m, c·rowmax(S_j))      P_j = exp2(c·S_j − m)
@@ -26,10 +27,11 @@ is complete. P enters as a register A operand.
 Two program shapes, as in bob_row.py:
 
 - single partition (``warp_specialize=False``): the warps issue the TMA copies themselves
-  (every ring slot filled ahead, each slot refilled once its V tile has been read);
+  (every ring slot filled ahead; a K slot refilled as soon as its S is complete, a V slot
+  once its P V is);
 - warp-specialised (``warp_specialize=True``): a one-warp producer partition issues the Q
-  copy and the ring's copies, waiting on per-slot "empty" barriers that the consumer warps
-  release once a slot's products are done.
+  copy and the rings' copies (K one tile ahead of V), waiting on per-slot "free" barriers
+  that the consumer warps release at the same points.
 
 Causal: the query tiles are taken longest row first (program 0 gets the last query tile);
 only the key tiles that reach past the tile's first query are masked. A row that sees no key
@@ -96,6 +98,20 @@ if HAVE_GLUON:
         _tma_load(v_desc, [row, 0], bar, v_ring.index(slot))
 
     @gluon.jit
+    def _release(desc, ring, ready, free, slot, tile, n_tiles, krow0, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, WS: gl.constexpr):
+        """Ring slot ``slot`` (key tile ``tile``) has been read: hand it back to the producer
+        partition (WS) or refill it with tile ``tile + STAGES`` (if there is one)."""
+        if WS:
+            mbarrier.arrive(free.index(slot), count=1)
+        else:
+            nxt = tile + STAGES
+            if nxt < n_tiles:
+                mbarrier.expect(ready.index(slot), desc.block_type.nbytes)
+                _tma_load(desc, [krow0 + nxt * BLOCK_N, 0], ready.index(slot),
+                          ring.index(slot))
+
+    @gluon.jit
     def _softmax_tile(s, m_i, l_i, m0, n0, qk_scale2, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
         """(P, m, ℓ, correction) after the scores S = Q Kᵀ of key tile [n0, n0 + BLOCK_N)
@@ -115,14 +131,17 @@ if HAVE_GLUON:
         return p, m_new, l_i, corr
 
     @gluon.jit
-    def _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, empty, row0,
-                      krow0, m0, N, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                      WS: gl.constexpr, k_desc, v_desc, num_warps: gl.constexpr):
+    def _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free, v_free,
+                      row0, krow0, m0, N, qk_scale2, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                      STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc,
+                      num_warps: gl.constexpr):
         """Every key tile of one query tile, then the epilogue: O by TMA (staged through the
         Q buffer), L to LSE. Query rows from ``row0``, key rows from ``krow0`` (the kv head
-        of the query head under GQA). WS: the ring is filled by the producer partition and
-        each slot released on ``empty``; otherwise this partition issues the copies itself."""
+        of the query head under GQA). A K slot is released as soon as its S is complete, a
+        V slot once its P V is. WS: the rings are filled by the producer partition and each
+        slot released on ``k_free`` / ``v_free``; otherwise this partition issues the copies
+        itself."""
         dtype: gl.constexpr = q_s.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -133,7 +152,7 @@ if HAVE_GLUON:
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
         n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
-        if not WS:  # fill the ring
+        if not WS:  # fill the rings
             for s in gl.static_range(STAGES):
                 if s < n_tiles:
                     _load_k(k_desc, k_ring, k_bar.index(s), s, krow0 + s * BLOCK_N)
@@ -148,6 +167,7 @@ if HAVE_GLUON:
         st = warpgroup_mma(q_s, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False,
                            is_async=True)
         st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+        _release(k_desc, k_ring, k_bar, k_free, 0, 0, n_tiles, krow0, BLOCK_N, STAGES, WS)
         p, m_i, l_i, corr = _softmax_tile(st, m_i, l_i, m0, 0, qk_scale2, BLOCK_M, BLOCK_N,
                                           CAUSAL, s_layout)
         for j in range(n_tiles - 1):
@@ -163,16 +183,13 @@ if HAVE_GLUON:
             mbarrier.wait(v_bar.index(slot), (j // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+            _release(k_desc, k_ring, k_bar, k_free, nslot, j + 1, n_tiles, krow0, BLOCK_N,
+                     STAGES, WS)
             p, m_i, l_i, corr = _softmax_tile(st, m_i, l_i, m0, (j + 1) * BLOCK_N,
                                               qk_scale2, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-            if WS:  # K and V of this slot are read: the producer may refill it
-                mbarrier.arrive(empty.index(slot), count=1)
-            else:
-                nxt = j + STAGES
-                if nxt < n_tiles:
-                    _load_k(k_desc, k_ring, k_bar.index(slot), slot, krow0 + nxt * BLOCK_N)
-                    _load_v(v_desc, v_ring, v_bar.index(slot), slot, krow0 + nxt * BLOCK_N)
+            _release(v_desc, v_ring, v_bar, v_free, slot, j, n_tiles, krow0, BLOCK_N, STAGES,
+                     WS)
         last = n_tiles - 1
         slot = last % STAGES
         p_op = gl.convert_layout(p.to(dtype), op_layout)
@@ -193,21 +210,27 @@ if HAVE_GLUON:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _fwd_producer(q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, empty,
-                      row0, krow0, m0, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                      CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """Producer partition (one warp): the Q copy, then the key tiles into the ring, each
-        slot refilled once the consumers have released it."""
+    def _fwd_producer(q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar, v_bar,
+                      k_free, v_free, row0, krow0, m0, N, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """Producer partition (one warp): the Q copy, then the key tiles into the rings, K
+        one tile ahead of V (K slots come back a softmax earlier than V slots), each slot
+        refilled once the consumers have released it."""
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [row0 + m0, 0], q_bar, q_s)
         n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        # a fresh barrier counts as having completed the phase before phase 0, so the first
+        # pass over a ring does not wait
+        _load_k(k_desc, k_ring, k_bar.index(0), 0, krow0)
         for i in range(n_tiles):
-            slot = i % STAGES
-            # a fresh barrier counts as having completed the phase before phase 0, so the
-            # first pass over the ring does not wait
-            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-            _load_k(k_desc, k_ring, k_bar.index(slot), slot, krow0 + i * BLOCK_N)
-            _load_v(v_desc, v_ring, v_bar.index(slot), slot, krow0 + i * BLOCK_N)
+            if i + 1 < n_tiles:
+                t = i + 1
+                ks = t % STAGES
+                mbarrier.wait(k_free.index(ks), ((t // STAGES) & 1) ^ 1)
+                _load_k(k_desc, k_ring, k_bar.index(ks), ks, krow0 + t * BLOCK_N)
+            vs = i % STAGES
+            mbarrier.wait(v_free.index(vs), ((i // STAGES) & 1) ^ 1)
+            _load_v(v_desc, v_ring, v_bar.index(vs), vs, krow0 + i * BLOCK_N)
 
     @gluon.jit
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N, GROUPS, qk_scale2,
@@ -228,27 +251,29 @@ if HAVE_GLUON:
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(s), count=1)
             mbarrier.init(v_bar.index(s), count=1)
-            mbarrier.init(empty.index(s), count=1)
+            mbarrier.init(k_free.index(s), count=1)
+            mbarrier.init(v_free.index(s), count=1)
         if WS:
             gl.warp_specialize([
-                (_fwd_consumer, (o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, empty,
-                                 row0, krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                 CAUSAL, STAGES, True, k_desc, v_desc, num_warps)),
+                (_fwd_consumer, (o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free,
+                                 v_free, row0, krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N,
+                                 HEAD_DIM, CAUSAL, STAGES, True, k_desc, v_desc, num_warps)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar,
-                                 v_bar, empty, row0, krow0, m0, N, BLOCK_M, BLOCK_N, CAUSAL,
-                                 STAGES)),
+                                 v_bar, k_free, v_free, row0, krow0, m0, N, BLOCK_M, BLOCK_N,
+                                 CAUSAL, STAGES)),
             ], [1], [PRODUCER_REGS])
         else:
             mbarrier.expect(q_bar, q_desc.block_type.nbytes)
             _tma_load(q_desc, [row0 + m0, 0], q_bar, q_s)
-            _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, empty, row0,
-                          krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STAGES,
-                          False, k_desc, v_desc, num_warps)
+            _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free,
+                          v_free, row0, krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM,
+                          CAUSAL, STAGES, False, k_desc, v_desc, num_warps)
 
 
 def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, out=None):
@@ -305,6 +330,9 @@ def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_
     b, h, n, d = check_args("gluon_attn_fwd", q, k, (("k", k, True), ("v", v, True)), (),
                             None, block_n=block_n, block_m=block_m, num_warps=num_warps,
                             per_warp="block_m", stages=stages, available=available(q.device))
+    if b * h * n == 0:
+        raise ValueError(f"gluon_attn_fwd: q has no rows (shape {tuple(q.shape)}); use "
+                         "attn_fwd for empty inputs")
     scale = d ** -0.5 if scale is None else float(scale)
     o, lse = launch_fwd(q, k, v, scale=scale, causal=causal, block_n=block_n, block_m=block_m,
                         num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,

@@ -209,6 +209,36 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
     assert configs.gluon_passes_enabled()  # restored after an exception
 
 
+def _load_script(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_forward_variants_are_launchable():
+    """Every forward variant of the table, the GPU sweep and the compile script satisfies
+    the entry point's rules (gluon_attn_fwd's checks) and fits the H200's shared memory
+    (Q tile + ``stages`` K and V tiles, 16-bit), so no GPU time goes to a refused launch."""
+    sweep = _load_script("gluon_pass_sweep")
+    compile_sm90 = _load_script("gluon_compile_sm90")
+    variants = [(d, v) for d, vs in sweep.FWD_DEFAULTS.items() for v in vs]
+    variants += [(d, v) for v in compile_sm90.FWD_VARIANTS for d in (64, 128)]
+    for d in (64, 128):
+        c = configs.GLUON[("fwd", d)]
+        variants.append((d, (c.block_m, c.block_n, c.num_warps, c.stages, c.warp_specialize,
+                             c.maxnreg or 0)))
+    assert set(sweep.FWD_DEFAULTS) == {64, 128}
+    for d, (bm, bn, w, st, ws, mr) in variants:
+        assert w in (4, 8) and bm == 16 * w and bn in (32, 64, 128), (d, bm, bn, w)
+        assert 2 <= st <= 4 and ws in (0, 1) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
+        assert 2 * d * (bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
+
+
 def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
     """The forward's plan: the Gluon tiles on sm_90 in scope, else the Triton forward's table
     tiles (what ``attn_fwd`` launched before the Gluon pass), and ``explain`` says why."""

@@ -60,6 +60,9 @@ class GluonConfig:
     stages: int = 2  #: ring slots of the streamed tiles (not ``bwd_dkdv``)
     warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
+    #: ``fwd`` only: consumer partitions (2: two partitions of num_warps / 2 warps, each
+    #: with half the query tile, sharing the K / V ring; needs ``warp_specialize``)
+    consumers: int = 1
     #: shortest sequence for which the Gluon pass is chosen (host time of the TMA
     #: descriptors against the pass's own time)
     min_keys: int = 0

@@ -5,9 +5,9 @@ describe a call by hashable facts (its ``host.Layout``, dtype, device and flags)
 back a plan (:func:`fwd`, :func:`bwd`, :func:`bob`): the Triton tiles of each pass
 (``configs`` tables and overrides; the interpreter's small tiles off CUDA), whether a pass
 runs as its Gluon kernel (the verifiers of ``gluon/scope.py``), and which BoB passes run at
-all. Plans are cached per call shape, so a repeated call costs one dictionary lookup; the cache key includes ``configs.generation()``,
-which changes with the tile overrides and the Gluon switch. :func:`explain` returns the
-reasons a Gluon pass was not taken.
+all. Plans are cached per call shape, so a repeated call costs one dictionary lookup; the
+cache key includes ``configs.generation()``, which changes with the tile overrides and the
+Gluon switch. :func:`explain` returns the reasons a Gluon pass was not taken.
 """
 
 from __future__ import annotations

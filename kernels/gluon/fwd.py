@@ -76,6 +76,8 @@ NUM_WARPS = 8
 STAGES = 2
 #: registers per thread of the warp-specialised kernel's producer warp (TMA issue only)
 PRODUCER_REGS = 24
+#: registers per thread of the second consumer partition (``consumers=2``)
+CONSUMER_REGS = 240
 
 
 def available(device=None) -> bool:
@@ -96,6 +98,15 @@ if HAVE_GLUON:
         """V rows [row, row + BLOCK_N) into ring slot ``slot``, completing on ``bar``."""
         mbarrier.expect(bar, v_desc.block_type.nbytes)
         _tma_load(v_desc, [row, 0], bar, v_ring.index(slot))
+
+    @gluon.jit
+    def _load_q(q_desc, q_s, bar, row, CONSUMERS: gl.constexpr):
+        """The CONSUMERS Q tiles from row ``row`` (one per consumer partition, consecutive)
+        into ``q_s``, completing on ``bar``."""
+        sub: gl.constexpr = q_desc.block_type.shape[0]
+        mbarrier.expect(bar, CONSUMERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            _tma_load(q_desc, [row + c * sub, 0], bar, q_s.index(c))
 
     @gluon.jit
     def _release(desc, ring, ready, free, slot, tile, n_tiles, krow0, BLOCK_N: gl.constexpr,
@@ -132,16 +143,16 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free, v_free,
-                      row0, krow0, m0, N, qk_scale2, BLOCK_M: gl.constexpr,
+                      row0, krow0, m0, n_tiles, qk_scale2, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                       STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc,
                       num_warps: gl.constexpr):
-        """Every key tile of one query tile, then the epilogue: O by TMA (staged through the
-        Q buffer), L to LSE. Query rows from ``row0``, key rows from ``krow0`` (the kv head
-        of the query head under GQA). A K slot is released as soon as its S is complete, a
-        V slot once its P V is. WS: the rings are filled by the producer partition and each
-        slot released on ``k_free`` / ``v_free``; otherwise this partition issues the copies
-        itself."""
+        """Key tiles [0, n_tiles) of the BLOCK_M queries from ``m0`` (their Q in ``q_s``),
+        then the epilogue: O by TMA (staged through the Q buffer), L to LSE. Query rows from
+        ``row0``, key rows from ``krow0`` (the kv head of the query head under GQA). A K slot
+        is released as soon as its S is complete, a V slot once its P V is. WS: the rings are
+        filled by the producer partition and each slot released on ``k_free`` / ``v_free``
+        (by every consumer partition); otherwise this partition issues the copies itself."""
         dtype: gl.constexpr = q_s.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -151,7 +162,6 @@ if HAVE_GLUON:
                                                       k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_acc: gl.constexpr = gl.SliceLayout(1, acc_layout)
-        n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
         if not WS:  # fill the rings
             for s in gl.static_range(STAGES):
                 if s < n_tiles:
@@ -211,14 +221,12 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _fwd_producer(q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar, v_bar,
-                      k_free, v_free, row0, krow0, m0, N, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """Producer partition (one warp): the Q copy, then the key tiles into the rings, K
-        one tile ahead of V (K slots come back a softmax earlier than V slots), each slot
-        refilled once the consumers have released it."""
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [row0 + m0, 0], q_bar, q_s)
-        n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+                      k_free, v_free, row0, krow0, m0, n_tiles, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Producer partition (one warp): the Q tile of each consumer partition, then key
+        tiles [0, n_tiles) into the rings, K one tile ahead of V (K slots come back a softmax
+        earlier than V slots), each slot refilled once the consumers have released it."""
+        _load_q(q_desc, q_s, q_bar, row0 + m0, CONSUMERS)
         # a fresh barrier counts as having completed the phase before phase 0, so the first
         # pass over a ring does not wait
         _load_k(k_desc, k_ring, k_bar.index(0), 0, krow0)
@@ -236,16 +244,22 @@ if HAVE_GLUON:
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N, GROUPS, qk_scale2,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
+                          CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """O and L of query tile ``program_id(0)`` of (batch·query head) ``program_id(1)``.
-        The descriptors view (B·H·N, d) tensors (H = H_q for Q and O, H_kv for K and V;
-        (batch·query head) j reads (batch·kv head) j // GROUPS); LSE is the flat (B·H_q·N,)
-        float32 output. WS adds the one-warp TMA producer."""
+        """O and L of query tile ``program_id(0)`` (BLOCK_M queries) of (batch·query head)
+        ``program_id(1)``. The descriptors view (B·H·N, d) tensors (H = H_q for Q and O,
+        H_kv for K and V; (batch·query head) j reads (batch·kv head) j // GROUPS); Q and O
+        tiles have BLOCK_M / CONSUMERS rows. LSE is the flat (B·H_q·N,) float32 output. WS
+        adds the one-warp TMA producer; CONSUMERS = 2 (with WS) splits the query tile
+        between two consumer partitions of ``num_warps`` warps each, which share the K / V
+        rings but not their schedule."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
         krow0 = (gl.program_id(1) // GROUPS) * N
         m0 = row_tile(N, BLOCK_M, CAUSAL)
+        n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
+        SUB: gl.constexpr = BLOCK_M // CONSUMERS
         dtype: gl.constexpr = q_desc.dtype
-        q_s = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        q_s = gl.allocate_shared_memory(dtype, [CONSUMERS, SUB, HEAD_DIM], q_desc.layout)
         k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -257,29 +271,45 @@ if HAVE_GLUON:
         for s in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(s), count=1)
             mbarrier.init(v_bar.index(s), count=1)
-            mbarrier.init(k_free.index(s), count=1)
-            mbarrier.init(v_free.index(s), count=1)
-        if WS:
+            mbarrier.init(k_free.index(s), count=CONSUMERS)
+            mbarrier.init(v_free.index(s), count=CONSUMERS)
+        if CONSUMERS == 2:
             gl.warp_specialize([
-                (_fwd_consumer, (o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free,
-                                 v_free, row0, krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N,
-                                 HEAD_DIM, CAUSAL, STAGES, True, k_desc, v_desc, num_warps)),
+                (_fwd_consumer, (o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar,
+                                 v_bar, k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2,
+                                 SUB, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True, k_desc, v_desc,
+                                 num_warps)),
+                (_fwd_consumer, (o_desc, LSE, q_s.index(1), k_ring, v_ring, q_bar, k_bar,
+                                 v_bar, k_free, v_free, row0, krow0, m0 + SUB, n_tiles,
+                                 qk_scale2, SUB, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True,
+                                 k_desc, v_desc, num_warps)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar,
-                                 v_bar, k_free, v_free, row0, krow0, m0, N, BLOCK_M, BLOCK_N,
-                                 CAUSAL, STAGES)),
+                                 v_bar, k_free, v_free, row0, krow0, m0, n_tiles, BLOCK_N,
+                                 STAGES, CONSUMERS)),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        elif WS:
+            gl.warp_specialize([
+                (_fwd_consumer, (o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar,
+                                 v_bar, k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2,
+                                 BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True, k_desc,
+                                 v_desc, num_warps)),
+                (_fwd_producer, (q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar,
+                                 v_bar, k_free, v_free, row0, krow0, m0, n_tiles, BLOCK_N,
+                                 STAGES, CONSUMERS)),
             ], [1], [PRODUCER_REGS])
         else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-            _tma_load(q_desc, [row0 + m0, 0], q_bar, q_s)
-            _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free,
-                          v_free, row0, krow0, m0, N, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM,
-                          CAUSAL, STAGES, False, k_desc, v_desc, num_warps)
+            _load_q(q_desc, q_s, q_bar, row0 + m0, CONSUMERS)
+            _fwd_consumer(o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar, v_bar,
+                          k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2, BLOCK_M,
+                          BLOCK_N, HEAD_DIM, CAUSAL, STAGES, False, k_desc, v_desc, num_warps)
 
 
-def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, out=None):
+def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, consumers=1,
+             out=None):
     """Kernel arguments, meta-parameters and the outputs (o flat (B·H_q·N, d), lse flat
     (B·H_q·N,) float32; written into ``out`` = (o, lse) if given) of one launch, no checks,
-    any device (scripts/gluon_compile_sm90.py builds CPU ones)."""
+    any device (scripts/gluon_compile_sm90.py builds CPU ones). ``num_warps``: all consumer
+    warps (each of the ``consumers`` partitions gets num_warps / consumers)."""
     b, h, n, d = q.shape
     q2, k2, v2 = flat(q), flat(k), flat(v)
     if out is None:
@@ -287,32 +317,34 @@ def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, out=No
         lse = torch.empty(b * h * n, dtype=torch.float32, device=q.device)
     else:
         o2, lse = out[0].view(b * h * n, d), out[1].view(-1)
-    q_desc, o_desc = tile_descriptors((q2, o2), block_m, d, q.dtype)
+    q_desc, o_desc = tile_descriptors((q2, o2), block_m // consumers, d, q.dtype)
     k_desc, v_desc = tile_descriptors((k2, v2), block_n, d, q.dtype)
     args = (q_desc, k_desc, v_desc, o_desc, lse, n, h // k.shape[1], scale * LOG2E)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                STAGES=stages, num_warps=num_warps)
+                STAGES=stages, CONSUMERS=consumers, num_warps=num_warps // consumers)
     return args, meta, (o2, lse)
 
 
 def launch_fwd(q, k, v, *, scale, causal, block_n, block_m, num_warps, stages,
-               warp_specialize=False, maxnreg=None, out=None):
+               warp_specialize=False, consumers=1, maxnreg=None, out=None):
     """Launch the pass without checks (the plan or the public entry point has verified the
     call): contiguous (B, H_q, N, d) ``q``, (B, H_kv, N, d) ``k``, ``v``; ``out``: the
     contiguous (o, lse) to write into ((B, H_q, N, d) and (B, H_q, N) float32), else
     allocated. Returns (o, lse) flat: (B·H_q·N, d) and (B·H_q·N,)."""
     b, h, n, d = q.shape
     args, meta, outs = _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages,
-                                out)
+                                consumers, out)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
-    _gluon_fwd_kernel[(n // block_m, b * h)](*args, WS=bool(warp_specialize),
+    _gluon_fwd_kernel[(n // block_m, b * h)](*args, WS=bool(warp_specialize) or consumers > 1,
+                                             CONSUMER_REGS=CONSUMER_REGS,
                                              PRODUCER_REGS=PRODUCER_REGS, **meta)
     return outs
 
 
 def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_n=BLOCK_N,
-                   num_warps=NUM_WARPS, stages=STAGES, warp_specialize=False, maxnreg=None):
+                   num_warps=NUM_WARPS, stages=STAGES, warp_specialize=False, consumers=1,
+                   maxnreg=None):
     """O and L of softmax attention: the Triton forward's results (``attn_fwd``).
 
     q: (B, H_q, N, d) and k, v: (B, H_kv, N, d), bf16/fp16 on one sm_90 device, d 64 or 128,
@@ -324,17 +356,24 @@ def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_
 
     ``block_m`` queries per program (16 per warp: block_m == 16·num_warps, num_warps 4 or
     8), ``block_n`` keys per step (32, 64 or 128), ``stages`` ring slots (2 to 4),
-    ``warp_specialize`` adds a one-warp TMA producer partition, ``maxnreg`` caps ptxas's
+    ``warp_specialize`` adds a one-warp TMA producer partition, ``consumers=2`` (with
+    ``warp_specialize`` and 8 warps) splits the query tile between two 4-warp consumer
+    partitions that share the K / V ring but run unsynchronised, ``maxnreg`` caps ptxas's
     registers per thread (None: no cap).
     """
-    b, h, n, d = check_args("gluon_attn_fwd", q, k, (("k", k, True), ("v", v, True)), (),
-                            None, block_n=block_n, block_m=block_m, num_warps=num_warps,
+    fn = "gluon_attn_fwd"
+    b, h, n, d = check_args(fn, q, k, (("k", k, True), ("v", v, True)), (), None,
+                            block_n=block_n, block_m=block_m, num_warps=num_warps,
                             per_warp="block_m", stages=stages, available=available(q.device))
     if b * h * n == 0:
-        raise ValueError(f"gluon_attn_fwd: q has no rows (shape {tuple(q.shape)}); use "
-                         "attn_fwd for empty inputs")
+        raise ValueError(f"{fn}: q has no rows (shape {tuple(q.shape)}); use attn_fwd for "
+                         "empty inputs")
+    if consumers not in (1, 2) or (consumers == 2 and not (warp_specialize and num_warps == 8)):
+        raise ValueError(f"{fn}: consumers must be 1, or 2 with warp_specialize=True and "
+                         f"num_warps=8, got consumers={consumers}, "
+                         f"warp_specialize={warp_specialize}, num_warps={num_warps}")
     scale = d ** -0.5 if scale is None else float(scale)
     o, lse = launch_fwd(q, k, v, scale=scale, causal=causal, block_n=block_n, block_m=block_m,
                         num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,
-                        maxnreg=maxnreg)
+                        consumers=consumers, maxnreg=maxnreg)
     return o.view(b, h, n, d), lse.view(b, h, n)

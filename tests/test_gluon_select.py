@@ -51,7 +51,7 @@ def _plan_pass(kind, lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
                contiguous=True, complete=True):
     """The plan's pass for ``kind`` (a ``plan.Pass``); ``complete``: the caller's own
     conditions for the Gluon pass hold (all three cotangents, every output wanted)."""
-    lay = lay or _lay()
+    lay = lay or _lay(d=min(d for k, d in configs.GLUON if k == kind))  # a head dim it covers
     if kind == "fwd":
         return plan.fwd(lay, dtype, device, window=window, contiguous=contiguous)
     if kind == "bwd_dkdv":
@@ -91,8 +91,10 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
                          ids=["N16K", "N64K-H12-B2", "GQA-32-8", "MQA-4-1", "d128-H8",
                               "GQA-32-8-d128"])
 def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
-    assert _select(kind, lay, dtype) == configs.GLUON[(kind, lay.head_dim)]
-    assert plan.explain(kind, lay, dtype, CUDA0, **_flags(kind)) == "Gluon"
+    entry = configs.GLUON.get((kind, lay.head_dim))
+    assert _select(kind, lay, dtype) == entry  # no entry at this head dim: Triton
+    why = plan.explain(kind, lay, dtype, CUDA0, **_flags(kind))
+    assert (why == "Gluon") is (entry is not None), why
 
 
 def _flags(kind, **over):
@@ -110,9 +112,9 @@ def _flags(kind, **over):
 
 
 def test_table_tiles_are_the_measured_ones():
-    for d in (64, 128):  # the forward: a row pass, 16 queries per warp
-        fwd = configs.GLUON[("fwd", d)]
-        assert fwd.block_m == 16 * fwd.num_warps and fwd.min_keys == 16384
+    for key, fwd in configs.GLUON.items():  # the forward: a row pass, 16 queries per warp
+        if key[0] == "fwd":
+            assert fwd.block_m == 16 * fwd.num_warps and fwd.min_keys == 16384
     assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
     col = configs.GLUON[("bob_col", 64)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
@@ -183,7 +185,8 @@ def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     if (kind, why[0]) != ("fwd", "rowsum")])  # the forward has no ρ correction
 def test_the_verifiers_say_why(sm90, kind, flag, value, words):
     """Each verifier names the condition that fails (plan.explain prints it)."""
-    text = plan.explain(kind, _lay(), torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
+    lay = _lay(d=min(d for k, d in configs.GLUON if k == kind))  # a head dim it covers
+    text = plan.explain(kind, lay, torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
     assert text.startswith("Triton: ") and words in text
     why = plan.explain(kind, _lay(d=96), torch.bfloat16, CUDA0, **_flags(kind))
     assert "head dim 96" in why
@@ -236,7 +239,7 @@ def test_forward_variants_are_launchable():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FWD_VARIANTS")
     variants = [(d, v) for d, vs in sweep.FWD_DEFAULTS.items() for v in vs]
     variants += [(d, v) for v in compile_variants for d in (64, 128)]
-    for d in (64, 128):
+    for d in (d for kind, d in configs.GLUON if kind == "fwd"):
         c = configs.GLUON[("fwd", d)]
         ws = 2 if c.consumers == 2 else int(c.warp_specialize)
         assert c.consumers in (1, 2) and (c.consumers == 1 or c.warp_specialize)
@@ -261,21 +264,22 @@ def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
         for d in (64, 128):
             lay = _lay(h_q=12, h_kv=4, d=d)
             p = plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
-            assert p.kind == "fwd" and p.gluon is gluon
-            want = (configs.GLUON[("fwd", d)] if gluon
-                    else configs.table_config("fwd", d, torch.bfloat16, cap[0]))
+            entry = configs.GLUON.get(("fwd", d)) if gluon else None
+            assert p.kind == "fwd" and p.gluon is (entry is not None)
+            want = entry or configs.table_config("fwd", d, torch.bfloat16, cap[0])
             assert p.tiles == want
             assert plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True) is p
     plan.clear_cache()
     monkeypatch.setattr(plan, "device_capability", lambda index: (9, 0))
-    why = plan.explain("fwd", _lay(n_q=16384, n_k=32768), torch.bfloat16, CUDA0,
-                       window=False, contiguous=True)
+    d = next(d for kind, d in configs.GLUON if kind == "fwd")  # a head dim it covers
+    flags = dict(window=False, contiguous=True)
+    why = plan.explain("fwd", _lay(n_q=16384, n_k=32768, d=d), torch.bfloat16, CUDA0, **flags)
     assert why == "Triton: N_q = 16384 differs from N_k = 32768"
-    why = plan.explain("fwd", _lay(n_q=8192, n_k=8192), torch.float16, CUDA0, window=False,
-                       contiguous=True)
+    why = plan.explain("fwd", _lay(n_q=8192, n_k=8192, d=d), torch.float16, CUDA0, **flags)
     assert why == "Triton: N = 8192 is below the pass's min_keys = 16384"
-    assert plan.explain("fwd", _lay(), torch.float16, CUDA0, window=False,
-                        contiguous=True) == "Gluon"
+    assert plan.explain("fwd", _lay(d=d), torch.float16, CUDA0, **flags) == "Gluon"
+    why = plan.explain("fwd", _lay(d=96), torch.float16, CUDA0, **flags)
+    assert why == "Triton: head dim 96: no Gluon tiles for 'fwd' (configs.GLUON)"
 
 
 def test_plans_are_cached_and_follow_the_switches(sm90):

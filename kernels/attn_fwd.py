@@ -143,7 +143,7 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
         _gluon_fwd.launch_fwd(q, k, v, scale=scale, causal=causal_, block_n=cfg.block_n,
                               block_m=cfg.block_m, num_warps=cfg.num_warps, stages=cfg.stages,
                               warp_specialize=cfg.warp_specialize, consumers=cfg.consumers,
-                              maxnreg=cfg.maxnreg, out=(o, lse))
+                              pingpong=cfg.pingpong, maxnreg=cfg.maxnreg, out=(o, lse))
         return o, lse
     bd = block_d(lay.head_dim)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)

@@ -63,6 +63,8 @@ class GluonConfig:
     #: ``fwd`` only: consumer partitions (2: two partitions of num_warps / 2 warps, each
     #: with half the query tile, sharing the K / V ring; needs ``warp_specialize``)
     consumers: int = 1
+    #: ``fwd`` with two consumers only: they take turns to issue their products
+    pingpong: bool = False
     #: shortest sequence for which the Gluon pass is chosen (host time of the TMA
     #: descriptors against the pass's own time)
     min_keys: int = 0

@@ -174,31 +174,34 @@ def compile_bob_stats(mod, gl, d, causal, block_m, block_n, warps, stages, ws, m
 
 def compile_fwd(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, groups=1):
     """The forward of gluon/fwd.py (ws: 0 single partition, 1 warp-specialised, 2 two
-    consumer partitions of warps / 2 each)."""
+    consumer partitions of warps / 2 each, 3 the same taking turns)."""
     b, n = 1, 4 * max(block_n, block_m)
     q = torch.zeros(b, 2 * groups, n, d, dtype=torch.bfloat16)
     k, v = (torch.zeros(b, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
-    consumers = 2 if ws == 2 else 1
+    consumers = 2 if ws >= 2 else 1
     args, meta, _ = mod._prepare(q, k, v, 0.125, causal, block_n, block_m, warps, stages,
                                  consumers)
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    return mod._gluon_fwd_kernel.warmup(*args, WS=bool(ws), CONSUMER_REGS=mod.CONSUMER_REGS,
+    return mod._gluon_fwd_kernel.warmup(*args, WS=bool(ws), PINGPONG=ws == 3,
+                                        CONSUMER_REGS=mod.CONSUMER_REGS,
                                         PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,), **meta)
 
 
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the forward
-# (warp_specialize 2: the TMA producer and two consumer partitions)
+# (warp_specialize 2: the TMA producer and two consumer partitions; 3: the same taking turns)
 FWD_VARIANTS = [
     (128, 128, 8, 2, 0, 0),
     (128, 128, 8, 2, 1, 0),
     (128, 128, 8, 3, 1, 0),
     (128, 128, 8, 2, 2, 0),
     (128, 128, 8, 3, 2, 0),
+    (128, 128, 8, 2, 3, 0),
     (128, 64, 8, 2, 0, 0),
     (128, 64, 8, 3, 0, 0),
     (128, 64, 8, 3, 1, 0),
     (128, 64, 8, 3, 2, 0),
+    (128, 64, 8, 3, 3, 0),
     (64, 128, 4, 2, 0, 0),
     (64, 128, 4, 3, 1, 0),
     (64, 64, 4, 3, 1, 0),
@@ -256,7 +259,7 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        ws_name = ['-', 'ws', 'ws+2c' if a.kernel == "fwd" else 'ws+defer'][int(ws)]
+        ws_name = ['-', 'ws', 'ws+2c' if a.kernel == "fwd" else 'ws+defer', 'ws+2c+pp'][int(ws)]
         name = f"{bn}x{bm}/{w}, {st}, {ws_name}, {mr or '-'}"
         try:
             k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None,

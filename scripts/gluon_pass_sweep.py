@@ -51,14 +51,17 @@ DEFAULTS = {
 }
 
 #: forward candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel fwd)
-#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same taking turns, ``pingpong=True``)
 FWD_DEFAULTS = {
     64: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0),
-         (128, 128, 8, 2, 2, 0), (128, 128, 8, 3, 2, 0), (128, 64, 8, 3, 0, 0),
-         (128, 64, 8, 3, 1, 0), (64, 128, 4, 2, 0, 0), (64, 128, 4, 3, 1, 0)],
+         (128, 128, 8, 2, 2, 0), (128, 128, 8, 3, 2, 0), (128, 128, 8, 2, 3, 0),
+         (128, 128, 8, 3, 3, 0), (128, 64, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0),
+         (64, 128, 4, 2, 0, 0), (64, 128, 4, 3, 1, 0)],
     128: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 2, 2, 0),
-          (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0), (128, 64, 8, 3, 2, 0),
-          (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0)],
+          (128, 128, 8, 2, 3, 0), (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0),
+          (128, 64, 8, 3, 2, 0), (128, 64, 8, 3, 3, 0), (64, 128, 4, 2, 0, 0),
+          (64, 64, 4, 3, 1, 0)],
 }
 
 FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
@@ -89,7 +92,8 @@ def run_fwd(variants, x, causal):
     unit = o_t.float().abs().max().item() * 2.0 ** -8
     for var in variants:
         kw = dict(zip(FIELDS["fwd"], var))
-        kw["consumers"] = 2 if kw["warp_specialize"] == 2 else 1
+        kw["consumers"] = 2 if kw["warp_specialize"] >= 2 else 1
+        kw["pingpong"] = kw["warp_specialize"] == 3
         kw["warp_specialize"] = bool(kw["warp_specialize"])
         kw["maxnreg"] = kw.get("maxnreg") or None
         try:

@@ -510,11 +510,14 @@ from ttt_flash.kernels.gluon.fwd import gluon_attn_fwd  # noqa: E402
 from ttt_flash.kernels.host import layout as host_layout  # noqa: E402
 
 #: (block_m, block_n, num_warps, stages, warp_specialize, maxnreg)
-#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same taking turns, ``pingpong=True``)
 FWD_VARIANTS = [(128, 128, 8, 2, 0, None), (128, 64, 8, 3, 1, None), (64, 64, 4, 2, 0, None),
-                (64, 128, 4, 3, 1, None), (128, 128, 8, 2, 2, None), (128, 64, 8, 3, 2, None)]
+                (64, 128, 4, 3, 1, None), (128, 128, 8, 2, 2, None), (128, 64, 8, 3, 2, None),
+                (128, 128, 8, 2, 3, None), (128, 64, 8, 3, 3, None)]
 FWD_IDS = ["qt128-kt128-w8", "ws-qt128-kt64-w8-s3", "qt64-kt64-w4", "ws-qt64-kt128-w4-s3",
-           "ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3"]
+           "ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3", "pingpong-qt128-kt128-w8",
+           "pingpong-qt128-kt64-w8-s3"]
 FWD_CASES = {"h3-d64": ((3, 3), 64, 1.0), "peaked-d64": ((2, 2), 64, 4.0),
              "gqa-4-2-d64": ((4, 2), 64, 1.0), "d128": ((2, 2), 128, 1.0),
              "gqa-4-1-d128": ((4, 1), 128, 1.0)}
@@ -547,7 +550,8 @@ def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
                                 contiguous=True).startswith("Triton: head dim")
             return
         variant = (c.block_m, c.block_n, c.num_warps, c.stages,
-                   2 if c.consumers == 2 else int(c.warp_specialize), c.maxnreg)
+                   (3 if c.pingpong else 2) if c.consumers == 2 else int(c.warp_specialize),
+                   c.maxnreg)
     bm, bn, w, st, ws, mr = variant
     torch.manual_seed(0)
     h, hk = heads
@@ -556,8 +560,8 @@ def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
     with configs.use_gluon_passes(False):  # the Triton forward as the baseline
         o_t, lse_t = attn_fwd(q, k, v, scale=None, causal=causal, window=None)
     o_g, lse_g = gluon_attn_fwd(q, k, v, causal=causal, block_m=bm, block_n=bn, num_warps=w,
-                                stages=st, warp_specialize=ws > 0, consumers=2 if ws == 2 else 1,
-                                maxnreg=mr)
+                                stages=st, warp_specialize=ws > 0, consumers=2 if ws >= 2 else 1,
+                                pingpong=ws == 3, maxnreg=mr)
     assert o_g.shape == q.shape and o_g.dtype == q.dtype and o_g.is_contiguous()
     assert lse_g.shape == q.shape[:3] and lse_g.dtype == torch.float32
     o64, lse64 = _float64_fwd(q, k, v, causal)
@@ -585,6 +589,8 @@ def test_gluon_fwd_rejects_bad_inputs():
         gluon_attn_fwd(q, q, q, stages=5)
     with pytest.raises(ValueError, match="consumers must be 1, or 2 with warp_specialize"):
         gluon_attn_fwd(q, q, q, consumers=2, warp_specialize=False)
+    with pytest.raises(ValueError, match="pingpong=True needs consumers=2"):
+        gluon_attn_fwd(q, q, q, warp_specialize=True, pingpong=True)
     with pytest.raises(ValueError, match="q has no rows"):
         gluon_attn_fwd(q[:, :, :0], q[:, :, :0], q[:, :, :0])
     q96 = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)

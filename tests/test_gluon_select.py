@@ -241,14 +241,16 @@ def test_forward_variants_are_launchable():
     variants += [(d, v) for v in compile_variants for d in (64, 128)]
     for d in (d for kind, d in configs.GLUON if kind == "fwd"):
         c = configs.GLUON[("fwd", d)]
-        ws = 2 if c.consumers == 2 else int(c.warp_specialize)
+        ws = (3 if c.pingpong else 2) if c.consumers == 2 else int(c.warp_specialize)
         assert c.consumers in (1, 2) and (c.consumers == 1 or c.warp_specialize)
+        assert c.consumers == 2 or not c.pingpong
         variants.append((d, (c.block_m, c.block_n, c.num_warps, c.stages, ws, c.maxnreg or 0)))
     assert set(sweep.FWD_DEFAULTS) == {64, 128}
     for d, (bm, bn, w, st, ws, mr) in variants:
-        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions
+        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions,
+        # 3 the same taking turns (pingpong)
         assert w in (4, 8) and bm == 16 * w and bn in (32, 64, 128), (d, bm, bn, w)
-        assert 2 <= st <= 4 and ws in (0, 1, 2) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
+        assert 2 <= st <= 4 and ws in (0, 1, 2, 3) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
         assert ws < 2 or w == 8, (ws, w)
         assert 2 * d * (bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
 
@@ -519,7 +521,7 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
         got = _chain(ts, kw)
     assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
     assert calls[0][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
-                               warp_specialize=True, consumers=1, maxnreg=None)
+                               warp_specialize=True, consumers=1, pingpong=False, maxnreg=None)
     assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
     assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=False, maxnreg=None)

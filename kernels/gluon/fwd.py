@@ -145,14 +145,17 @@ if HAVE_GLUON:
     def _fwd_consumer(o_desc, LSE, q_s, k_ring, v_ring, q_bar, k_bar, v_bar, k_free, v_free,
                       row0, krow0, m0, n_tiles, qk_scale2, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                      STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc,
-                      num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc, turn,
+                      ME: gl.constexpr, PINGPONG: gl.constexpr, num_warps: gl.constexpr):
         """Key tiles [0, n_tiles) of the BLOCK_M queries from ``m0`` (their Q in ``q_s``),
         then the epilogue: O by TMA (staged through the Q buffer), L to LSE. Query rows from
         ``row0``, key rows from ``krow0`` (the kv head of the query head under GQA). A K slot
         is released as soon as its S is complete, a V slot once its P V is. WS: the rings are
         filled by the producer partition and each slot released on ``k_free`` / ``v_free``
-        (by every consumer partition); otherwise this partition issues the copies itself."""
+        (by every consumer partition); otherwise this partition issues the copies itself.
+        PINGPONG (two consumer partitions, this one number ME): the partitions take turns
+        to issue their products (``turn``), so that one's softmax runs while the other's
+        products are on the tensor cores."""
         dtype: gl.constexpr = q_s.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -188,10 +191,16 @@ if HAVE_GLUON:
             # S of the next tile first, then P V of this one: the softmax below runs while
             # P V is on the tensor cores
             mbarrier.wait(k_bar.index(nslot), ((j + 1) // STAGES) & 1)
+            if PINGPONG:  # V first too, then wait for our turn (partition 0 starts)
+                mbarrier.wait(v_bar.index(slot), (j // STAGES) & 1)
+                mbarrier.wait(turn.index(ME), (j + 1 - ME) & 1)
             st = warpgroup_mma(q_s, k_ring.index(nslot).permute((1, 0)), s_zero,
                                use_acc=False, is_async=True)
-            mbarrier.wait(v_bar.index(slot), (j // STAGES) & 1)
+            if not PINGPONG:
+                mbarrier.wait(v_bar.index(slot), (j // STAGES) & 1)
             acc = warpgroup_mma(p_op, v_ring.index(slot), acc, is_async=True)
+            if PINGPONG:  # the other partition's turn
+                mbarrier.arrive(turn.index(1 - ME), count=1)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
             _release(k_desc, k_ring, k_bar, k_free, nslot, j + 1, n_tiles, krow0, BLOCK_N,
                      STAGES, WS)
@@ -244,15 +253,16 @@ if HAVE_GLUON:
     def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, LSE, N, GROUPS, qk_scale2,
                           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                           CAUSAL: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
-                          CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                          CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
         """O and L of query tile ``program_id(0)`` (BLOCK_M queries) of (batch·query head)
         ``program_id(1)``. The descriptors view (B·H·N, d) tensors (H = H_q for Q and O,
         H_kv for K and V; (batch·query head) j reads (batch·kv head) j // GROUPS); Q and O
         tiles have BLOCK_M / CONSUMERS rows. LSE is the flat (B·H_q·N,) float32 output. WS
         adds the one-warp TMA producer; CONSUMERS = 2 (with WS) splits the query tile
         between two consumer partitions of ``num_warps`` warps each, which share the K / V
-        rings but not their schedule."""
+        rings but not their schedule (PINGPONG: they take turns to issue their products)."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
         krow0 = (gl.program_id(1) // GROUPS) * N
         m0 = row_tile(N, BLOCK_M, CAUSAL)
@@ -267,7 +277,10 @@ if HAVE_GLUON:
         v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         for s in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(s), count=1)
             mbarrier.init(v_bar.index(s), count=1)
@@ -278,11 +291,11 @@ if HAVE_GLUON:
                 (_fwd_consumer, (o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar,
                                  v_bar, k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2,
                                  SUB, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True, k_desc, v_desc,
-                                 num_warps)),
+                                 turn, 0, PINGPONG, num_warps)),
                 (_fwd_consumer, (o_desc, LSE, q_s.index(1), k_ring, v_ring, q_bar, k_bar,
                                  v_bar, k_free, v_free, row0, krow0, m0 + SUB, n_tiles,
                                  qk_scale2, SUB, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True,
-                                 k_desc, v_desc, num_warps)),
+                                 k_desc, v_desc, turn, 1, PINGPONG, num_warps)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar,
                                  v_bar, k_free, v_free, row0, krow0, m0, n_tiles, BLOCK_N,
                                  STAGES, CONSUMERS)),
@@ -292,7 +305,7 @@ if HAVE_GLUON:
                 (_fwd_consumer, (o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar,
                                  v_bar, k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2,
                                  BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, True, k_desc,
-                                 v_desc, num_warps)),
+                                 v_desc, turn, 0, False, num_warps)),
                 (_fwd_producer, (q_desc, k_desc, v_desc, q_s, k_ring, v_ring, q_bar, k_bar,
                                  v_bar, k_free, v_free, row0, krow0, m0, n_tiles, BLOCK_N,
                                  STAGES, CONSUMERS)),
@@ -301,7 +314,8 @@ if HAVE_GLUON:
             _load_q(q_desc, q_s, q_bar, row0 + m0, CONSUMERS)
             _fwd_consumer(o_desc, LSE, q_s.index(0), k_ring, v_ring, q_bar, k_bar, v_bar,
                           k_free, v_free, row0, krow0, m0, n_tiles, qk_scale2, BLOCK_M,
-                          BLOCK_N, HEAD_DIM, CAUSAL, STAGES, False, k_desc, v_desc, num_warps)
+                          BLOCK_N, HEAD_DIM, CAUSAL, STAGES, False, k_desc, v_desc, turn, 0,
+                          False, num_warps)
 
 
 def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, consumers=1,
@@ -326,7 +340,7 @@ def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, consum
 
 
 def launch_fwd(q, k, v, *, scale, causal, block_n, block_m, num_warps, stages,
-               warp_specialize=False, consumers=1, maxnreg=None, out=None):
+               warp_specialize=False, consumers=1, pingpong=False, maxnreg=None, out=None):
     """Launch the pass without checks (the plan or the public entry point has verified the
     call): contiguous (B, H_q, N, d) ``q``, (B, H_kv, N, d) ``k``, ``v``; ``out``: the
     contiguous (o, lse) to write into ((B, H_q, N, d) and (B, H_q, N) float32), else
@@ -337,6 +351,7 @@ def launch_fwd(q, k, v, *, scale, causal, block_n, block_m, num_warps, stages,
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
     _gluon_fwd_kernel[(n // block_m, b * h)](*args, WS=bool(warp_specialize) or consumers > 1,
+                                             PINGPONG=bool(pingpong) and consumers > 1,
                                              CONSUMER_REGS=CONSUMER_REGS,
                                              PRODUCER_REGS=PRODUCER_REGS, **meta)
     return outs
@@ -344,7 +359,7 @@ def launch_fwd(q, k, v, *, scale, causal, block_n, block_m, num_warps, stages,
 
 def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_n=BLOCK_N,
                    num_warps=NUM_WARPS, stages=STAGES, warp_specialize=False, consumers=1,
-                   maxnreg=None):
+                   pingpong=False, maxnreg=None):
     """O and L of softmax attention: the Triton forward's results (``attn_fwd``).
 
     q: (B, H_q, N, d) and k, v: (B, H_kv, N, d), bf16/fp16 on one sm_90 device, d 64 or 128,
@@ -358,8 +373,9 @@ def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_
     8), ``block_n`` keys per step (32, 64 or 128), ``stages`` ring slots (2 to 4),
     ``warp_specialize`` adds a one-warp TMA producer partition, ``consumers=2`` (with
     ``warp_specialize`` and 8 warps) splits the query tile between two 4-warp consumer
-    partitions that share the K / V ring but run unsynchronised, ``maxnreg`` caps ptxas's
-    registers per thread (None: no cap).
+    partitions that share the K / V ring, ``pingpong`` (with ``consumers=2``) makes them
+    take turns to issue their products, ``maxnreg`` caps ptxas's registers per thread
+    (None: no cap).
     """
     fn = "gluon_attn_fwd"
     b, h, n, d = check_args(fn, q, k, (("k", k, True), ("v", v, True)), (), None,
@@ -372,8 +388,10 @@ def gluon_attn_fwd(q, k, v, *, scale=None, causal=False, block_m=BLOCK_M, block_
         raise ValueError(f"{fn}: consumers must be 1, or 2 with warp_specialize=True and "
                          f"num_warps=8, got consumers={consumers}, "
                          f"warp_specialize={warp_specialize}, num_warps={num_warps}")
+    if pingpong and consumers != 2:
+        raise ValueError(f"{fn}: pingpong=True needs consumers=2")
     scale = d ** -0.5 if scale is None else float(scale)
     o, lse = launch_fwd(q, k, v, scale=scale, causal=causal, block_n=block_n, block_m=block_m,
                         num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,
-                        consumers=consumers, maxnreg=maxnreg)
+                        consumers=consumers, pingpong=pingpong, maxnreg=maxnreg)
     return o.view(b, h, n, d), lse.view(b, h, n)

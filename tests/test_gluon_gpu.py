@@ -536,9 +536,19 @@ def _float64_fwd(q, k, v, causal):
     return torch.softmax(s, -1) @ v64, torch.logsumexp(s, -1)
 
 
+#: (case, variant): every variant at d = 64 and 128, the table's tiles in every case, the two
+#: consumer-partition variants under GQA and at large logits
+FWD_PAIRS = ([(case, i) for i in range(len(FWD_VARIANTS)) for case in ("h3-d64", "d128")]
+             + [(case, "table") for case in FWD_CASES]
+             + [(case, FWD_IDS.index(name))
+                for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")
+                for name in ("ws2c-qt128-kt128-w8", "pingpong-qt128-kt128-w8")])
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", list(FWD_CASES))
-@pytest.mark.parametrize("variant", FWD_VARIANTS + ["table"], ids=FWD_IDS + ["table"])
+@pytest.mark.parametrize("case,variant", [(c, v if v == "table" else FWD_VARIANTS[v])
+                                          for c, v in FWD_PAIRS],
+                         ids=[f"{c}-{v if v == 'table' else FWD_IDS[v]}" for c, v in FWD_PAIRS])
 def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
     heads, d, spread = FWD_CASES[case]
     if variant == "table":

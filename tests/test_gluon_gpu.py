@@ -518,9 +518,14 @@ FWD_VARIANTS = [(128, 128, 8, 2, 0, None), (128, 64, 8, 3, 1, None), (64, 64, 4,
 FWD_IDS = ["qt128-kt128-w8", "ws-qt128-kt64-w8-s3", "qt64-kt64-w4", "ws-qt64-kt128-w4-s3",
            "ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3", "pingpong-qt128-kt128-w8",
            "pingpong-qt128-kt64-w8-s3"]
-FWD_CASES = {"h3-d64": ((3, 3), 64, 1.0), "peaked-d64": ((2, 2), 64, 4.0),
-             "gqa-4-2-d64": ((4, 2), 64, 1.0), "d128": ((2, 2), 128, 1.0),
-             "gqa-4-1-d128": ((4, 1), 128, 1.0)}
+#: case: ((H_q, H_kv), d, scale of q (larger logits), dtype)
+FWD_CASES = {"h3-d64": ((3, 3), 64, 1.0, torch.bfloat16),
+             "peaked-d64": ((2, 2), 64, 4.0, torch.bfloat16),
+             "gqa-4-2-d64": ((4, 2), 64, 1.0, torch.bfloat16),
+             "fp16-gqa-4-2-d64": ((4, 2), 64, 1.0, torch.float16),
+             "d128": ((2, 2), 128, 1.0, torch.bfloat16),
+             "gqa-4-1-d128": ((4, 1), 128, 1.0, torch.bfloat16),
+             "fp16-d128": ((2, 2), 128, 1.0, torch.float16)}
 
 
 def _float64_fwd(q, k, v, causal):
@@ -550,13 +555,13 @@ FWD_PAIRS = ([(case, i) for i in range(len(FWD_VARIANTS)) for case in ("h3-d64",
                                           for c, v in FWD_PAIRS],
                          ids=[f"{c}-{v if v == 'table' else FWD_IDS[v]}" for c, v in FWD_PAIRS])
 def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
-    heads, d, spread = FWD_CASES[case]
+    heads, d, spread, dtype = FWD_CASES[case]
     if variant == "table":
         c = configs.GLUON.get(("fwd", d))
         if c is None:  # no Gluon forward at this head dim: the plan takes the Triton one
-            lay_q = torch.empty(1, 2, 16384, d, device="cuda", dtype=torch.bfloat16)
+            lay_q = torch.empty(1, 2, 16384, d, device="cuda", dtype=dtype)
             lay = host_layout(lay_q, lay_q, None, None, None, None)
-            assert plan.explain("fwd", lay, torch.bfloat16, lay_q.device, window=False,
+            assert plan.explain("fwd", lay, dtype, lay_q.device, window=False,
                                 contiguous=True).startswith("Triton: head dim")
             return
         variant = (c.block_m, c.block_n, c.num_warps, c.stages,
@@ -565,8 +570,8 @@ def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
     bm, bn, w, st, ws, mr = variant
     torch.manual_seed(0)
     h, hk = heads
-    q = (spread * torch.randn(2, h, 512, d, device="cuda")).to(torch.bfloat16)
-    k, v = (torch.randn(2, hk, 512, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = (spread * torch.randn(2, h, 512, d, device="cuda")).to(dtype)
+    k, v = (torch.randn(2, hk, 512, d, device="cuda", dtype=dtype) for _ in range(2))
     with configs.use_gluon_passes(False):  # the Triton forward as the baseline
         o_t, lse_t = attn_fwd(q, k, v, scale=None, causal=causal, window=None)
     o_g, lse_g = gluon_attn_fwd(q, k, v, causal=causal, block_m=bm, block_n=bn, num_warps=w,

@@ -620,3 +620,33 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
         assert r["speedup"] == pytest.approx(r["off_ms"] / r["on_ms"])
     table = capsys.readouterr().out.splitlines()[-2:]
     assert table[0].startswith("| 32 | no |") and table[1].startswith("| 32 | yes |")
+
+
+def test_pass_sweep_times_the_triton_forward_and_refuses_wrong_variants(monkeypatch, one_thread):
+    """scripts/gluon_pass_sweep.py's forward rows on the CPU (the Triton forward under the
+    interpreter, a float64 stand-in for the Gluon one that is wrong for one variant): the
+    baseline row first, a speed for each variant that agrees with it, none for the other."""
+    import triton.testing
+
+    from ttt_flash.kernels.gluon import fwd
+
+    sweep = _load_script("gluon_pass_sweep")
+
+    def stand_in(q, k, v, *, causal, consumers, pingpong, **tiles):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+        _fake_fwd([])(q, k, v, scale=q.shape[-1] ** -0.5, causal=causal, out=(o, lse))
+        return (o + 1 if pingpong else o), lse  # the pingpong variant is wrong
+
+    monkeypatch.setattr(fwd, "gluon_attn_fwd", stand_in)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 2.0)[1])
+    x = _inputs(h_q=4, h_kv=2, n=64, d=16)
+    variants = [(128, 128, 8, 2, 1, 0), (128, 128, 8, 2, 2, 0), (128, 128, 8, 2, 3, 0)]
+    rows = sweep.run_fwd(variants, x, True)
+    assert [r["variant"] for r in rows] == ["triton", *map(list, variants)]
+    assert all(r["ms"] == 2.0 for r in rows[:3]) and "ms" not in rows[3]
+    assert "disagrees with the Triton forward" in rows[3]["error"]
+    assert rows[1]["o_maxdiff"] <= 4 and rows[1]["lse_maxdiff"] <= 1e-3
+    table = sweep.format_table(rows).splitlines()
+    assert table[2] == "| fwd | triton | 2.000 | 0 | 1.000x |"
+    assert table[-1] == "| fwd | 128,128,8,2,3,0 | failed | | |"

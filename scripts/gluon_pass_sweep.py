@@ -52,23 +52,25 @@ DEFAULTS = {
 
 #: forward candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel fwd)
 #: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
-#: same taking turns, ``pingpong=True``)
+#: same taking turns, ``pingpong=True``; those last, so that the rows before them are kept
+#: whatever happens to them)
 FWD_DEFAULTS = {
     64: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0),
-         (128, 128, 8, 2, 2, 0), (128, 128, 8, 3, 2, 0), (128, 128, 8, 2, 3, 0),
-         (128, 128, 8, 3, 3, 0), (128, 64, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0),
-         (64, 128, 4, 2, 0, 0), (64, 128, 4, 3, 1, 0)],
-    128: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 2, 2, 0),
-          (128, 128, 8, 2, 3, 0), (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0),
-          (128, 64, 8, 3, 2, 0), (128, 64, 8, 3, 3, 0), (64, 128, 4, 2, 0, 0),
-          (64, 64, 4, 3, 1, 0)],
+         (128, 64, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (64, 128, 4, 2, 0, 0),
+         (64, 128, 4, 3, 1, 0), (128, 128, 8, 2, 2, 0), (128, 128, 8, 3, 2, 0),
+         (128, 128, 8, 2, 3, 0), (128, 128, 8, 3, 3, 0)],
+    128: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 64, 8, 2, 0, 0),
+          (128, 64, 8, 3, 1, 0), (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0),
+          (128, 128, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0), (128, 128, 8, 2, 3, 0),
+          (128, 64, 8, 3, 3, 0)],
 }
 
 FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
 
 
-def run_fwd(variants, x, causal):
-    """The Triton forward, then each Gluon forward variant checked against it and timed."""
+def run_fwd(variants, x, causal, on_row=lambda rows: None):
+    """The Triton forward, then each Gluon forward variant checked against it and timed;
+    ``on_row(rows)`` after each row (the script saves the JSON there)."""
     import triton
 
     from ttt_flash.kernels import attn_fwd, configs
@@ -89,6 +91,7 @@ def run_fwd(variants, x, causal):
     ms = triton.testing.do_bench(triton_fwd, warmup=25, rep=100)
     rows = [dict(kind="fwd", variant="triton", ms=ms, tflops=rate(ms))]
     print(f"PASS fwd        {'triton':<26} {ms:8.3f} ms {rate(ms):6.0f} TFLOP/s", flush=True)
+    on_row(rows)
     unit = o_t.float().abs().max().item() * 2.0 ** -8
     for var in variants:
         kw = dict(zip(FIELDS["fwd"], var))
@@ -115,6 +118,7 @@ def run_fwd(variants, x, causal):
             rows.append(dict(kind="fwd", variant=list(var), error=f"{type(ex).__name__}: {ex}"))
             print(f"PASS fwd        {str(var):<26} FAILED {type(ex).__name__}: "
                   f"{str(ex)[:300]}", flush=True)
+        on_row(rows)
     return rows
 
 
@@ -209,15 +213,19 @@ def main(argv=None) -> int:
     r[0] = r[0].abs() + 8.0  # LSE well above the scores: no overflow in exp2
     print(f"SHAPE H={a.heads}/{hk} N={n} d={d} causal={a.causal}", flush=True)
     rows = []
+
+    def save(more=()):
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "gluon_pass_sweep.json"), "w") as f:
+                json.dump({"args": vars(a), "rows": rows + list(more)}, f, indent=1)
+
     for kind, variants in chosen.items():
         if kind == "fwd":
-            rows += run_fwd(variants, x, a.causal)
+            rows += run_fwd(variants, x, a.causal, on_row=save)
         else:
             rows += run_kind(kind, variants, x, r, a.causal)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "gluon_pass_sweep.json"), "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+        save()
     print(format_table(rows), flush=True)
     return 0 if rows and all("ms" in row for row in rows) else 1
 

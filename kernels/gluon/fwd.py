@@ -12,26 +12,30 @@ One program owns one query tile (BLOCK_M queries of one (batch, query head)): Q 
 shared memory once by TMA, the key tiles that the queries see stream through a ring of
 ``stages`` slots of (K, V) tiles, one mbarrier per tile per slot (K and V complete and are
 released separately: Q Kᵀ can start before V has arrived, and a K slot is refilled a softmax
-before its V slot). Online softmax in log2 units, with
-c = τ·log2e and per-query vectors broadcast along the keys:
+before its V slot). Online softmax in log2 units, with c = τ·log2e and per-query vectors
+broadcast along the keys:
 
     S_j = Q K_jᵀ      m ← max(m, c·rowmax(S_j))      P_j = exp2(c·S_j − m)
     ℓ ← ℓ·exp2(m_old − m) + rowsum(P_j)          O ← O·exp2(m_old − m) + P_j V_j
     at the end: O / ℓ and L = (m + log2 ℓ)·ln 2
 
-Schedule (one consumer partition, all its warps in every product): the product
-S_{j+1} = Q K_{j+1}ᵀ is issued asynchronously before P_j V_j, so the softmax of tile j + 1
-runs on the CUDA cores while P_j V_j is on the tensor cores; O is rescaled once that product
-is complete. P enters as a register A operand.
+Schedule of a consumer: the product S_{j+1} = Q K_{j+1}ᵀ is issued asynchronously before
+P_j V_j, so the softmax of tile j + 1 runs on the CUDA cores while P_j V_j is on the tensor
+cores; O is rescaled once that product is complete. P enters as a register A operand.
 
-Two program shapes, as in bob_row.py:
+Program shapes (``warp_specialize``, ``consumers``, ``pingpong``):
 
 - single partition (``warp_specialize=False``): the warps issue the TMA copies themselves
   (every ring slot filled ahead; a K slot refilled as soon as its S is complete, a V slot
   once its P V is);
 - warp-specialised (``warp_specialize=True``): a one-warp producer partition issues the Q
   copy and the rings' copies (K one tile ahead of V), waiting on per-slot "free" barriers
-  that the consumer warps release at the same points.
+  that the consumer warps release at the same points. The compiler keeps the warps of one
+  partition in step (its barriers span the partition);
+- two consumer partitions (``consumers=2``, with the producer): each of num_warps / 2 warps
+  owns half the query tile and runs its own schedule over the shared K / V ring (a slot is
+  free once both have released it); with ``pingpong`` they take turns to issue their
+  products (one mbarrier each), so that one's softmax overlaps the other's products.
 
 Causal: the query tiles are taken longest row first (program 0 gets the last query tile);
 only the key tiles that reach past the tile's first query are masked. A row that sees no key

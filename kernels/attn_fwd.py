@@ -121,6 +121,8 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
 
     ``o`` is contiguous in the input dtype; ``lse`` float32, (B, H_q, N_q) dense or
     (H_q, T_q) varlen, -inf for rows that see no key. float32 inputs use IEEE float32 dots.
+    The plan (``plan.fwd``) runs the sm_90 Gluon forward (``gluon/fwd.py``) where its scope
+    allows, the Triton kernel below everywhere else.
     """
     lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q, k, v = prep(q), prep(k), prep(v)
@@ -132,8 +134,18 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
         if lse.numel():
             lse.fill_(float("-inf"))
         return o.zero_(), lse
+    p = _plan.fwd(lay, q.dtype, q.device, window=use_window,
+                  contiguous=q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    cfg = p.tiles
+    if p.gluon:
+        from .gluon import fwd as _gluon_fwd  # imported where it runs: sm_90
+
+        _gluon_fwd.launch_fwd(q, k, v, scale=scale, causal=causal_, block_n=cfg.block_n,
+                              block_m=cfg.block_m, num_warps=cfg.num_warps, stages=cfg.stages,
+                              warp_specialize=cfg.warp_specialize, consumers=cfg.consumers,
+                              pingpong=cfg.pingpong, maxnreg=cfg.maxnreg, out=(o, lse))
+        return o, lse
     bd = block_d(lay.head_dim)
-    cfg = _plan.tiles("fwd", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_fwd_kernel[grid](
         view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),

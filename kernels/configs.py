@@ -18,7 +18,7 @@ Kernel kinds and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N ke
 - ``jvp``        the tangent forward (``attn_jvp``) and the tangent of a computed forward
   (``attn_tangent``): two tile x d accumulators, two query-side tiles.
 
-On Hopper (sm_90) four passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
+On Hopper (sm_90) five passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
 their tiles; ``gluon/scope.py`` says per call whether a pass can take it.
 """
 
@@ -51,8 +51,8 @@ class TileConfig:
 class GluonConfig:
     """Launch parameters of a Gluon pass. The key-tile passes (``bwd_dkdv``, ``bob_col``)
     own ``block_n`` keys per program and step over ``block_m`` queries; the row passes
-    (``bob_stats``, ``bob_direct``) own ``block_m`` queries (16 per warp) and step over
-    ``block_n`` keys."""
+    (``fwd``, ``bob_stats``, ``bob_direct``) own ``block_m`` queries (16 per warp) and step
+    over ``block_n`` keys."""
 
     block_n: int  #: keys per program (key-tile passes: block_n == 16·num_warps) or per step
     block_m: int  #: queries per step (key-tile passes) or per program (row passes)
@@ -60,6 +60,11 @@ class GluonConfig:
     stages: int = 2  #: ring slots of the streamed tiles (not ``bwd_dkdv``)
     warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
+    #: ``fwd`` only: consumer partitions (2: two partitions of num_warps / 2 warps, each
+    #: with half the query tile, sharing the K / V ring; needs ``warp_specialize``)
+    consumers: int = 1
+    #: ``fwd`` with two consumers only: they take turns to issue their products
+    pingpong: bool = False
     #: shortest sequence for which the Gluon pass is chosen (host time of the TMA
     #: descriptors against the pass's own time)
     min_keys: int = 0
@@ -202,9 +207,13 @@ FUSED_ROW_MAX_KEYS = 8192
 #: (``scripts/gluon_pass_sweep.py``, ``scripts/gluon_chain_ab.py``; docs/benchmarks.md). At
 #: d = 128 the direct and column passes step over 32 keys / queries (their two (tile x 128)
 #: float32 accumulators) and the statistics pass, with none, takes 128 queries x 64 keys.
+#: The forward's tiles (128 queries x 128 keys, 8 warps, a one-warp TMA producer) are chosen
+#: without spills (``scripts/gluon_compile_sm90.py --kernel fwd``), before any H200 sweep.
 #: GQA runs the same tiles. ``min_keys``: below it the chain is host-bound and the Triton
 #: passes run.
 GLUON = {
+    ("fwd", 64): GluonConfig(128, 128, 8, stages=3, warp_specialize=True, min_keys=16384),
+    ("fwd", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, min_keys=16384),
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),

@@ -2,12 +2,12 @@
 
 The composers (``attn_fwd``, ``attn_bwd``, ``attn_bob``, ``attn_jvp``, ``attn_tangent``)
 describe a call by hashable facts (its ``host.Layout``, dtype, device and flags) and read
-back a plan: the Triton tiles of each pass (``configs`` tables and overrides; the
-interpreter's small tiles off CUDA), whether a pass runs as its Gluon kernel (the verifiers
-of ``gluon/scope.py``), and which BoB passes run at all. Plans are cached per call shape, so a
-repeated call costs one dictionary lookup; the cache key includes ``configs.generation()``,
-which changes with the tile overrides and the Gluon switch. :func:`explain` returns the
-reasons a Gluon pass was not taken.
+back a plan (:func:`fwd`, :func:`bwd`, :func:`bob`): the Triton tiles of each pass
+(``configs`` tables and overrides; the interpreter's small tiles off CUDA), whether a pass
+runs as its Gluon kernel (the verifiers of ``gluon/scope.py``), and which BoB passes run at
+all. Plans are cached per call shape, so a repeated call costs one dictionary lookup; the
+cache key includes ``configs.generation()``, which changes with the tile overrides and the
+Gluon switch. :func:`explain` returns the reasons a Gluon pass was not taken.
 """
 
 from __future__ import annotations
@@ -63,6 +63,26 @@ def _tiles(kind, block_d, dtype, device, generation) -> configs.TileConfig:
     if cap is None:
         return configs.INTERPRETER[kind]
     return configs.table_config(kind, block_d, dtype, cap[0])
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def fwd(lay: Layout, dtype: torch.dtype, device: torch.device, *, window: bool,
+        contiguous: bool) -> Pass:
+    """The pass of ``attn_fwd``: Gluon on sm_90 where ``scope.fwd_reason`` allows (its
+    ``tiles`` a ``configs.GluonConfig``), else the Triton forward's tiles. ``contiguous``:
+    q, k, v all are."""
+    return _fwd(lay, dtype, device, window, contiguous, configs.generation())
+
+
+@functools.lru_cache(maxsize=4096)
+def _fwd(lay, dtype, device, window, contiguous, generation) -> Pass:
+    reason = scope.fwd_reason(lay, dtype, _gluon_capability(device), window=window,
+                              contiguous=contiguous)
+    if reason is None:
+        return Pass("fwd", configs.GLUON[("fwd", lay.head_dim)], True)
+    return Pass("fwd", tiles("fwd", block_d(lay.head_dim), dtype, device))
 
 
 # --------------------------------------------------------------------------- first backward
@@ -190,14 +210,18 @@ def _bob(lay, dtype, device, window, has_u, needs, precise, known, split_row, sp
 
 
 def explain(kind: str, lay: Layout, dtype: torch.dtype, device: torch.device, **flags) -> str:
-    """Why the Gluon pass ``kind`` does or does not take a call (for users and scripts)::
+    """Why the Gluon pass ``kind`` does or does not take a call (for users and scripts);
+    ``flags``: the keywords of its verifier in ``gluon/scope.py``::
+
+        plan.explain("fwd", lay, torch.bfloat16, q.device, window=False, contiguous=True)
 
         plan.explain("bob_col", lay, torch.bfloat16, q.device, window=False, rowsum=False,
                      contiguous=True, precise=True, all_u=True, need_kb=True, need_vb=True,
                      split=False)
     """
-    verifier = {"bwd_dkdv": scope.dkdv_reason, "bob_stats": scope.bob_stats_reason,
-                "bob_direct": scope.bob_direct_reason, "bob_col": scope.bob_col_reason}[kind]
+    verifier = {"fwd": scope.fwd_reason, "bwd_dkdv": scope.dkdv_reason,
+                "bob_stats": scope.bob_stats_reason, "bob_direct": scope.bob_direct_reason,
+                "bob_col": scope.bob_col_reason}[kind]
     reason = verifier(lay, dtype, _gluon_capability(device), **flags)
     return "Gluon" if reason is None else f"Triton: {reason}"
 
@@ -205,6 +229,7 @@ def explain(kind: str, lay: Layout, dtype: torch.dtype, device: torch.device, **
 def clear_cache() -> None:
     """Forget every cached plan (after changing ``configs`` tables in place, in tests)."""
     _tiles.cache_clear()
+    _fwd.cache_clear()
     _bwd.cache_clear()
     _bob.cache_clear()
     getattr(scope.importable, "cache_clear", lambda: None)()

@@ -16,7 +16,8 @@ the CUDA time of every kernel in one chain with the passes on, off and in each v
 ``kernels_off`` in the JSON). ``--variant NAME=SPEC`` (repeatable) adds a chain with the
 Gluon table changed for this head dim, timed in the same rounds: SPEC is ``+``-joined
 ``kind:block_n,block_m,num_warps,stages,warp_specialize,maxnreg`` entries (maxnreg 0: none;
-the table's ``min_keys`` is kept) or ``kind:triton`` (that pass takes the Triton kernel);
+the table's ``min_keys`` is kept; for ``fwd``, warp_specialize 2 runs two consumer partitions
+and 3 makes them take turns) or ``kind:triton`` (that pass takes the Triton kernel);
 each variant's outputs are compared with the chain's with the Gluon passes off
 (``NAME_maxrel_vs_off``: the largest max |difference| / max |off| over the eight outputs).
 Writes ``gluon_chain_ab.json`` into ``--out``.
@@ -38,10 +39,10 @@ import torch
 
 def _counter():
     """Wrap the Gluon launchers; return the list their calls append to."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     calls = []
-    for mod, name in ((dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
+    for mod, name in ((fwd, "launch_fwd"), (dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
                       (bob_row, "launch_bob_row")):
         real = getattr(mod, name)
 
@@ -82,6 +83,8 @@ def parse_variant(text):
             bn, bm, w, st, ws, mr = (int(t) for t in nums.split(","))
             out[kind] = dict(block_n=bn, block_m=bm, num_warps=w, stages=st,
                              warp_specialize=bool(ws), maxnreg=mr or None)
+            if kind == "fwd":  # ws 2: two consumer partitions, 3: taking turns
+                out[kind].update(consumers=2 if ws >= 2 else 1, pingpong=ws == 3)
     return name, out
 
 

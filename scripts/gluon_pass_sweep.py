@@ -1,13 +1,18 @@
 """Time each Gluon pass (kernels/gluon/) alone over a list of tile variants, at one shape.
 
     python scripts/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
-        [--causal] [--kinds bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
+        [--causal] [--kinds fwd,bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
 
 Per pass kind and variant: ``triton.testing.do_bench`` median (ms) of the Gluon function on
 random bf16 inputs of shape (1, H_q, N, d) / (1, H_kv, N, d), and the rate it implies
-(flops per (query, key) pair: dK/dV 8·d, statistics 10·d, direct 18·d, column 16·d; causal
-counts half the pairs). The Triton passes' times at the same shape come from
-``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A variant that
+(flops per (query, key) pair: forward 4·d, dK/dV 8·d, statistics 10·d, direct 18·d,
+column 16·d; causal counts half the pairs). The forward's rows start with the Triton forward
+(``attn_fwd`` with ``configs.use_gluon_passes(False)``, variant ``triton``) timed in the same
+run, and each Gluon variant's O and L are compared with it (``o_maxdiff`` in bf16 units of
+max |O|, ``lse_maxdiff``; a variant beyond 4 units or 1e-3 is reported as failed, without a
+time). The other Triton passes' times at the same shape come from
+``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A short table
+of every row is printed last. A variant that
 fails to compile or run prints its error and the sweep goes on. Writes
 ``gluon_pass_sweep.json`` into ``--out``.
 
@@ -27,6 +32,7 @@ import torch
 
 #: per kind: the order of a variant's numbers (keywords of the Gluon function)
 FIELDS = {
+    "fwd": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bwd_dkdv": ("block_n", "block_m", "num_warps", "maxnreg"),
     "bob_col": ("block_n", "block_m", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bob_stats": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
@@ -44,7 +50,92 @@ DEFAULTS = {
                 (128, 32, 8, 2, 0, 0)],
 }
 
-FLOPS_PER_PAIR_D = {"bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
+#: forward candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel fwd)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same taking turns, ``pingpong=True``; those last, so that the rows before them are kept
+#: whatever happens to them)
+FWD_DEFAULTS = {
+    64: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 128, 8, 3, 1, 0),
+         (128, 64, 8, 3, 0, 0), (128, 64, 8, 3, 1, 0), (64, 128, 4, 2, 0, 0),
+         (64, 128, 4, 3, 1, 0), (128, 128, 8, 2, 2, 0), (128, 128, 8, 3, 2, 0),
+         (128, 128, 8, 2, 3, 0), (128, 128, 8, 3, 3, 0)],
+    128: [(128, 128, 8, 2, 0, 0), (128, 128, 8, 2, 1, 0), (128, 64, 8, 2, 0, 0),
+          (128, 64, 8, 3, 1, 0), (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0),
+          (128, 128, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0), (128, 128, 8, 2, 3, 0),
+          (128, 64, 8, 3, 3, 0)],
+}
+
+FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
+
+
+def run_fwd(variants, x, causal, on_row=lambda rows: None):
+    """The Triton forward, then each Gluon forward variant checked against it and timed;
+    ``on_row(rows)`` after each row (the script saves the JSON there)."""
+    import triton
+
+    from ttt_flash.kernels import attn_fwd, configs
+    from ttt_flash.kernels.gluon import fwd as gluon_fwd
+
+    q, k, v = x[:3]
+    b, h, n, d = q.shape
+    pairs = b * h * n * n * (0.5 if causal else 1.0)
+
+    def rate(ms):
+        return FLOPS_PER_PAIR_D["fwd"] * d * pairs / ms / 1e9
+
+    def triton_fwd():
+        with configs.use_gluon_passes(False):
+            return attn_fwd(q, k, v, scale=None, causal=causal, window=None)
+
+    o_t, lse_t = triton_fwd()
+    ms = triton.testing.do_bench(triton_fwd, warmup=25, rep=100)
+    rows = [dict(kind="fwd", variant="triton", ms=ms, tflops=rate(ms))]
+    print(f"PASS fwd        {'triton':<26} {ms:8.3f} ms {rate(ms):6.0f} TFLOP/s", flush=True)
+    on_row(rows)
+    unit = o_t.float().abs().max().item() * 2.0 ** -8
+    for var in variants:
+        kw = dict(zip(FIELDS["fwd"], var))
+        kw["consumers"] = 2 if kw["warp_specialize"] >= 2 else 1
+        kw["pingpong"] = kw["warp_specialize"] == 3
+        kw["warp_specialize"] = bool(kw["warp_specialize"])
+        kw["maxnreg"] = kw.get("maxnreg") or None
+        try:
+            o_g, lse_g = gluon_fwd.gluon_attn_fwd(q, k, v, causal=causal, **kw)
+            torch.cuda.synchronize()
+            o_diff = (o_g.float() - o_t.float()).abs().max().item() / unit
+            lse_diff = (lse_g - lse_t).abs().max().item()
+            if not (o_diff <= 4 and lse_diff <= 1e-3):
+                raise RuntimeError(f"disagrees with the Triton forward: O by {o_diff:.2f} bf16 "
+                                   f"units, L by {lse_diff:.2e}")
+            ms = triton.testing.do_bench(
+                lambda: gluon_fwd.gluon_attn_fwd(q, k, v, causal=causal, **kw),
+                warmup=25, rep=100)
+            rows.append(dict(kind="fwd", variant=list(var), ms=ms, tflops=rate(ms),
+                             o_maxdiff=o_diff, lse_maxdiff=lse_diff))
+            print(f"PASS fwd        {str(var):<26} {ms:8.3f} ms {rate(ms):6.0f} TFLOP/s "
+                  f"(O {o_diff:.2f} units, L {lse_diff:.1e} from Triton)", flush=True)
+        except Exception as ex:  # noqa: BLE001 - a failing variant is a result
+            rows.append(dict(kind="fwd", variant=list(var), error=f"{type(ex).__name__}: {ex}"))
+            print(f"PASS fwd        {str(var):<26} FAILED {type(ex).__name__}: "
+                  f"{str(ex)[:300]}", flush=True)
+        on_row(rows)
+    return rows
+
+
+def format_table(rows):
+    """Markdown table of the sweep's rows (the forward's with their speed-up over the Triton
+    forward of the same run)."""
+    base = {r["kind"]: r["ms"] for r in rows if r.get("variant") == "triton"}
+    out = ["| kind | variant | ms | TFLOP/s | vs Triton |", "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        var = r["variant"] if isinstance(r["variant"], str) else \
+            ",".join(str(t) for t in r["variant"])
+        if "ms" not in r:
+            out.append(f"| {r['kind']} | {var} | failed | | |")
+            continue
+        speed = f"{base[r['kind']] / r['ms']:.3f}x" if r["kind"] in base else ""
+        out.append(f"| {r['kind']} | {var} | {r['ms']:.3f} | {r['tflops']:.0f} | {speed} |")
+    return "\n".join(out)
 
 
 def run_kind(kind, variants, x, r, causal):
@@ -106,7 +197,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     hk = a.kv_heads or a.heads
-    chosen = {kind: list(DEFAULTS[kind]) for kind in a.kinds.split(",") if kind}
+    defaults = dict(DEFAULTS, fwd=FWD_DEFAULTS.get(a.head_dim, FWD_DEFAULTS[64]))
+    chosen = {kind: list(defaults[kind]) for kind in a.kinds.split(",") if kind}
     given = {}
     for spec in a.variant:
         kind, nums = spec.split("=")
@@ -121,12 +213,20 @@ def main(argv=None) -> int:
     r[0] = r[0].abs() + 8.0  # LSE well above the scores: no overflow in exp2
     print(f"SHAPE H={a.heads}/{hk} N={n} d={d} causal={a.causal}", flush=True)
     rows = []
+
+    def save(more=()):
+        if a.out:
+            os.makedirs(a.out, exist_ok=True)
+            with open(os.path.join(a.out, "gluon_pass_sweep.json"), "w") as f:
+                json.dump({"args": vars(a), "rows": rows + list(more)}, f, indent=1)
+
     for kind, variants in chosen.items():
-        rows += run_kind(kind, variants, x, r, a.causal)
-    if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "gluon_pass_sweep.json"), "w") as f:
-            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+        if kind == "fwd":
+            rows += run_fwd(variants, x, a.causal, on_row=save)
+        else:
+            rows += run_kind(kind, variants, x, r, a.causal)
+        save()
+    print(format_table(rows), flush=True)
     return 0 if rows and all("ms" in row for row in rows) else 1
 
 

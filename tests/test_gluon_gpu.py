@@ -1,5 +1,8 @@
-"""GPU tests of the Gluon passes (kernels/gluon/dkdv.py, bob_col.py, bob_row.py)
+"""GPU tests of the Gluon passes (kernels/gluon/fwd.py, dkdv.py, bob_col.py, bob_row.py)
 on sm_90.
+
+O and L of the Gluon forward are compared with float64 attention and the Triton forward
+(the bound below), full and causal, d = 64 / 128, GQA, several tile variants.
 
 dK and dV of the Gluon pass, fed the Triton forward's LSE and the Triton backward's
 D = rowsum(dO∘O), are compared with float64 autograd through ``naive_attention``: the max
@@ -42,8 +45,8 @@ def test_gluon_dkdv_matches_float64(causal, tiles):
     q, k, v, do = (torch.randn(2, 3, 512, 64, device="cuda", dtype=torch.bfloat16)
                    for _ in range(4))
     kw = dict(scale=None, causal=causal, window=None)
-    o, lse = attn_fwd(q, k, v, **kw)
-    with configs.use_gluon_passes(False):  # the Triton dK/dV pass as the baseline
+    with configs.use_gluon_passes(False):  # the Triton forward and dK/dV pass as the baseline
+        o, lse = attn_fwd(q, k, v, **kw)
         _, dk_t, dv_t, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     bn, bm, w = tiles
     dk_g, dv_g = gluon_dkdv(q, k, v, do, lse, delta, causal=causal, block_n=bn, block_m=bm,
@@ -81,8 +84,9 @@ def _bob_inputs(causal, n=512, heads=(3, 3), d=64):
         torch.randn(2, hh, n, d, device="cuda", dtype=torch.bfloat16)
         for hh in (h, hk, hk, h, h, hk, hk))
     kw = dict(scale=None, causal=causal, window=None)
-    o, lse = attn_fwd(q, k, v, **kw)
-    _, _, _, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    with configs.use_gluon_passes(False):  # the Triton passes' L and D
+        o, lse = attn_fwd(q, k, v, **kw)
+        _, _, _, delta = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     tau = d ** -0.5
     f = [x.double().repeat_interleave(h // x.shape[1], dim=1)
          for x in (q, k, v, do, uq, uk, uv)]  # key side repeated to the query heads
@@ -154,10 +158,12 @@ from ttt_flash.kernels import plan  # noqa: E402
 from ttt_flash.kernels.gluon import bob_col as gluon_bob_col_mod  # noqa: E402
 from ttt_flash.kernels.gluon import bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels.gluon import dkdv as gluon_dkdv_mod  # noqa: E402
+from ttt_flash.kernels.gluon import fwd as gluon_fwd_mod  # noqa: E402
 
 #: the Gluon launches of one in-scope chain, in order, and their table kinds
-GLUON_CHAIN = ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct", "gluon_bob_col"]
-GLUON_KINDS = ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+GLUON_CHAIN = ["gluon_fwd", "gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct",
+               "gluon_bob_col"]
+GLUON_KINDS = ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
 
 
 def _expected_chain(d):
@@ -197,7 +203,8 @@ def _gluon_at_test_lengths(monkeypatch):
 def gluon_calls(monkeypatch):
     """Names of the Gluon passes the library launches during the test."""
     calls = []
-    for mod, name, label in ((gluon_dkdv_mod, "launch_dkdv", "gluon_dkdv"),
+    for mod, name, label in ((gluon_fwd_mod, "launch_fwd", "gluon_fwd"),
+                             (gluon_dkdv_mod, "launch_dkdv", "gluon_dkdv"),
                              (gluon_bob_col_mod, "launch_bob_col", "gluon_bob_col"),
                              (gluon_bob_row_mod, "launch_bob_row", None)):
         real = getattr(mod, name)
@@ -485,7 +492,7 @@ def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monk
          for hh in (4, 1, 1, 4, 4, 1, 1)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == ["gluon_dkdv", "gluon_bob_stats", "gluon_bob_col"]
+    assert gluon_calls == ["gluon_fwd", "gluon_dkdv", "gluon_bob_stats", "gluon_bob_col"]
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
     for name in CHAIN_NAMES:
@@ -494,3 +501,118 @@ def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monk
         err_on = (base[name].double() - r).abs().max().item()
         err_off = (off[name].double() - r).abs().max().item()
         assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)
+
+
+# --------------------------------------------------------------------------- forward
+# (kernels/gluon/fwd.py; the chain tests above see it through attn_fwd)
+
+from ttt_flash.kernels.gluon.fwd import gluon_attn_fwd  # noqa: E402
+from ttt_flash.kernels.host import layout as host_layout  # noqa: E402
+
+#: (block_m, block_n, num_warps, stages, warp_specialize, maxnreg)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same taking turns, ``pingpong=True``)
+FWD_VARIANTS = [(128, 128, 8, 2, 0, None), (128, 64, 8, 3, 1, None), (64, 64, 4, 2, 0, None),
+                (64, 128, 4, 3, 1, None), (128, 128, 8, 2, 2, None), (128, 64, 8, 3, 2, None),
+                (128, 128, 8, 2, 3, None), (128, 64, 8, 3, 3, None)]
+FWD_IDS = ["qt128-kt128-w8", "ws-qt128-kt64-w8-s3", "qt64-kt64-w4", "ws-qt64-kt128-w4-s3",
+           "ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3", "pingpong-qt128-kt128-w8",
+           "pingpong-qt128-kt64-w8-s3"]
+#: case: ((H_q, H_kv), d, scale of q (larger logits), dtype)
+FWD_CASES = {"h3-d64": ((3, 3), 64, 1.0, torch.bfloat16),
+             "peaked-d64": ((2, 2), 64, 4.0, torch.bfloat16),
+             "gqa-4-2-d64": ((4, 2), 64, 1.0, torch.bfloat16),
+             "fp16-gqa-4-2-d64": ((4, 2), 64, 1.0, torch.float16),
+             "d128": ((2, 2), 128, 1.0, torch.bfloat16),
+             "gqa-4-1-d128": ((4, 1), 128, 1.0, torch.bfloat16),
+             "fp16-d128": ((2, 2), 128, 1.0, torch.float16)}
+
+
+def _float64_fwd(q, k, v, causal):
+    """O and the natural-log L of softmax(d^-1/2 Q Kᵀ) V in float64 (kv head h // G)."""
+    g = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    k64, v64 = (x.repeat_interleave(g, dim=1) for x in (k64, v64))
+    s = q.shape[-1] ** -0.5 * q64 @ k64.transpose(-1, -2)
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, device=s.device, dtype=torch.bool).triu(1),
+                          float("-inf"))
+    return torch.softmax(s, -1) @ v64, torch.logsumexp(s, -1)
+
+
+#: (case, variant): every variant at d = 64 and 128, the table's tiles in every case, the two
+#: consumer-partition variants under GQA and at large logits; the variants taking turns
+#: (pingpong) last
+_PP = [i for i, name in enumerate(FWD_IDS) if name.startswith("pingpong")]
+FWD_PAIRS = ([(case, i) for i in range(len(FWD_VARIANTS)) if i not in _PP
+              for case in ("h3-d64", "d128")]
+             + [(case, "table") for case in FWD_CASES]
+             + [(case, FWD_IDS.index("ws2c-qt128-kt128-w8"))
+                for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")]
+             + [(case, i) for i in _PP for case in ("h3-d64", "d128")]
+             + [(case, FWD_IDS.index("pingpong-qt128-kt128-w8"))
+                for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case,variant", [(c, v if v == "table" else FWD_VARIANTS[v])
+                                          for c, v in FWD_PAIRS],
+                         ids=[f"{c}-{v if v == 'table' else FWD_IDS[v]}" for c, v in FWD_PAIRS])
+def test_gluon_fwd_matches_triton_and_float64(causal, case, variant):
+    heads, d, spread, dtype = FWD_CASES[case]
+    if variant == "table":
+        c = configs.GLUON.get(("fwd", d))
+        if c is None:  # no Gluon forward at this head dim: the plan takes the Triton one
+            lay_q = torch.empty(1, 2, 16384, d, device="cuda", dtype=dtype)
+            lay = host_layout(lay_q, lay_q, None, None, None, None)
+            assert plan.explain("fwd", lay, dtype, lay_q.device, window=False,
+                                contiguous=True).startswith("Triton: head dim")
+            return
+        variant = (c.block_m, c.block_n, c.num_warps, c.stages,
+                   (3 if c.pingpong else 2) if c.consumers == 2 else int(c.warp_specialize),
+                   c.maxnreg)
+    bm, bn, w, st, ws, mr = variant
+    torch.manual_seed(0)
+    h, hk = heads
+    q = (spread * torch.randn(2, h, 512, d, device="cuda")).to(dtype)
+    k, v = (torch.randn(2, hk, 512, d, device="cuda", dtype=dtype) for _ in range(2))
+    with configs.use_gluon_passes(False):  # the Triton forward as the baseline
+        o_t, lse_t = attn_fwd(q, k, v, scale=None, causal=causal, window=None)
+    o_g, lse_g = gluon_attn_fwd(q, k, v, causal=causal, block_m=bm, block_n=bn, num_warps=w,
+                                stages=st, warp_specialize=ws > 0, consumers=2 if ws >= 2 else 1,
+                                pingpong=ws == 3, maxnreg=mr)
+    assert o_g.shape == q.shape and o_g.dtype == q.dtype and o_g.is_contiguous()
+    assert lse_g.shape == q.shape[:3] and lse_g.dtype == torch.float32
+    o64, lse64 = _float64_fwd(q, k, v, causal)
+    _close("o", o_g, o_t, o64)
+    err = (lse_g.double() - lse64).abs().max().item()
+    tri_err = (lse_t.double() - lse64).abs().max().item()
+    floor = lse64.abs().max().item() * 2.0 ** -16
+    assert err <= 2 * tri_err + floor, ("lse", err, tri_err, floor)
+
+
+def test_gluon_fwd_rejects_bad_inputs():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        gluon_attn_fwd(q[:, :, :200], q[:, :, :200], q[:, :, :200])
+    with pytest.raises(ValueError, match="multiple of k's"):
+        k3 = torch.randn(1, 3, 256, 64, device="cuda", dtype=torch.bfloat16)
+        gluon_attn_fwd(q, k3, k3)
+    with pytest.raises(ValueError, match="q must be bf16 or fp16"):
+        gluon_attn_fwd(q.float(), q.float(), q.float())
+    with pytest.raises(ValueError, match="v must have shape"):
+        gluon_attn_fwd(q, q, q[:, :, :128])
+    with pytest.raises(ValueError, match="block_m == 16"):
+        gluon_attn_fwd(q, q, q, block_m=128, num_warps=4)
+    with pytest.raises(ValueError, match="stages must be"):
+        gluon_attn_fwd(q, q, q, stages=5)
+    with pytest.raises(ValueError, match="consumers must be 1, or 2 with warp_specialize"):
+        gluon_attn_fwd(q, q, q, consumers=2, warp_specialize=False)
+    with pytest.raises(ValueError, match="pingpong=True needs consumers=2"):
+        gluon_attn_fwd(q, q, q, warp_specialize=True, pingpong=True)
+    with pytest.raises(ValueError, match="q has no rows"):
+        gluon_attn_fwd(q[:, :, :0], q[:, :, :0], q[:, :, :0])
+    q96 = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim must be one of"):
+        gluon_attn_fwd(q96, q96, q96)

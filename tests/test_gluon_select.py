@@ -3,8 +3,8 @@
 The verifiers of ``kernels/gluon/scope.py`` and the plans of ``kernels/plan.py`` are exercised
 with the GPU capability, the interpreter check and the Gluon import mocked: the in-scope call
 selects the table's Gluon tiles, and every condition outside the Gluon kernels' scope (or the
-switch, or a tile override) selects Triton, with a reason. The call sites in ``attn_bwd`` and
-``attn_bob`` are run under the interpreter with the real plans (told the tensors are on an
+switch, or a tile override) selects Triton, with a reason. The call sites in ``attn_fwd``,
+``attn_bwd`` and ``attn_bob`` are run under the interpreter with the real plans (told the tensors are on an
 sm_90 device) and the Gluon launchers replaced by float64 implementations of their
 documented formulas: the results must equal the Triton pass's, so the arguments handed over
 mean what the Gluon kernels expect. Gluon itself is never compiled here (no GPU), and nothing
@@ -25,7 +25,7 @@ from ttt_flash.kernels.gluon import scope
 
 attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
 CUDA0 = torch.device("cuda", 0)
-KINDS = ["bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
+KINDS = ["fwd", "bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +51,9 @@ def _plan_pass(kind, lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
                contiguous=True, complete=True):
     """The plan's pass for ``kind`` (a ``plan.Pass``); ``complete``: the caller's own
     conditions for the Gluon pass hold (all three cotangents, every output wanted)."""
-    lay = lay or _lay()
+    lay = lay or _lay(d=min(d for k, d in configs.GLUON if k == kind))  # a head dim it covers
+    if kind == "fwd":
+        return plan.fwd(lay, dtype, device, window=window, contiguous=contiguous)
     if kind == "bwd_dkdv":
         return plan.bwd(lay, dtype, device, window=window, contiguous=contiguous).dkdv
     needs = (True, True, True, True)
@@ -89,13 +91,17 @@ def _select(kind="bob_col", lay=None, dtype=torch.bfloat16, device=CUDA0, window
                          ids=["N16K", "N64K-H12-B2", "GQA-32-8", "MQA-4-1", "d128-H8",
                               "GQA-32-8-d128"])
 def test_in_scope_selects_the_table_tiles(sm90, kind, dtype, lay):
-    assert _select(kind, lay, dtype) == configs.GLUON[(kind, lay.head_dim)]
-    assert plan.explain(kind, lay, dtype, CUDA0, **_flags(kind)) == "Gluon"
+    entry = configs.GLUON.get((kind, lay.head_dim))
+    assert _select(kind, lay, dtype) == entry  # no entry at this head dim: Triton
+    why = plan.explain(kind, lay, dtype, CUDA0, **_flags(kind))
+    assert (why == "Gluon") is (entry is not None), why
 
 
 def _flags(kind, **over):
     flags = dict(window=False, rowsum=False, contiguous=True)
-    if kind != "bwd_dkdv":
+    if kind == "fwd":  # the forward never applies the ρ correction
+        del flags["rowsum"]
+    if kind not in ("fwd", "bwd_dkdv"):
         flags.update(precise=True, all_u=True)
     if kind == "bob_direct":
         flags.update(need_qb=True, need_dob=True, split=False)
@@ -106,6 +112,9 @@ def _flags(kind, **over):
 
 
 def test_table_tiles_are_the_measured_ones():
+    for key, fwd in configs.GLUON.items():  # the forward: a row pass, 16 queries per warp
+        if key[0] == "fwd":
+            assert fwd.block_m == 16 * fwd.num_warps and fwd.min_keys == 16384
     assert configs.GLUON[("bwd_dkdv", 64)] == configs.GluonConfig(64, 64, 4, min_keys=16384)
     col = configs.GLUON[("bob_col", 64)]
     assert (col.block_n, col.block_m, col.num_warps, col.stages) == (64, 64, 4, 2)
@@ -153,8 +162,11 @@ OUT_OF_SCOPE = {
 
 
 @pytest.mark.parametrize("kind,case", [(kind, case) for kind in KINDS for case in OUT_OF_SCOPE
-                                       # the dK/dV pass has no caller conditions
-                                       if (kind, case) != ("bwd_dkdv", "caller-incomplete")])
+                                       # the forward and dK/dV passes have no caller
+                                       # conditions; the forward has no ρ correction
+                                       if (kind, case) not in (("bwd_dkdv", "caller-incomplete"),
+                                                               ("fwd", "caller-incomplete"),
+                                                               ("fwd", "rowsum"))])
 def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     spec = dict(OUT_OF_SCOPE[case])
     cap = spec.pop("cap", (9, 0))
@@ -166,12 +178,15 @@ def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
     assert _select(kind, **spec) is None
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("flag,value,words", [
-    ("window", True, "window"), ("rowsum", True, "row-sum"), ("contiguous", False, "contiguous")])
+@pytest.mark.parametrize("kind,flag,value,words", [
+    (kind, *why) for kind in KINDS
+    for why in (("window", True, "window"), ("rowsum", True, "row-sum"),
+                ("contiguous", False, "contiguous"))
+    if (kind, why[0]) != ("fwd", "rowsum")])  # the forward has no ρ correction
 def test_the_verifiers_say_why(sm90, kind, flag, value, words):
     """Each verifier names the condition that fails (plan.explain prints it)."""
-    text = plan.explain(kind, _lay(), torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
+    lay = _lay(d=min(d for k, d in configs.GLUON if k == kind))  # a head dim it covers
+    text = plan.explain(kind, lay, torch.bfloat16, CUDA0, **_flags(kind, **{flag: value}))
     assert text.startswith("Triton: ") and words in text
     why = plan.explain(kind, _lay(d=96), torch.bfloat16, CUDA0, **_flags(kind))
     assert "head dim 96" in why
@@ -195,6 +210,78 @@ def test_switch_and_tile_override_select_triton(sm90, kind):
     with pytest.raises(RuntimeError), configs.use_gluon_passes(False):
         raise RuntimeError
     assert configs.gluon_passes_enabled()  # restored after an exception
+
+
+def _load_script(name):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_forward_variants_are_launchable():
+    """Every forward variant of the table, the GPU sweep and the compile script satisfies
+    the entry point's rules (gluon_attn_fwd's checks) and fits the H200's shared memory
+    (Q tile + ``stages`` K and V tiles, 16-bit), so no GPU time goes to a refused launch."""
+    import ast
+    import pathlib
+
+    sweep = _load_script("gluon_pass_sweep")
+    # the compile script stubs the CUDA driver and unsets TRITON_INTERPRET when imported:
+    # read its list without running it
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    compile_variants = next(
+        ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FWD_VARIANTS")
+    variants = [(d, v) for d, vs in sweep.FWD_DEFAULTS.items() for v in vs]
+    variants += [(d, v) for v in compile_variants for d in (64, 128)]
+    for d in (d for kind, d in configs.GLUON if kind == "fwd"):
+        c = configs.GLUON[("fwd", d)]
+        ws = (3 if c.pingpong else 2) if c.consumers == 2 else int(c.warp_specialize)
+        assert c.consumers in (1, 2) and (c.consumers == 1 or c.warp_specialize)
+        assert c.consumers == 2 or not c.pingpong
+        variants.append((d, (c.block_m, c.block_n, c.num_warps, c.stages, ws, c.maxnreg or 0)))
+    assert set(sweep.FWD_DEFAULTS) == {64, 128}
+    for d, (bm, bn, w, st, ws, mr) in variants:
+        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions,
+        # 3 the same taking turns (pingpong)
+        assert w in (4, 8) and bm == 16 * w and bn in (32, 64, 128), (d, bm, bn, w)
+        assert 2 <= st <= 4 and ws in (0, 1, 2, 3) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
+        assert ws < 2 or w == 8, (ws, w)
+        assert 2 * d * (bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
+
+
+def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
+    """The forward's plan: the Gluon tiles on sm_90 in scope, else the Triton forward's table
+    tiles (what ``attn_fwd`` launched before the Gluon pass), and ``explain`` says why."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(scope, "importable", lambda kind: True)
+    for cap, gluon in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(plan, "device_capability", lambda index, _c=cap: _c)
+        plan.clear_cache()
+        for d in (64, 128):
+            lay = _lay(h_q=12, h_kv=4, d=d)
+            p = plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
+            entry = configs.GLUON.get(("fwd", d)) if gluon else None
+            assert p.kind == "fwd" and p.gluon is (entry is not None)
+            want = entry or configs.table_config("fwd", d, torch.bfloat16, cap[0])
+            assert p.tiles == want
+            assert plan.fwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True) is p
+    plan.clear_cache()
+    monkeypatch.setattr(plan, "device_capability", lambda index: (9, 0))
+    d = next(d for kind, d in configs.GLUON if kind == "fwd")  # a head dim it covers
+    flags = dict(window=False, contiguous=True)
+    why = plan.explain("fwd", _lay(n_q=16384, n_k=32768, d=d), torch.bfloat16, CUDA0, **flags)
+    assert why == "Triton: N_q = 16384 differs from N_k = 32768"
+    why = plan.explain("fwd", _lay(n_q=8192, n_k=8192, d=d), torch.float16, CUDA0, **flags)
+    assert why == "Triton: N = 8192 is below the pass's min_keys = 16384"
+    assert plan.explain("fwd", _lay(d=d), torch.float16, CUDA0, **flags) == "Gluon"
+    why = plan.explain("fwd", _lay(d=96), torch.float16, CUDA0, **flags)
+    assert why == "Triton: head dim 96: no Gluon tiles for 'fwd' (configs.GLUON)"
 
 
 def test_plans_are_cached_and_follow_the_switches(sm90):
@@ -225,7 +312,7 @@ def test_triton_version_range(monkeypatch, version, ok):
     scope.importable.cache_clear()
     try:
         assert scope.importable("bwd_dkdv") is (ok and common.HAVE_GLUON)
-        for kind in ("bob_col", "bob_stats", "bob_direct"):
+        for kind in ("fwd", "bob_col", "bob_stats", "bob_direct"):
             assert scope.importable(kind) is (ok and common.HAVE_GLUON
                                               and common.HAVE_WARP_SPECIALIZE)
     finally:
@@ -233,10 +320,12 @@ def test_triton_version_range(monkeypatch, version, ok):
 
 
 def test_gluon_modules_import_without_gpu():
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     assert not dkdv.available() and not bob_col.available()
-    assert not bob_row.available()
+    assert not bob_row.available() and not fwd.available()
+    with pytest.raises(RuntimeError, match="sm_90"):
+        fwd.gluon_attn_fwd(*(torch.empty(1, 1, 128, 64, dtype=torch.bfloat16),) * 3)
     with pytest.raises(RuntimeError, match="sm_90"):
         dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
                         torch.empty(1, 1, 64), torch.empty(1, 1, 64))
@@ -256,6 +345,26 @@ def _fold(x, like):
     ``like`` (B, H_kv, N, d)."""
     b, hk = like.shape[:2]
     return x.reshape(b, hk, x.shape[1] // hk, *x.shape[2:]).sum(2)
+
+
+def _fake_fwd(calls):
+    """launch_fwd's documented result (O and the natural-log L of softmax(τ Q Kᵀ), GQA:
+    query head h reads kv head h // G) in float64, written into ``out`` = (o, lse)."""
+
+    def fake(q, k, v, *, scale, causal, out, **tiles):
+        calls.append(("fwd", tiles))
+        assert out[0].shape == q.shape and out[0].dtype == q.dtype
+        assert out[1].shape == q.shape[:3] and out[1].dtype == torch.float32
+        assert all(x.is_contiguous() for x in (q, k, v, *out))
+        s = scale * q.double() @ _expand(k, q).transpose(-1, -2)
+        if causal:
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[0].copy_(torch.softmax(s, -1) @ _expand(v, q))
+        out[1].copy_(torch.logsumexp(s, -1))
+        return out
+
+    return fake
 
 
 def _fake_dkdv(calls):
@@ -365,16 +474,18 @@ def _gluon_on_cpu(monkeypatch, calls):
     """The real plans, told the CPU tensors sit on an sm_90 GPU (the Gluon verifiers' view
     only: the Triton passes keep the interpreter's tiles), with d = 16 / 32-wide tiles in the
     Gluon table (interpreter-sized), and the float64 stand-ins for the Gluon launchers."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     monkeypatch.setattr(plan, "_gluon_capability", lambda device: (9, 0))
     monkeypatch.setattr(scope, "importable", lambda kind: True)
     monkeypatch.setattr(configs, "GLUON", {
+        ("fwd", 16): configs.GluonConfig(16, 32, 2, stages=3, warp_specialize=True),
         ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
                                              maxnreg=128),
         ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
         ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
+    monkeypatch.setattr(fwd, "launch_fwd", _fake_fwd(calls))
     monkeypatch.setattr(dkdv, "launch_dkdv", _fake_dkdv(calls))
     monkeypatch.setattr(bob_col, "launch_bob_col", _fake_bob_col(calls))
     monkeypatch.setattr(bob_row, "launch_bob_row", _fake_bob_row(calls))
@@ -394,7 +505,8 @@ def _chain(ts, kw, **bob_kw):
     o, lse = attn_fwd(q, k, v, **kw)
     dq, dk, dv, delta = attn_bwd_mod.attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     outs = attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, deterministic=True, **kw, **bob_kw)
-    return dict(zip(("dq", "dk", "dv", "qb", "kb", "vb", "dob"), (dq, dk, dv, *outs)))
+    return dict(zip(("o", "lse", "dq", "dk", "dv", "qb", "kb", "vb", "dob"),
+                    (o, lse, dq, dk, dv, *outs)))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -407,13 +519,15 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     calls = []
     with _gluon_on_cpu(monkeypatch, calls):
         got = _chain(ts, kw)
-    assert [c[0] for c in calls] == ["bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
-    assert calls[0][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
-    assert calls[1][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
+    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+    assert calls[0][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
+                               warp_specialize=True, consumers=1, pingpong=False, maxnreg=None)
+    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
+    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=False, maxnreg=None)
-    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
+    assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, maxnreg=None)
-    assert calls[3][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
+    assert calls[4][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, maxnreg=128)
     for name, x in want.items():
         y = got[name]
@@ -440,7 +554,7 @@ def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, dro
         plan.clear_cache()
         got = _chain(ts, kw)
     kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
-    assert [c[0] for c in calls] == ["bwd_dkdv", kept, "bob_col"]
+    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", kept, "bob_col"]
     for name, x in want.items():
         mag = x.double().abs().max().item()
         err = (got[name].double() - x.double()).abs().max().item()
@@ -466,10 +580,11 @@ def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
     row = ["bob_stats", "bob_direct"]
     # the row passes without the Gluon direct pass: one Triton launch (statistics sweep
     # first, the keys being below FUSED_ROW_MAX_KEYS), so no Gluon statistics pass either
-    expect = {"split_col": ["bwd_dkdv", *row], "split_row": ["bwd_dkdv", "bob_col"],
-              "affine": ["bwd_dkdv"], "uq-missing": ["bwd_dkdv"],
-              "kb-not-wanted": ["bwd_dkdv", *row],
-              "dob-not-wanted": ["bwd_dkdv", "bob_col"]}.get(case, [])
+    # the forward has no BoB conditions: it runs wherever the common scope holds
+    expect = {"split_col": ["fwd", "bwd_dkdv", *row], "split_row": ["fwd", "bwd_dkdv", "bob_col"],
+              "affine": ["fwd", "bwd_dkdv"], "uq-missing": ["fwd", "bwd_dkdv"],
+              "kb-not-wanted": ["fwd", "bwd_dkdv", *row],
+              "dob-not-wanted": ["fwd", "bwd_dkdv", "bob_col"]}.get(case, [])
     assert [c[0] for c in calls] == expect
 
 
@@ -482,9 +597,10 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     import json
     import pathlib
 
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     # the script wraps the launchers to count launches: put them back afterwards
+    monkeypatch.setattr(fwd, "launch_fwd", fwd.launch_fwd)
     monkeypatch.setattr(dkdv, "launch_dkdv", dkdv.launch_dkdv)
     monkeypatch.setattr(bob_col, "launch_bob_col", bob_col.launch_bob_col)
     monkeypatch.setattr(bob_row, "launch_bob_row", bob_row.launch_bob_row)
@@ -504,3 +620,33 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
         assert r["speedup"] == pytest.approx(r["off_ms"] / r["on_ms"])
     table = capsys.readouterr().out.splitlines()[-2:]
     assert table[0].startswith("| 32 | no |") and table[1].startswith("| 32 | yes |")
+
+
+def test_pass_sweep_times_the_triton_forward_and_refuses_wrong_variants(monkeypatch, one_thread):
+    """scripts/gluon_pass_sweep.py's forward rows on the CPU (the Triton forward under the
+    interpreter, a float64 stand-in for the Gluon one that is wrong for one variant): the
+    baseline row first, a speed for each variant that agrees with it, none for the other."""
+    import triton.testing
+
+    from ttt_flash.kernels.gluon import fwd
+
+    sweep = _load_script("gluon_pass_sweep")
+
+    def stand_in(q, k, v, *, causal, consumers, pingpong, **tiles):
+        o, lse = torch.empty_like(q), torch.empty(q.shape[:3])
+        _fake_fwd([])(q, k, v, scale=q.shape[-1] ** -0.5, causal=causal, out=(o, lse))
+        return (o + 1 if pingpong else o), lse  # the pingpong variant is wrong
+
+    monkeypatch.setattr(fwd, "gluon_attn_fwd", stand_in)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 2.0)[1])
+    x = _inputs(h_q=4, h_kv=2, n=64, d=16)
+    variants = [(128, 128, 8, 2, 1, 0), (128, 128, 8, 2, 2, 0), (128, 128, 8, 2, 3, 0)]
+    rows = sweep.run_fwd(variants, x, True)
+    assert [r["variant"] for r in rows] == ["triton", *map(list, variants)]
+    assert all(r["ms"] == 2.0 for r in rows[:3]) and "ms" not in rows[3]
+    assert "disagrees with the Triton forward" in rows[3]["error"]
+    assert rows[1]["o_maxdiff"] <= 4 and rows[1]["lse_maxdiff"] <= 1e-3
+    table = sweep.format_table(rows).splitlines()
+    assert table[2] == "| fwd | triton | 2.000 | 0 | 1.000x |"
+    assert table[-1] == "| fwd | 128,128,8,2,3,0 | failed | | |"

@@ -6,7 +6,7 @@ per call shape (its plans are cached), the Gluon launchers do not check again. N
 imports Gluon until the last condition (the Gluon API importable), so the verifiers run on
 any machine.
 
-Common scope of the four passes (:func:`common_reason`): the passes switched on
+Common scope of the five passes (:func:`common_reason`): the passes switched on
 (``configs.use_gluon_passes``), no tile override for the pass's kind (an override selects the
 Triton kernel), a CUDA device of capability 9.0 outside the interpreter, triton within
 ``configs.GLUON_TRITON`` with its Gluon Hopper API importable, bf16 / fp16, dense inputs with
@@ -88,6 +88,12 @@ def common_reason(kind: str, lay, dtype: torch.dtype, capability, *, window: boo
         return (f"triton outside {configs.GLUON_TRITON} or its Gluon Hopper API does not "
                 "import")
     return None
+
+
+def fwd_reason(lay, dtype, capability, *, window, contiguous) -> Optional[str]:
+    """The forward (``fwd``): the common scope only (it never applies the ρ correction)."""
+    return common_reason("fwd", lay, dtype, capability, window=window, rowsum=False,
+                         contiguous=contiguous)
 
 
 def dkdv_reason(lay, dtype, capability, *, window, rowsum, contiguous) -> Optional[str]:

@@ -207,13 +207,17 @@ FUSED_ROW_MAX_KEYS = 8192
 #: (``scripts/gluon_pass_sweep.py``, ``scripts/gluon_chain_ab.py``; docs/benchmarks.md). At
 #: d = 128 the direct and column passes step over 32 keys / queries (their two (tile x 128)
 #: float32 accumulators) and the statistics pass, with none, takes 128 queries x 64 keys.
-#: The forward's tiles (128 queries x 128 keys, 8 warps, a one-warp TMA producer) are chosen
-#: without spills (``scripts/gluon_compile_sm90.py --kernel fwd``), before any H200 sweep.
+#: The forward: 128 queries x 128 keys split between two 4-warp consumer partitions that
+#: share one K / V ring filled by a one-warp TMA producer (the fastest forward of the H200
+#: sweep at d = 64 and 128, ahead of the Triton forward; turn-taking between the consumers
+#: did not help).
 #: GQA runs the same tiles. ``min_keys``: below it the chain is host-bound and the Triton
 #: passes run.
 GLUON = {
-    ("fwd", 64): GluonConfig(128, 128, 8, stages=3, warp_specialize=True, min_keys=16384),
-    ("fwd", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, min_keys=16384),
+    ("fwd", 64): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                             min_keys=16384),
+    ("fwd", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                              min_keys=16384),
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),

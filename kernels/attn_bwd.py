@@ -251,7 +251,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
 
             _gluon_dkdv.launch_dkdv(q, k, v, do, lse, delta, scale=scale, causal=causal,
                                     block_n=cfg.block_n, block_m=cfg.block_m,
-                                    num_warps=cfg.num_warps, maxnreg=cfg.maxnreg, out=(dk, dv))
+                                    num_warps=cfg.num_warps, consumers=cfg.consumers,
+                                    stages=cfg.stages, maxnreg=cfg.maxnreg, out=(dk, dv))
         elif lay.n_k > 0:
             grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
             _attn_bwd_dkdv_kernel[grid](

@@ -171,7 +171,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             from .gluon import bob_col as _gluon_col
 
             _gluon_col.launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, None,
-                                      out=(kb, vb), **gluon_kw(cfg))
+                                      out=(kb, vb), consumers=cfg.consumers, **gluon_kw(cfg))
         else:
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
                 *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows,

@@ -57,11 +57,14 @@ class GluonConfig:
     block_n: int  #: keys per program (key-tile passes: block_n == 16·num_warps) or per step
     block_m: int  #: queries per step (key-tile passes) or per program (row passes)
     num_warps: int
-    stages: int = 2  #: ring slots of the streamed tiles (not ``bwd_dkdv``)
+    stages: int = 2  #: ring slots of the streamed tiles (``bwd_dkdv``: with consumers=2 only)
     warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
-    #: ``fwd`` only: consumer partitions (2: two partitions of num_warps / 2 warps, each
-    #: with half the query tile, sharing the K / V ring; needs ``warp_specialize``)
+    #: ``fwd``: consumer partitions (2: two partitions of num_warps / 2 warps, each with
+    #: half the query tile, sharing the K / V ring; needs ``warp_specialize``); ``bob_col``,
+    #: ``bwd_dkdv``: 2: two partitions of num_warps / 2 warps, each with half the key tile,
+    #: sharing the ring of query-side tiles (``bob_col``: needs ``warp_specialize``;
+    #: ``bwd_dkdv``: always adds the producer)
     consumers: int = 1
     #: ``fwd`` with two consumers only: they take turns to issue their products
     pingpong: bool = False

@@ -113,37 +113,45 @@ def _heads(groups, kv):
 
 def compile_bob_col(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg,
                     groups=1):
-    """ws: 0 single partition, 1 warp-specialised, 2 warp-specialised with deferred K̄ waits."""
+    """ws: 0 single partition, 1 warp-specialised, 2 warp-specialised with deferred K̄ waits,
+    3 warp-specialised with two consumer partitions (warps / 2 each, block_n / 2 keys each)
+    sharing the query-tile ring, 4 the same with deferred K̄ waits."""
     b, n = 1, 4 * block_n
     x = [torch.zeros(b, hh, n, d, dtype=torch.bfloat16)
          for hh in _heads(groups, (1, 2, 5, 6))]
     r = [torch.zeros(b, 2 * groups, n) for _ in range(4)]
-    args, meta, _ = mod._prepare(*x, *r, None, 0.125, causal, block_n, block_m, warps, stages)
+    consumers = 2 if ws >= 3 else 1
+    args, meta, _ = mod._prepare(*x, *r, None, 0.125, causal, block_n, block_m, warps, stages,
+                                 consumers=consumers)
     if maxnreg:
         meta["maxnreg"] = maxnreg
     if ws:
-        return mod._gluon_bob_col_ws_kernel.warmup(*args, PRODUCER_REGS=mod.PRODUCER_REGS,
-                                                   DEFER=ws == 2, grid=(1,), **meta)
+        return mod._gluon_bob_col_ws_kernel.warmup(*args, CONSUMER_REGS=mod.CONSUMER_REGS,
+                                                   PRODUCER_REGS=mod.PRODUCER_REGS,
+                                                   DEFER=ws in (2, 4), grid=(1,), **meta)
     return mod._gluon_bob_col_kernel.warmup(*args, grid=(1,), **meta)
 
 
 def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnreg, groups=1):
-    b, h, n = 1, 2, 4 * block_n
-    td = mod.TensorDescriptor
-    x = [torch.zeros(b * h * n * (groups if i in (0, 3) else 1), d, dtype=torch.bfloat16)
-         for i in range(6)]
-    lm = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
-    ln = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
-    qd, dod = (td(t, list(t.shape), list(t.stride()), [block_m, d], lm) for t in (x[0], x[3]))
-    kd, vd, dkd, dvd = (td(t, list(t.shape), list(t.stride()), [block_n, d], ln)
-                        for t in (x[1], x[2], x[4], x[5]))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=causal, GROUPS=groups,
-                num_warps=warps, grid=(1,))
+    """ws: 0 single partition (``stages`` unused: a two-slot ring), 3 the TMA producer and
+    two consumer partitions (warps / 2 each, block_n / 2 keys each) sharing a ring of
+    ``stages`` Q / dO slots (``consumers=2``)."""
+    b, n = 1, 4 * block_n
+    q, do = (torch.zeros(b, 2 * groups, n, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.zeros(b, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
+    lse, delta = (torch.zeros(b, 2 * groups, n) for _ in range(2))
+    consumers = 2 if ws >= 3 else 1
+    out = (torch.empty_like(k), torch.empty_like(v))
+    args, meta = mod._prepare(q, k, v, do, lse, delta, 0.125, causal, block_n, block_m, warps,
+                              out, consumers)
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    return mod._gluon_dkdv_kernel.warmup(qd, kd, vd, dod, dkd, dvd,
-                                         torch.zeros(b * h * groups * n),
-                                         torch.zeros(b * h * groups * n), n, 0.125, 0.18, **meta)
+    if consumers > 1:
+        return mod._gluon_dkdv_ws_kernel.warmup(*args, STAGES=stages, CONSUMERS=consumers,
+                                                CONSUMER_REGS=mod.CONSUMER_REGS,
+                                                PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,),
+                                                **meta)
+    return mod._gluon_dkdv_kernel.warmup(*args, grid=(1,), **meta)
 
 
 def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats,
@@ -227,6 +235,25 @@ BOB_COL_VARIANTS = [
     (128, 64, 8, 2, True, 168),
     (64, 64, 4, 3, True, 128),
     (64, 64, 4, 3, 2, 128),
+    # ws 3: the TMA producer and two 4-warp consumer partitions (64 keys each) sharing the
+    # query-tile ring (consumers=2); 4: the same with deferred K̄ waits
+    (128, 64, 8, 2, 3, 0),
+    (128, 32, 8, 2, 3, 0),
+    (128, 32, 8, 3, 3, 0),
+    (128, 64, 8, 3, 4, 0),
+    (128, 32, 8, 3, 4, 0),
+]
+
+# (block_n, block_m, num_warps, stages, warp_specialize, maxnreg) of the dK / dV pass
+# (stages unused without warp specialisation; ws 3: the TMA producer and two 4-warp consumer
+# partitions sharing the Q / dO ring, consumers=2)
+DKDV_VARIANTS = [
+    (128, 64, 8, 1, 0, 0),
+    (64, 64, 4, 1, 0, 0),
+    (128, 64, 8, 2, 3, 0),
+    (128, 64, 8, 3, 3, 0),
+    (128, 32, 8, 2, 3, 0),
+    (128, 32, 8, 3, 3, 0),
 ]
 
 
@@ -238,7 +265,10 @@ def main() -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--groups", type=int, default=1, help="query heads per kv head (GQA)")
     p.add_argument("--variant", action="append", default=[],
-                   help="block_n,block_m,num_warps,stages,ws(0/1/2: +defer),maxnreg(0: none)")
+                   help="block_n,block_m,num_warps,stages,ws,maxnreg(0: none); ws: 0 single "
+                   "partition, 1 TMA producer, 2 (bob_col) +defer, 3 (bob_col, dkdv) two "
+                   "consumer partitions, 4 (bob_col) two consumers +defer; fwd: 2 two "
+                   "consumers, 3 +pingpong")
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
@@ -249,7 +279,7 @@ def main() -> int:
         return 1
     defaults = {"bob_col": BOB_COL_VARIANTS, "bob_direct": BOB_ROW_VARIANTS,
                 "bob_stats": BOB_ROW_VARIANTS, "fwd": FWD_VARIANTS,
-                "dkdv": [(128, 64, 8, 1, 0, 0), (64, 64, 4, 1, 0, 0)]}
+                "dkdv": DKDV_VARIANTS}
     variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or defaults[a.kernel]
     fn = globals()[f"compile_{a.kernel}"]
     print(f"triton {triton.__version__}, gluon_{a.kernel}, d={a.head_dim}, causal={a.causal}, "
@@ -259,7 +289,9 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        ws_name = ['-', 'ws', 'ws+2c' if a.kernel == "fwd" else 'ws+defer', 'ws+2c+pp'][int(ws)]
+        ws_names = (['-', 'ws', 'ws+2c', 'ws+2c+pp'] if a.kernel == "fwd" else
+                    ['-', 'ws', 'ws+defer', 'ws+2c', 'ws+2c+defer'])
+        ws_name = ws_names[int(ws)]
         name = f"{bn}x{bm}/{w}, {st}, {ws_name}, {mr or '-'}"
         try:
             k = fn(mod, mod.gl, a.head_dim, a.causal, bn, bm, w, st, int(ws), mr or None,

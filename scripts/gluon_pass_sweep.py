@@ -18,7 +18,9 @@ fails to compile or run prints its error and the sweep goes on. Writes
 
 Variants (``--variant kind=a,b,c,d,e,f``, repeatable, replaces that kind's defaults): the
 keyword arguments of the Gluon function in the order of :data:`FIELDS`; 0 for ``maxnreg``
-means none.
+means none. The key-tile kinds (``bwd_dkdv``, ``bob_col``) take their defaults per head dim
+from :data:`KEY_TILE_DEFAULTS`, and each of their variants after the first is compared with
+the first (the table's tiles), failed beyond :data:`KEY_TILE_TOL_UNITS` bf16 units.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 #: per kind: the order of a variant's numbers (keywords of the Gluon function)
 FIELDS = {
     "fwd": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
-    "bwd_dkdv": ("block_n", "block_m", "num_warps", "maxnreg"),
+    "bwd_dkdv": ("block_n", "block_m", "num_warps", "maxnreg", "consumers", "stages"),
     "bob_col": ("block_n", "block_m", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bob_stats": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bob_direct": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
@@ -64,6 +66,33 @@ FWD_DEFAULTS = {
           (128, 128, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0), (128, 128, 8, 2, 3, 0),
           (128, 64, 8, 3, 3, 0)],
 }
+
+#: key-tile pass candidates per head dim (scripts/gluon_compile_sm90.py --kernel bob_col /
+#: dkdv); they replace DEFAULTS' lists of these kinds. The table's tiles come first: the
+#: other variants' outputs are compared with the first one's. bob_col's warp_specialize: 0
+#: single partition, 1 TMA producer, 2 producer + deferred K̄ waits, 3 producer and two
+#: 4-warp consumer partitions (64 keys each) sharing the query-tile ring (``consumers=2``),
+#: 4 the same with deferred K̄ waits; bwd_dkdv's consumers 2: the same producer / two
+#: consumers shape, with ``stages`` ring slots.
+KEY_TILE_DEFAULTS = {
+    64: {
+        "bwd_dkdv": [(64, 64, 4, 0), (128, 64, 8, 0), (128, 64, 8, 0, 2, 2),
+                     (128, 64, 8, 0, 2, 3), (128, 32, 8, 0, 2, 2), (128, 32, 8, 0, 2, 3)],
+        "bob_col": [(64, 64, 4, 2, 1, 128), (64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 3, 0),
+                    (128, 64, 8, 3, 3, 0), (128, 32, 8, 2, 3, 0), (128, 32, 8, 3, 3, 0),
+                    (128, 64, 8, 3, 4, 0), (128, 32, 8, 3, 4, 0)],
+    },
+    128: {
+        "bwd_dkdv": [(64, 64, 4, 0), (64, 32, 4, 0), (128, 32, 8, 0), (128, 64, 8, 0, 2, 2),
+                     (128, 32, 8, 0, 2, 2), (128, 32, 8, 0, 2, 3)],
+        "bob_col": [(128, 32, 8, 2, 1, 168), (64, 32, 4, 2, 1, 168), (64, 32, 4, 2, 0, 0),
+                    (128, 32, 8, 2, 3, 0), (128, 32, 8, 3, 3, 0), (128, 32, 8, 3, 4, 0)],
+    },
+}
+
+#: largest difference from the first variant of a key-tile kind, in bf16 units (2^-8) of
+#: the first variant's max |output|, beyond which a variant is reported as failed
+KEY_TILE_TOL_UNITS = 4.0
 
 FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
 
@@ -165,18 +194,35 @@ def run_kind(kind, variants, x, r, causal):
     b, h, n, d = q.shape
     pairs = b * h * n * n * (0.5 if causal else 1.0)
     rows = []
+    ref = None  # the first key-tile variant's outputs: the others are compared with them
     for var in variants:
         kw = dict(zip(FIELDS[kind], var))
+        if kind == "bob_col":
+            ws = kw.get("warp_specialize", 0)
+            kw["consumers"] = 2 if ws >= 3 else 1
+            kw["defer"] = ws in (2, 4)
         if "warp_specialize" in kw:
             kw["warp_specialize"] = bool(kw["warp_specialize"])
         kw["maxnreg"] = kw.get("maxnreg") or None
         try:
-            call(**kw)
+            outs = call(**kw)
             torch.cuda.synchronize()
+            note = ""
+            if kind in ("bwd_dkdv", "bob_col"):
+                if ref is None:
+                    ref, ref_var = [x.float().clone() for x in outs], list(var)
+                    units = [x.abs().max().item() * 2.0 ** -8 for x in ref]
+                else:
+                    diff = max((x.float() - r).abs().max().item() / u
+                               for x, r, u in zip(outs, ref, units))
+                    if not diff <= KEY_TILE_TOL_UNITS:
+                        raise RuntimeError(f"disagrees with {ref_var} by {diff:.2f} bf16 units "
+                                           "of its max |output|")
+                    note = f" ({diff:.2f} units from {ref_var})"
             ms = triton.testing.do_bench(lambda: call(**kw), warmup=25, rep=100)
             tflops = FLOPS_PER_PAIR_D[kind] * d * pairs / ms / 1e9
             rows.append(dict(kind=kind, variant=list(var), ms=ms, tflops=tflops))
-            print(f"PASS {kind:<10} {str(var):<26} {ms:8.3f} ms {tflops:6.0f} TFLOP/s",
+            print(f"PASS {kind:<10} {str(var):<26} {ms:8.3f} ms {tflops:6.0f} TFLOP/s{note}",
                   flush=True)
         except Exception as ex:  # noqa: BLE001 - a failing variant is a result
             rows.append(dict(kind=kind, variant=list(var), error=f"{type(ex).__name__}: {ex}"))
@@ -198,6 +244,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     hk = a.kv_heads or a.heads
     defaults = dict(DEFAULTS, fwd=FWD_DEFAULTS.get(a.head_dim, FWD_DEFAULTS[64]))
+    defaults.update(KEY_TILE_DEFAULTS.get(a.head_dim, {}))
     chosen = {kind: list(defaults[kind]) for kind in a.kinds.split(",") if kind}
     given = {}
     for spec in a.variant:

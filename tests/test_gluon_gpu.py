@@ -16,7 +16,8 @@ direct passes and float64 double backward. The library chain (``flash_attention`
 create_graph=True)``, backward-over-backward) with the Gluon passes on (where
 the plan (kernels/plan.py) selects them; checked by counting their calls) and off: every output
 within the float64 bound, the two within a few bf16 units of each other. The same at
-d = 128 and with GQA (H_q a multiple of H_kv), with the table's tiles. Skipped where
+d = 128 and with GQA (H_q a multiple of H_kv), with the table's tiles, and for the key-tile
+passes' two-consumer-partition variants (``consumers=2``). Skipped where
 Gluon's Hopper ops or an sm_90 device are missing.
 """
 
@@ -379,6 +380,8 @@ def _table_kw(kind, d):
     kw = dict(block_n=c.block_n, block_m=c.block_m, num_warps=c.num_warps, maxnreg=c.maxnreg)
     if kind != "bwd_dkdv":
         kw.update(stages=c.stages, warp_specialize=c.warp_specialize)
+    if kind in ("bwd_dkdv", "bob_col") and c.consumers != 1:
+        kw.update(consumers=c.consumers, stages=c.stages)
     return kw
 
 
@@ -616,3 +619,83 @@ def test_gluon_fwd_rejects_bad_inputs():
     q96 = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head dim must be one of"):
         gluon_attn_fwd(q96, q96, q96)
+
+
+# --------------------------------------------------------------------------- key-tile passes
+# with two consumer partitions (kernels/gluon/bob_col.py, dkdv.py: consumers=2)
+
+#: (block_n, block_m, num_warps, stages, defer) of the column pass with consumers=2 (the
+#: TMA producer and two 4-warp consumer partitions of block_n / 2 keys each, sharing the
+#: query-tile ring), per head dim
+COL2_VARIANTS = {64: [(128, 64, 8, 2, False), (128, 32, 8, 3, False), (128, 64, 8, 3, True),
+                      (128, 32, 8, 3, True)],
+                 128: [(128, 32, 8, 2, False), (128, 32, 8, 3, False), (128, 32, 8, 3, True)]}
+#: (block_n, block_m, num_warps, stages) of the dK / dV pass with consumers=2, per head dim
+DKDV2_VARIANTS = {64: [(128, 64, 8, 2), (128, 32, 8, 3)],
+                  128: [(128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3)]}
+#: case: ((H_q, H_kv), d)
+KEY2_CASES = {"h3-d64": ((3, 3), 64), "gqa-4-2-d64": ((4, 2), 64), "d128": ((2, 2), 128),
+              "gqa-4-1-d128": ((4, 1), 128)}
+#: (case, variant index): every variant without GQA, the first one under GQA
+KEY2_PAIRS = {
+    kind: [(case, i) for case in KEY2_CASES for i in range(len(table[KEY2_CASES[case][1]]))
+           if i == 0 or KEY2_CASES[case][0][0] == KEY2_CASES[case][0][1]]
+    for kind, table in (("bob_col", COL2_VARIANTS), ("bwd_dkdv", DKDV2_VARIANTS))}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case,i", KEY2_PAIRS["bob_col"],
+                         ids=[f"{c}-{i}" for c, i in KEY2_PAIRS["bob_col"]])
+def test_gluon_bob_col_two_consumers_match_triton_and_float64(causal, case, i):
+    heads, d = KEY2_CASES[case]
+    bn, bm, w, st, defer = COL2_VARIANTS[d][i]
+    x, o, lse, delta, alpha, ee = _bob_inputs(causal, heads=heads, d=d)
+    with configs.use_gluon_passes(False):
+        _, kb_t, vb_t, _ = attn_bob(*x[:3], o, lse, x[3], delta, *x[4:], scale=None,
+                                    causal=causal, window=None, needs=(False, True, True, False),
+                                    deterministic=True)
+    kb64, vb64 = _float64_col(x, causal)
+    kb_g, vb_g = gluon_bob_col(*x, lse, delta, alpha, ee, causal=causal, block_n=bn, block_m=bm,
+                               num_warps=w, stages=st, warp_specialize=True, defer=defer,
+                               consumers=2)
+    assert kb_g.shape == x[1].shape and vb_g.shape == x[2].shape
+    _close(f"kb {COL2_VARIANTS[d][i]}", kb_g, kb_t, kb64)
+    _close(f"vb {COL2_VARIANTS[d][i]}", vb_g, vb_t, vb64)
+    # the same sums as the table's one-partition tiles, to a few bf16 units
+    kb_1, vb_1 = gluon_bob_col(*x, lse, delta, alpha, ee, causal=causal,
+                               **_table_kw("bob_col", d))
+    for name, got, one in (("kb", kb_g, kb_1), ("vb", vb_g, vb_1)):
+        ulp = one.float().abs().max().item() * 2.0 ** -8
+        assert (got.float() - one.float()).abs().max().item() <= 4 * ulp, name
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case,i", KEY2_PAIRS["bwd_dkdv"],
+                         ids=[f"{c}-{i}" for c, i in KEY2_PAIRS["bwd_dkdv"]])
+def test_gluon_dkdv_two_consumers_match_triton_and_float64(causal, case, i):
+    heads, d = KEY2_CASES[case]
+    bn, bm, w, st = DKDV2_VARIANTS[d][i]
+    x, o, lse, delta, _, _ = _bob_inputs(causal, heads=heads, d=d)
+    q, k, v, do = x[:4]
+    kw = dict(scale=None, causal=causal, window=None)
+    with configs.use_gluon_passes(False):
+        _, dk_t, dv_t, _ = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o64 = naive_attention(q64, k64, v64, causal=causal)
+    _, dk64, dv64 = torch.autograd.grad(o64, (q64, k64, v64), do.double())
+    dk_g, dv_g = gluon_dkdv(q, k, v, do, lse, delta, causal=causal, block_n=bn, block_m=bm,
+                            num_warps=w, stages=st, consumers=2)
+    assert dk_g.shape == k.shape and dv_g.shape == v.shape
+    _close(f"dk {DKDV2_VARIANTS[d][i]}", dk_g, dk_t, dk64)
+    _close(f"dv {DKDV2_VARIANTS[d][i]}", dv_g, dv_t, dv64)
+
+
+def test_gluon_key_tile_passes_reject_bad_consumers():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256, device="cuda")
+    with pytest.raises(ValueError, match="consumers"):
+        gluon_bob_col(*(q,) * 7, r, r, r, r, block_n=128, block_m=64, num_warps=8,
+                      warp_specialize=False, consumers=2)
+    with pytest.raises(ValueError, match="consumers"):
+        gluon_dkdv(q, q, q, q, r, r, block_n=64, block_m=64, num_warps=4, consumers=2)
+

@@ -255,6 +255,129 @@ def test_forward_variants_are_launchable():
         assert 2 * d * (bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
 
 
+def _compile_list(name):
+    """A variant list of scripts/gluon_compile_sm90.py, read without running the script (its
+    import stubs the CUDA driver and unsets TRITON_INTERPRET)."""
+    import ast
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    return next(
+        ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name)
+
+
+def _key_tile_smem(kind, d, bn, bm, st, consumers):
+    """Shared memory (bytes) of a 16-bit key-tile pass: the key-side tiles of the program
+    (K, V and, for the column pass, U_K, U_V: block_n rows over all consumer partitions),
+    the ring of query-side tiles (dO, Q and, for the column pass, U_Q with up to 8 float32
+    row vectors), the one-partition dK / dV pass's ring having two slots."""
+    if kind == "bob_col":
+        return 2 * d * 4 * bn + st * (2 * d * 3 * bm + 4 * 8 * bm)
+    return 2 * d * 2 * bn + (st if consumers == 2 else 2) * 2 * d * 2 * bm
+
+
+def test_key_tile_variants_are_launchable():
+    """Every column-pass and dK / dV variant of the table, the GPU sweep and the compile script
+    satisfies the entry points' rules (gluon_bob_col's and gluon_dkdv's checks; two consumer
+    partitions: 8 warps, block_m dividing block_n / 2, the column pass warp-specialised) and
+    fits the H200's shared memory, so no GPU time goes to a refused launch."""
+    sweep = _load_script("gluon_pass_sweep")
+    # (kind, d, block_n, block_m, num_warps, stages, warp_specialize, consumers)
+    variants = []
+    for d, kinds in sweep.KEY_TILE_DEFAULTS.items():
+        for bn, bm, w, st, ws, _ in kinds["bob_col"]:
+            variants.append(("bob_col", d, bn, bm, w, st, ws > 0, 2 if ws >= 3 else 1))
+        for var in kinds["bwd_dkdv"]:
+            kw = dict(zip(sweep.FIELDS["bwd_dkdv"], var))
+            variants.append(("bwd_dkdv", d, kw["block_n"], kw["block_m"], kw["num_warps"],
+                             kw.get("stages", 2), False, kw.get("consumers", 1)))
+    for bn, bm, w, st, ws, _ in _compile_list("BOB_COL_VARIANTS"):
+        variants.append(("bob_col", 64, bn, bm, w, st, ws > 0, 2 if ws >= 3 else 1))
+    for bn, bm, w, st, ws, _ in _compile_list("DKDV_VARIANTS"):
+        variants.append(("bwd_dkdv", 64, bn, bm, w, max(st, 2), False, 2 if ws >= 3 else 1))
+    for (kind, d), c in configs.GLUON.items():
+        if kind in ("bob_col", "bwd_dkdv"):
+            variants.append((kind, d, c.block_n, c.block_m, c.num_warps, c.stages,
+                             c.warp_specialize, c.consumers))
+    assert set(sweep.KEY_TILE_DEFAULTS) == {64, 128}
+    assert any(v[-1] == 2 for v in variants if v[0] == "bob_col")
+    assert any(v[-1] == 2 for v in variants if v[0] == "bwd_dkdv")
+    for kind, d, bn, bm, w, st, ws, consumers in variants:
+        case = (kind, d, bn, bm, w, st, ws, consumers)
+        assert w in (4, 8) and bn == 16 * w and bm in (32, 64, 128) and bn % bm == 0, case
+        assert 2 <= st <= 4 and consumers in (1, 2), case
+        if consumers == 2:
+            assert w == 8 and (bn // 2) % bm == 0, case
+            assert kind == "bwd_dkdv" or ws, case
+        assert _key_tile_smem(kind, d, bn, bm, st, consumers) <= 227 * 1024, case
+
+
+def test_key_tile_smem_model_matches_the_compiled_kernels():
+    """The shared-memory model above against scripts/gluon_compile_sm90.py's sm_90 builds
+    (triton 3.9, bf16; the column pass with 4 row vectors, so 4 float32 rows per slot less
+    than the model's 8): within 1 KiB."""
+    compiled = {("bob_col", 64, 128, 64, 2, 2): 114.4, ("bob_col", 64, 128, 32, 3, 2): 102.0,
+                ("bob_col", 128, 128, 32, 3, 2): 202.0, ("bob_col", 64, 64, 64, 2, 1): 82.3,
+                ("bwd_dkdv", 64, 128, 64, 3, 2): 80.3, ("bwd_dkdv", 128, 128, 32, 3, 2): 112.3,
+                ("bwd_dkdv", 64, 64, 64, 2, 1): 48.0}
+    for (kind, d, bn, bm, st, consumers), kib in compiled.items():
+        model = _key_tile_smem(kind, d, bn, bm, st, consumers)
+        if kind == "bob_col":
+            model -= st * 4 * 4 * bm
+        assert abs(model / 1024 - kib) <= 1.0, (kind, d, bn, bm, st, consumers, model / 1024)
+
+
+_BAD_CONSUMERS = [(kind, bad) for kind in ("bob_col", "bwd_dkdv") for bad in (
+    dict(consumers=3), dict(consumers=0), dict(consumers=2, num_warps=4, block_n=64),
+    dict(consumers=2, block_m=128))] + [("bob_col", dict(consumers=2, warp_specialize=False))]
+
+
+def _key_tile_call(monkeypatch, kind, **kw):
+    """gluon_bob_col / gluon_dkdv on CPU tensors with the module's availability mocked and
+    its launcher replaced by a recorder; returns the launcher's keyword arguments."""
+    from ttt_flash.kernels.gluon import bob_col, dkdv
+
+    mod = bob_col if kind == "bob_col" else dkdv
+    seen = {}
+    monkeypatch.setattr(mod, "available", lambda device=None: True)
+    monkeypatch.setattr(mod, "launch_bob_col" if kind == "bob_col" else "launch_dkdv",
+                        lambda *a, **k: seen.update(k))
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256)
+    if kind == "bob_col":
+        bob_col.gluon_bob_col(*(q,) * 7, r, r, r, r, **kw)
+    else:
+        dkdv.gluon_dkdv(q, q, q, q, r, r, **kw)
+    return seen
+
+
+@pytest.mark.parametrize("kind,bad", _BAD_CONSUMERS,
+                         ids=[f"{k}-{'-'.join(f'{a}{b}' for a, b in bad.items())}"
+                              for k, bad in _BAD_CONSUMERS])
+def test_key_tile_entry_points_refuse_bad_consumers(monkeypatch, kind, bad):
+    """gluon_bob_col / gluon_dkdv refuse a ``consumers`` they cannot launch with a ValueError
+    naming the argument, before anything is launched."""
+    kw = dict(block_n=128, block_m=64, num_warps=8)
+    if kind == "bob_col":
+        kw["warp_specialize"] = True
+    kw.update(bad)
+    with pytest.raises(ValueError, match="consumers"):
+        _key_tile_call(monkeypatch, kind, **kw)
+
+
+@pytest.mark.parametrize("kind", ["bob_col", "bwd_dkdv"])
+def test_key_tile_entry_points_hand_consumers_to_the_launcher(monkeypatch, kind):
+    """A valid ``consumers=2`` (and the ring's ``stages``) reaches the launcher unchanged;
+    the default is one partition."""
+    kw = dict(block_n=128, block_m=32, num_warps=8, stages=3)
+    if kind == "bob_col":
+        kw["warp_specialize"] = True
+    seen = _key_tile_call(monkeypatch, kind, consumers=2, **kw)
+    assert seen["consumers"] == 2 and seen["stages"] == 3 and seen["block_n"] == 128
+    assert _key_tile_call(monkeypatch, kind)["consumers"] == 1
+
+
 def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
     """The forward's plan: the Gluon tiles on sm_90 in scope, else the Triton forward's table
     tiles (what ``attn_fwd`` launched before the Gluon pass), and ``explain`` says why."""
@@ -470,19 +593,20 @@ def _fake_bob_row(calls):
 
 
 @contextlib.contextmanager
-def _gluon_on_cpu(monkeypatch, calls):
+def _gluon_on_cpu(monkeypatch, calls, key_consumers=1):
     """The real plans, told the CPU tensors sit on an sm_90 GPU (the Gluon verifiers' view
     only: the Triton passes keep the interpreter's tiles), with d = 16 / 32-wide tiles in the
-    Gluon table (interpreter-sized), and the float64 stand-ins for the Gluon launchers."""
+    Gluon table (interpreter-sized; the key-tile passes with ``key_consumers`` consumer
+    partitions), and the float64 stand-ins for the Gluon launchers."""
     from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
 
     monkeypatch.setattr(plan, "_gluon_capability", lambda device: (9, 0))
     monkeypatch.setattr(scope, "importable", lambda kind: True)
     monkeypatch.setattr(configs, "GLUON", {
         ("fwd", 16): configs.GluonConfig(16, 32, 2, stages=3, warp_specialize=True),
-        ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2),
+        ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2, consumers=key_consumers),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
-                                             maxnreg=128),
+                                             maxnreg=128, consumers=key_consumers),
         ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
         ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
     monkeypatch.setattr(fwd, "launch_fwd", _fake_fwd(calls))
@@ -522,19 +646,39 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
     assert calls[0][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=True, consumers=1, pingpong=False, maxnreg=None)
-    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, maxnreg=None)
+    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, consumers=1, stages=2,
+                               maxnreg=None)
     assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=False, maxnreg=None)
     assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, maxnreg=None)
     assert calls[4][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
-                               warp_specialize=True, maxnreg=128)
+                               warp_specialize=True, consumers=1, maxnreg=128)
     for name, x in want.items():
         y = got[name]
         assert y.dtype == x.dtype and y.shape == x.shape, name
         mag = x.double().abs().max().item()
         err = (y.double() - x.double()).abs().max().item()
         assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)  # four fp16 units
+
+
+def test_call_sites_hand_over_the_key_tile_consumers(monkeypatch, one_thread):
+    """A table entry with two consumer partitions reaches the column and dK / dV launchers
+    (``consumers=cfg.consumers``, the dK / dV pass's ring ``stages`` too), and the chain's
+    results are unchanged."""
+    ts = _inputs(4, 2)
+    kw = dict(scale=None, causal=True, window=None)
+    want = _chain(ts, kw)
+    calls = []
+    with _gluon_on_cpu(monkeypatch, calls, key_consumers=2):
+        got = _chain(ts, kw)
+    tiles = dict(calls)
+    assert tiles["bwd_dkdv"]["consumers"] == 2 and tiles["bwd_dkdv"]["stages"] == 2
+    assert tiles["bob_col"]["consumers"] == 2 and tiles["bob_col"]["warp_specialize"]
+    assert tiles["fwd"]["consumers"] == 1  # the forward's own entry
+    for name in ("dk", "dv", "kb", "vb"):
+        x, y = want[name].double(), got[name].double()
+        assert (y - x).abs().max().item() <= 4 * 2.0 ** -11 * x.abs().max().item(), name
 
 
 @pytest.mark.parametrize("drop", ["bob_direct", "bob_stats"])

@@ -26,7 +26,7 @@ asynchronously; Sᵀ and Gᵀ are waited for first, so Pᵀ and Hᵀ are formed 
 still on the tensor cores, and V̄ += Hᵀ dO is issued before dPᵀ, Bᵀ are waited for. Hᵀ, Rᵀ
 and dSᵀ enter as register A operands.
 
-Two program shapes:
+Three program shapes:
 
 - single partition (``warp_specialize=False``): every warp issues the TMA copies itself
   (the next ``stages - 1`` tiles are in flight while one is consumed);
@@ -35,7 +35,14 @@ Two program shapes:
   the ``num_warps`` consumer warps (the default partition) wait on per-slot "ready" barriers,
   do the products and release each slot once its products are done (FlashAttention-3's
   producer/consumer structure, in Gluon's ``warp_specialize``). With ``defer`` a tile's K̄
-  products are retired by the next tile's first wait instead of its own last one.
+  products are retired by the next tile's first wait instead of its own last one;
+- two consumer partitions (``consumers=2``, warp-specialised, 8 warps): the program owns
+  ``block_n`` keys, each of two 4-warp consumer partitions owns ``block_n / 2`` of them
+  (its own K, V, U_K, U_V, K̄, V̄) and both read the one ring of query tiles that the
+  producer fills, so each query tile is loaded once for both (a slot's "empty" barrier
+  counts one release per partition); the partitions keep no common schedule. Under causal
+  masking the ring holds the query tiles that see the program's first key; the second
+  partition's products over the first ones are zero.
 
 Scope: scope.py (``bob_col_reason``); :func:`gluon_bob_col` checks its arguments (a
 ValueError naming the argument), :func:`launch_bob_col` does not. Not covered: varlen,
@@ -84,6 +91,8 @@ NUM_WARPS = 4
 STAGES = 2
 #: registers per thread of the warp-specialised kernel's producer warp (TMA issue only)
 PRODUCER_REGS = 24
+#: registers per thread of the second consumer partition (``consumers=2``)
+CONSUMER_REGS = 240
 
 
 def available(device=None) -> bool:
@@ -95,13 +104,17 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
-                        bar, row):
-        """K, V, U_K, U_V rows [row, row + BLOCK_N) to shared memory, completing on ``bar``."""
-        mbarrier.expect(bar, 4 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [row, 0], bar, k_smem)
-        _tma_load(v_desc, [row, 0], bar, v_smem)
-        _tma_load(uk_desc, [row, 0], bar, uk_smem)
-        _tma_load(uv_desc, [row, 0], bar, uv_smem)
+                        bar, row, CONSUMERS: gl.constexpr):
+        """K, V, U_K, U_V rows [row, row + CONSUMERS·BLOCK_N) to shared memory (the key tile
+        of consumer partition c, rows from row + c·BLOCK_N, in buffer index c), completing on
+        ``bar``."""
+        sub: gl.constexpr = k_desc.block_type.shape[0]
+        mbarrier.expect(bar, 4 * CONSUMERS * k_desc.block_type.nbytes)
+        for c in gl.static_range(CONSUMERS):
+            _tma_load(k_desc, [row + c * sub, 0], bar, k_smem.index(c))
+            _tma_load(v_desc, [row + c * sub, 0], bar, v_smem.index(c))
+            _tma_load(uk_desc, [row + c * sub, 0], bar, uk_smem.index(c))
+            _tma_load(uv_desc, [row + c * sub, 0], bar, uv_smem.index(c))
 
     @gluon.jit
     def _load_query_tile(q_desc, do_desc, uq_desc, r_desc, q_ring, do_ring, uq_ring, vecs,
@@ -117,15 +130,18 @@ if HAVE_GLUON:
     @gluon.jit
     def _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc, r_desc,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     NVEC: gl.constexpr, STAGES: gl.constexpr):
-        """The shared memory of a column program: the key-side tiles, the rings of query
-        tiles and packed row vectors, the key-side barrier and the ring's "ready" barriers
-        (initialised)."""
+                     NVEC: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The shared memory of a column program: the key-side tiles (one set per consumer
+        partition: [CONSUMERS, BLOCK_N, HEAD_DIM] each), the rings of query tiles and packed
+        row vectors (shared by the consumer partitions), the key-side barrier and the ring's
+        "ready" barriers (initialised)."""
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
-        uk_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uk_desc.layout)
-        uv_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], uv_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+        uk_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM],
+                                            uk_desc.layout)
+        uv_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_N, HEAD_DIM],
+                                            uv_desc.layout)
         q_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
         do_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         uq_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], uq_desc.layout)
@@ -213,7 +229,7 @@ if HAVE_GLUON:
                               scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                               NVEC: gl.constexpr, STAGES: gl.constexpr, GROUPS: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
         """Single partition: K̄, V̄ of key tile ``program_id(0)`` of (batch·kv head)
         ``program_id(1)``, summed over its GROUPS query heads. Tile descriptors view
         (B·H·N, d) tensors (H = H_q for Q, dO, U_Q; H_kv for the key side), the row-vector
@@ -229,12 +245,16 @@ if HAVE_GLUON:
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
 
-        (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
+        (k_all, v_all, uk_all, uv_all, q_ring, do_ring, uq_ring, vecs, kv_bar,
          ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES, 1)
+        k_smem = k_all.index(0)
+        v_smem = v_all.index(0)
+        uk_smem = uk_all.index(0)
+        uv_smem = uv_all.index(0)
 
-        _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
-                        kv_bar, row0 + n0)
+        _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_all, v_all, uk_all, uv_all,
+                        kv_bar, row0 + n0, 1)
         lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         total = GROUPS * n_tiles
         for s in gl.static_range(STAGES - 1):  # fill all slots but one
@@ -275,11 +295,12 @@ if HAVE_GLUON:
                      k_smem, v_smem, uk_smem, uv_smem, q_ring,
                      do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
                      GROUPS: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """Producer partition (one warp): the key-side copy, then the query tiles into the
-        ring, each slot refilled once the consumers have released it."""
+                     STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """Producer partition (one warp): the key-side copy (every consumer partition's key
+        tile, from key ``n0``), then the query tiles that see any of these keys into the
+        ring, each slot refilled once every consumer partition has released it."""
         _load_key_tiles(k_desc, v_desc, uk_desc, uv_desc, k_smem, v_smem, uk_smem, uv_smem,
-                        kv_bar, row0 + n0)
+                        kv_bar, row0 + n0, CONSUMERS)
         lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
         for i in range(GROUPS * n_tiles):
             slot = i % STAGES
@@ -292,20 +313,23 @@ if HAVE_GLUON:
 
     @gluon.jit
     def _ws_consumer(kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
-                     uq_ring, vecs, kv_bar, ready, empty, row0, n0, N,
+                     uq_ring, vecs, kv_bar, ready, empty, row0, nq0, n0, N,
                      GROUPS: gl.constexpr, scale, qk_scale2, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                      NVEC: gl.constexpr, STAGES: gl.constexpr, DEFER: gl.constexpr,
                      num_warps: gl.constexpr):
-        """Consumer partition (the default one, ``num_warps`` warps): the products of every
-        query tile, each slot released once its products are done, then the epilogue."""
+        """Consumer partition (``num_warps`` warps) owning key tile [n0, n0 + BLOCK_N) (its
+        K, V, U_K, U_V in ``k_smem`` ..): the products of every query tile of the ring (the
+        query tiles that see the program's keys from ``nq0``; under causal masking the
+        first ones may see none of this partition's keys, their products are zero), each
+        slot released once its products are done, then the epilogue."""
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
         op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                       k_width=2)
-        lo, n_tiles = query_range(n0, N, BLOCK_M, CAUSAL)
+        lo, n_tiles = query_range(nq0, N, BLOCK_M, CAUSAL)
         total = GROUPS * n_tiles  # the query tiles of every head of the group
         kb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
         vb = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, acc_layout)
@@ -348,36 +372,61 @@ if HAVE_GLUON:
                                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                  CAUSAL: gl.constexpr, NVEC: gl.constexpr,
                                  STAGES: gl.constexpr, GROUPS: gl.constexpr,
+                                 CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                  PRODUCER_REGS: gl.constexpr,
                                  DEFER: gl.constexpr, num_warps: gl.constexpr):
         """Warp-specialised: as ``_gluon_bob_col_kernel``, with a one-warp TMA producer
-        partition and ``num_warps`` consumer warps."""
-        n0 = gl.program_id(0) * BLOCK_N
+        partition and CONSUMERS consumer partitions of ``num_warps`` warps each. The program
+        owns keys [CONSUMERS·BLOCK_N·program_id(0), + CONSUMERS·BLOCK_N); consumer c owns
+        the key tile BLOCK_N·c of them. The producer loads each query tile once into the
+        ring, which all consumer partitions read (a slot's "empty" barrier counts one
+        release per consumer)."""
+        nq0 = gl.program_id(0) * (CONSUMERS * BLOCK_N)
         row0 = gl.program_id(1) * N
-        dtype: gl.constexpr = q_desc.dtype
         (k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring, vecs, kv_bar,
          ready) = _col_buffers(q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES)
+                               r_desc, BLOCK_M, BLOCK_N, HEAD_DIM, NVEC, STAGES, CONSUMERS)
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
-            mbarrier.init(empty.index(s), count=1)
-        gl.warp_specialize([
-            (_ws_consumer, (kb_desc, vb_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring,
-                            do_ring, uq_ring, vecs, kv_bar, ready, empty, row0, n0, N, GROUPS,
-                            scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
-                            DEFER, num_warps)),
-            (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
-                            r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring, uq_ring,
-                            vecs, kv_bar, ready, empty, row0, n0, N, GROUPS, BLOCK_M, CAUSAL,
-                            STAGES)),
-        ], [1], [PRODUCER_REGS])
+            mbarrier.init(empty.index(s), count=CONSUMERS)
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_ws_consumer, (kb_desc, vb_desc, k_smem.index(0), v_smem.index(0),
+                                uk_smem.index(0), uv_smem.index(0), q_ring, do_ring, uq_ring,
+                                vecs, kv_bar, ready, empty, row0, nq0, nq0, N, GROUPS, scale,
+                                qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
+                                DEFER, num_warps)),
+                (_ws_consumer, (kb_desc, vb_desc, k_smem.index(1), v_smem.index(1),
+                                uk_smem.index(1), uv_smem.index(1), q_ring, do_ring, uq_ring,
+                                vecs, kv_bar, ready, empty, row0, nq0, nq0 + BLOCK_N, N,
+                                GROUPS, scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL,
+                                NVEC, STAGES, DEFER, num_warps)),
+                (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                                r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
+                                uq_ring, vecs, kv_bar, ready, empty, row0, nq0, N, GROUPS,
+                                BLOCK_M, CAUSAL, STAGES, CONSUMERS)),
+            ], [num_warps, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_ws_consumer, (kb_desc, vb_desc, k_smem.index(0), v_smem.index(0),
+                                uk_smem.index(0), uv_smem.index(0), q_ring, do_ring, uq_ring,
+                                vecs, kv_bar, ready, empty, row0, nq0, nq0, N, GROUPS, scale,
+                                qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, NVEC, STAGES,
+                                DEFER, num_warps)),
+                (_ws_producer, (q_desc, do_desc, uq_desc, k_desc, v_desc, uk_desc, uv_desc,
+                                r_desc, k_smem, v_smem, uk_smem, uv_smem, q_ring, do_ring,
+                                uq_ring, vecs, kv_bar, ready, empty, row0, nq0, N, GROUPS,
+                                BLOCK_M, CAUSAL, STAGES, CONSUMERS)),
+            ], [1], [PRODUCER_REGS])
 
 
 def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal, block_n,
-             block_m, num_warps, stages, out=None):
+             block_m, num_warps, stages, out=None, consumers=1):
     """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H_kv·N, d);
     ``out``: contiguous (kb, vb) to write into) of one launch; no checks, any device
-    (scripts/gluon_compile_sm90.py builds CPU ones)."""
+    (scripts/gluon_compile_sm90.py builds CPU ones). ``block_n`` / ``num_warps``: the keys /
+    consumer warps of a program (each of the ``consumers`` partitions gets
+    block_n / consumers keys and num_warps / consumers warps)."""
     b, h, n, d = q.shape
     hk = k.shape[1]
     rows_q = [flat(x) for x in (q, do, uq)]
@@ -387,7 +436,7 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     else:
         kb, vb = (x.view(b * hk * n, d) for x in out)
     tiles = tile_descriptors(rows_q, block_m, d, q.dtype)
-    tiles += tile_descriptors((*rows_k, kb, vb), block_n, d, q.dtype)
+    tiles += tile_descriptors((*rows_k, kb, vb), block_n // consumers, d, q.dtype)
     rows = [lse_log2(lse)] + [x.reshape(-1) for x in (delta, alpha, ee)]
     if rho is not None:  # 8 rows (power of two): ρ and three unread copies
         rows += [rho.reshape(-1)] * 4
@@ -396,26 +445,29 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
     lay_r = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     vecs = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [nvec, block_m], lay_r)
     args = (*tiles, vecs, n, scale, scale * LOG2E)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                NVEC=nvec, STAGES=stages, GROUPS=h // hk, num_warps=num_warps)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n // consumers, HEAD_DIM=d,
+                CAUSAL=bool(causal), NVEC=nvec, STAGES=stages, GROUPS=h // hk,
+                CONSUMERS=consumers, num_warps=num_warps // consumers)
     return args, meta, (kb, vb)
 
 
 def launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale,
                    causal, block_n, block_m, num_warps, stages, warp_specialize=False,
-                   defer=False, maxnreg=None, out=None):
+                   defer=False, consumers=1, maxnreg=None, out=None):
     """Launch the pass without checks (the plan or :func:`gluon_bob_col` has verified the
-    call); returns (kb, vb), (B, H_kv, N, d)."""
+    call); returns (kb, vb), (B, H_kv, N, d). ``consumers=2`` (warp-specialised only):
+    two consumer partitions of num_warps / 2 warps, each owning block_n / 2 keys."""
     b, h, n, d = q.shape
     hk = k.shape[1]
     args, meta, (kb, vb) = _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale,
-                                    causal, block_n, block_m, num_warps, stages, out)
+                                    causal, block_n, block_m, num_warps, stages, out=out,
+                                    consumers=consumers)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
     grid = (n // block_n, b * hk)
-    if warp_specialize:
-        _gluon_bob_col_ws_kernel[grid](*args, PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer),
-                                       **meta)
+    if warp_specialize or consumers > 1:
+        _gluon_bob_col_ws_kernel[grid](*args, CONSUMER_REGS=CONSUMER_REGS,
+                                       PRODUCER_REGS=PRODUCER_REGS, DEFER=bool(defer), **meta)
     else:
         _gluon_bob_col_kernel[grid](*args, **meta)
     return kb.view(b, hk, n, d), vb.view(b, hk, n, d)
@@ -423,7 +475,8 @@ def launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, 
 
 def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, scale=None,
                   causal=False, block_n=BLOCK_N, block_m=BLOCK_M, num_warps=NUM_WARPS,
-                  stages=STAGES, warp_specialize=False, defer=False, maxnreg=None, out=None):
+                  stages=STAGES, warp_specialize=False, defer=False, consumers=1,
+                  maxnreg=None, out=None):
     """K̄, V̄ of the BoB (bob-math.md) for every key tile: the Triton column pass's results.
 
     q, do, uq: (B, H_q, N, d) and k, v, uk, uv: (B, H_kv, N, d), bf16/fp16 on one sm_90
@@ -438,7 +491,10 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
     ``block_m`` queries per step (dividing block_n), ``stages`` ring slots (2 to 4),
     ``warp_specialize`` adds a one-warp TMA producer partition; ``defer`` (warp-specialised
     only) leaves each tile's K̄ products running into the next tile, so a slot is released
-    one tile later (use 3 slots or more); ``maxnreg`` caps ptxas's
+    one tile later (use 3 slots or more); ``consumers=2`` (with ``warp_specialize`` and
+    8 warps) splits the key tile between two 4-warp consumer partitions (block_n / 2 keys
+    each) that share the ring of query tiles, so each query tile is loaded once for both;
+    ``maxnreg`` caps ptxas's
     registers per thread (None: no cap; with ``warp_specialize`` it sets the budget the
     partitions' registers are carved from). ``out``: optional (kb, vb) pair of contiguous
     tensors like k to write into.
@@ -453,8 +509,14 @@ def gluon_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho=None, *, s
         stages=stages, available=available(q.device))
     if defer and not warp_specialize:
         raise ValueError(f"{fn}: defer=True needs warp_specialize=True")
+    if consumers not in (1, 2) or (consumers == 2 and not (warp_specialize and num_warps == 8
+                                                           and (block_n // 2) % block_m == 0)):
+        raise ValueError(f"{fn}: consumers must be 1, or 2 with warp_specialize=True, "
+                         f"num_warps=8 and block_m dividing block_n / 2, got "
+                         f"consumers={consumers!r}, warp_specialize={warp_specialize}, "
+                         f"num_warps={num_warps}, block_n={block_n}, block_m={block_m}")
     scale = d ** -0.5 if scale is None else float(scale)
     return launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale=scale,
                           causal=causal, block_n=block_n, block_m=block_m,
                           num_warps=num_warps, stages=stages, warp_specialize=warp_specialize,
-                          defer=defer, maxnreg=maxnreg, out=out)
+                          defer=defer, consumers=consumers, maxnreg=maxnreg, out=out)

@@ -60,8 +60,9 @@ class GluonConfig:
     stages: int = 2  #: ring slots of the streamed tiles (not ``bwd_dkdv``)
     warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
-    #: ``fwd`` only: consumer partitions (2: two partitions of num_warps / 2 warps, each
-    #: with half the query tile, sharing the K / V ring; needs ``warp_specialize``)
+    #: ``fwd``, ``bob_stats``, ``bob_direct`` only: consumer partitions (2: two partitions of
+    #: num_warps / 2 warps, each with half the query tile, sharing the ring of key-side
+    #: tiles; needs ``warp_specialize``)
     consumers: int = 1
     #: ``fwd`` with two consumers only: they take turns to issue their products
     pingpong: bool = False

@@ -224,7 +224,7 @@ BOB_ROW_VARIANTS = [
     (128, 64, 8, 3, 2, 0),
     (128, 32, 8, 2, 2, 0),
     (128, 32, 8, 3, 2, 0),
-    (128, 128, 8, 2, 2, 0),
+    (128, 32, 8, 4, 2, 0),
 ]
 
 # (block_n, block_m, num_warps, stages, warp_specialize, maxnreg)

@@ -148,7 +148,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             from .gluon import bob_row as _gluon_row  # imported where it runs: sm_90
 
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
-                                      stats=True, **gluon_kw(cfg))
+                                      stats=True, consumers=cfg.consumers,
+                                      **gluon_kw(cfg))
         else:
             _bob_stats_kernel[row_grid(cfg)](*ins, *rows, **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
@@ -157,7 +158,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             from .gluon import bob_row as _gluon_row
 
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
-                                      stats=False, out=(qb, dob), **gluon_kw(cfg))
+                                      stats=False, out=(qb, dob), consumers=cfg.consumers,
+                                      **gluon_kw(cfg))
         else:
             _bob_direct_kernel[row_grid(cfg)](
                 *ins, view(qb, varlen, q), view(dob, varlen, do), *rows,

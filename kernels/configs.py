@@ -60,11 +60,11 @@ class GluonConfig:
     stages: int = 2  #: ring slots of the streamed tiles (``bwd_dkdv``: with consumers=2 only)
     warp_specialize: bool = False  #: one-warp TMA producer partition (not ``bwd_dkdv``)
     maxnreg: Optional[int] = None  #: ptxas register cap per thread (None: none)
-    #: ``fwd``: consumer partitions (2: two partitions of num_warps / 2 warps, each with
-    #: half the query tile, sharing the K / V ring; needs ``warp_specialize``); ``bob_col``,
-    #: ``bwd_dkdv``: 2: two partitions of num_warps / 2 warps, each with half the key tile,
-    #: sharing the ring of query-side tiles (``bob_col``: needs ``warp_specialize``;
-    #: ``bwd_dkdv``: always adds the producer)
+    #: consumer partitions (2: two partitions of num_warps / 2 warps sharing one ring filled
+    #: by a one-warp TMA producer; needs ``warp_specialize`` except ``bwd_dkdv``, which then
+    #: always adds the producer): ``fwd``, ``bob_stats``, ``bob_direct``, ``bwd_dq``: each
+    #: partition has half the query tile and the ring streams key-side tiles; ``bob_col``,
+    #: ``bwd_dkdv``: each has half the key tile and the ring streams query-side tiles
     consumers: int = 1
     #: ``fwd`` with two consumers only: they take turns to issue their products
     pingpong: bool = False

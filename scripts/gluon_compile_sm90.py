@@ -156,16 +156,18 @@ def compile_dkdv(mod, gl, d, causal, block_n, block_m, warps, stages, ws, maxnre
 
 def compile_bob_row(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, stats,
                     groups=1):
-    """The row passes of gluon/bob_row.py (ws: 0 single partition, 1 warp-specialised)."""
+    """The row passes of gluon/bob_row.py (ws: 0 single partition, 1 warp-specialised, 2
+    the producer and two consumer partitions of warps / 2 each sharing the key-tile ring)."""
     b, n = 1, 4 * max(block_n, block_m)
     x = [torch.zeros(b, hh, n, d, dtype=torch.bfloat16)
          for hh in _heads(groups, (1, 2, 5, 6))]
     r = [torch.zeros(b, 2 * groups, n) for _ in range(4)]
-    args, meta, _ = mod._prepare(*x, *r, 0.125, causal, stats, block_n, block_m, warps, stages)
+    args, meta, _ = mod._prepare(*x, *r, 0.125, causal, stats, block_n, block_m, warps, stages,
+                                 consumers=2 if ws == 2 else 1)
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    return mod._gluon_bob_row_kernel.warmup(*args, WS=bool(ws), PRODUCER_REGS=mod.PRODUCER_REGS,
-                                            grid=(1,), **meta)
+    return mod._gluon_bob_row_kernel.warmup(*args, WS=bool(ws), CONSUMER_REGS=mod.CONSUMER_REGS,
+                                            PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,), **meta)
 
 
 def compile_bob_direct(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg,
@@ -216,6 +218,7 @@ FWD_VARIANTS = [
 ]
 
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the row passes
+# (warp_specialize 2: the TMA producer and two 4-warp consumer partitions, ``consumers=2``)
 BOB_ROW_VARIANTS = [
     (64, 64, 4, 2, 0, 0),
     (64, 64, 4, 2, 1, 128),
@@ -223,6 +226,13 @@ BOB_ROW_VARIANTS = [
     (64, 64, 4, 2, 1, 168),
     (128, 64, 8, 2, 1, 168),
     (64, 128, 4, 2, 1, 168),
+    (64, 32, 4, 2, 0, 0),
+    (128, 64, 8, 2, 0, 0),
+    (128, 64, 8, 2, 2, 0),
+    (128, 64, 8, 3, 2, 0),
+    (128, 32, 8, 2, 2, 0),
+    (128, 32, 8, 3, 2, 0),
+    (128, 32, 8, 4, 2, 0),
 ]
 
 # (block_n, block_m, num_warps, stages, warp_specialize, maxnreg)
@@ -265,10 +275,10 @@ def main() -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--groups", type=int, default=1, help="query heads per kv head (GQA)")
     p.add_argument("--variant", action="append", default=[],
-                   help="block_n,block_m,num_warps,stages,ws,maxnreg(0: none); ws: 0 single "
-                   "partition, 1 TMA producer, 2 (bob_col) +defer, 3 (bob_col, dkdv) two "
-                   "consumer partitions, 4 (bob_col) two consumers +defer; fwd: 2 two "
-                   "consumers, 3 +pingpong")
+                   help="block_n,block_m,num_warps,stages,ws,maxnreg(0: none) (row passes: "
+                   "block_m first); ws: 0 single partition, 1 TMA producer; bob_col 2 +defer, "
+                   "3 two consumer partitions, 4 two consumers +defer; dkdv 3 two consumers; "
+                   "row passes 2 two consumers; fwd 2 two consumers, 3 +pingpong")
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
@@ -289,8 +299,12 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        ws_names = (['-', 'ws', 'ws+2c', 'ws+2c+pp'] if a.kernel == "fwd" else
-                    ['-', 'ws', 'ws+defer', 'ws+2c', 'ws+2c+defer'])
+        if a.kernel == "fwd":
+            ws_names = ['-', 'ws', 'ws+2c', 'ws+2c+pp']
+        elif a.kernel in ("bob_stats", "bob_direct"):
+            ws_names = ['-', 'ws', 'ws+2c']
+        else:
+            ws_names = ['-', 'ws', 'ws+defer', 'ws+2c', 'ws+2c+defer']
         ws_name = ws_names[int(ws)]
         name = f"{bn}x{bm}/{w}, {st}, {ws_name}, {mr or '-'}"
         try:

@@ -16,11 +16,18 @@ of every row is printed last. A variant that
 fails to compile or run prints its error and the sweep goes on. Writes
 ``gluon_pass_sweep.json`` into ``--out``.
 
+The BoB row passes' variants (per head dim, :data:`ROW_DEFAULTS`) are each compared with
+the table's tiles (configs.GLUON) on the same inputs (statistics within 2^-10, Q̄ / dŌ within
+4 bf16 units of the largest output; beyond: failed, without a time).
+
 Variants (``--variant kind=a,b,c,d,e,f``, repeatable, replaces that kind's defaults): the
 keyword arguments of the Gluon function in the order of :data:`FIELDS`; 0 for ``maxnreg``
 means none. The key-tile kinds (``bwd_dkdv``, ``bob_col``) take their defaults per head dim
 from :data:`KEY_TILE_DEFAULTS`, and each of their variants after the first is compared with
 the first (the table's tiles), failed beyond :data:`KEY_TILE_TOL_UNITS` bf16 units.
+``warp_specialize`` 2 of a row pass (``bob_stats``, ``bob_direct``) is the producer with two
+consumer partitions (``consumers=2``), of the forward as there; bob_col's 3 and 4 are two
+consumers (4: with deferred K̄ waits), bwd_dkdv names ``consumers`` and ``stages`` itself.
 """
 
 from __future__ import annotations
@@ -42,12 +49,9 @@ FIELDS = {
 }
 
 #: d = 128 candidates without ptxas spills (or with the fewest; scripts/gluon_compile_sm90.py)
+#: (the row passes' candidates are per head dim: ROW_DEFAULTS)
 DEFAULTS = {
     "bwd_dkdv": [(64, 64, 4, 0), (64, 32, 4, 0), (128, 32, 8, 0)],
-    "bob_stats": [(64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0), (64, 64, 4, 2, 0, 0),
-                  (64, 32, 4, 3, 0, 0)],
-    "bob_direct": [(64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0), (64, 32, 4, 2, 1, 168),
-                   (64, 32, 4, 3, 0, 0)],
     "bob_col": [(128, 32, 8, 2, 1, 168), (64, 32, 4, 2, 1, 168), (64, 32, 4, 2, 0, 0),
                 (128, 32, 8, 2, 0, 0)],
 }
@@ -93,6 +97,26 @@ KEY_TILE_DEFAULTS = {
 #: largest difference from the first variant of a key-tile kind, in bf16 units (2^-8) of
 #: the first variant's max |output|, beyond which a variant is reported as failed
 KEY_TILE_TOL_UNITS = 4.0
+
+#: BoB row-pass candidates per head dim, the table's tiles (configs.GLUON) first
+#: (warp_specialize 2: the TMA producer and two 4-warp consumer partitions sharing the ring of
+#: key tiles, ``consumers=2``; scripts/gluon_compile_sm90.py --kernel bob_stats / bob_direct)
+ROW_DEFAULTS = {
+    64: {
+        "bob_stats": [(64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 1, 168), (128, 64, 8, 2, 2, 0),
+                      (128, 64, 8, 3, 2, 0), (128, 32, 8, 2, 2, 0), (128, 32, 8, 3, 2, 0)],
+        "bob_direct": [(64, 64, 4, 2, 0, 0), (64, 32, 4, 2, 0, 0), (128, 64, 8, 2, 2, 0),
+                       (128, 64, 8, 3, 2, 0), (128, 32, 8, 2, 2, 0), (128, 32, 8, 3, 2, 0)],
+    },
+    128: {
+        "bob_stats": [(128, 64, 8, 2, 0, 0), (64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0),
+                      (64, 64, 4, 2, 0, 0), (64, 32, 4, 3, 0, 0), (128, 64, 8, 2, 2, 0),
+                      (128, 32, 8, 2, 2, 0), (128, 32, 8, 3, 2, 0)],
+        "bob_direct": [(64, 32, 4, 2, 0, 0), (128, 32, 8, 2, 0, 0), (64, 32, 4, 2, 1, 168),
+                       (64, 32, 4, 3, 0, 0), (128, 32, 8, 2, 2, 0), (128, 32, 8, 3, 2, 0),
+                       (128, 32, 8, 4, 2, 0)],
+    },
+}
 
 FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
 
@@ -167,6 +191,45 @@ def format_table(rows):
     return "\n".join(out)
 
 
+def _row_kw(kind, var):
+    """Keywords of the Gluon function for a variant (warp_specialize 2 of the row passes:
+    ``consumers=2``)."""
+    kw = dict(zip(FIELDS[kind], var))
+    if "warp_specialize" in kw:
+        ws = kw["warp_specialize"]
+        if kind in ("bob_stats", "bob_direct"):
+            kw["consumers"] = 2 if ws == 2 else 1
+        elif kind == "bob_col":  # 2: deferred K̄ waits, 3: two consumers, 4: both
+            kw["consumers"] = 2 if ws >= 3 else 1
+            kw["defer"] = ws in (2, 4)
+        kw["warp_specialize"] = bool(ws)
+    kw["maxnreg"] = kw.get("maxnreg") or None
+    return kw
+
+
+def _table_kw(kind, d):
+    """Keywords of the table's tiles (configs.GLUON) for ``kind`` at head dim ``d``."""
+    from ttt_flash.kernels import configs
+
+    c = configs.GLUON[(kind, d)]
+    return dict(block_m=c.block_m, block_n=c.block_n, num_warps=c.num_warps, stages=c.stages,
+                warp_specialize=c.warp_specialize, consumers=c.consumers, maxnreg=c.maxnreg)
+
+
+def _row_check(kind, got, ref):
+    """Largest difference of a row pass's outputs from the reference's, and whether it is
+    within the bound: statistics (float32 row sums) 2^-10 of the reference's largest
+    magnitude, direct (16-bit Q̄, dŌ) 4 bf16 units of it."""
+    worst, ok = 0.0, True
+    for g, t in zip(got, ref):
+        scale = t.float().abs().max().item()
+        unit = scale * (2.0 ** -10 if kind == "bob_stats" else 4 * 2.0 ** -8)
+        diff = (g.float() - t.float()).abs().max().item()
+        worst = max(worst, diff / max(scale, 1e-30))
+        ok = ok and diff <= unit
+    return worst, ok
+
+
 def run_kind(kind, variants, x, r, causal):
     from ttt_flash.kernels.gluon import bob_col as gluon_bob_col
     from ttt_flash.kernels.gluon import bob_row as gluon_bob_row
@@ -194,21 +257,25 @@ def run_kind(kind, variants, x, r, causal):
     b, h, n, d = q.shape
     pairs = b * h * n * n * (0.5 if causal else 1.0)
     rows = []
-    ref = None  # the first key-tile variant's outputs: the others are compared with them
+    # the row passes' outputs are checked against the table's tiles, each key-tile variant's
+    # against the first variant's (all tested against the Triton passes and float64 in
+    # tests/test_gluon_gpu.py)
+    row_pass = kind in ("bob_stats", "bob_direct")
+    ref_row = [t.clone() for t in call(**_table_kw(kind, d))] if row_pass else None
+    ref = None
     for var in variants:
-        kw = dict(zip(FIELDS[kind], var))
-        if kind == "bob_col":
-            ws = kw.get("warp_specialize", 0)
-            kw["consumers"] = 2 if ws >= 3 else 1
-            kw["defer"] = ws in (2, 4)
-        if "warp_specialize" in kw:
-            kw["warp_specialize"] = bool(kw["warp_specialize"])
-        kw["maxnreg"] = kw.get("maxnreg") or None
+        kw = _row_kw(kind, var)
         try:
             outs = call(**kw)
             torch.cuda.synchronize()
-            note = ""
-            if kind in ("bwd_dkdv", "bob_col"):
+            extra, note = {}, ""
+            if row_pass:
+                worst, ok = _row_check(kind, outs, ref_row)
+                if not ok:
+                    raise RuntimeError(f"disagrees with the table's tiles: by {worst:.2e} of "
+                                       "the largest output")
+                extra, note = dict(maxdiff_rel=worst), f" ({worst:.1e} from the table's)"
+            elif kind in ("bwd_dkdv", "bob_col"):
                 if ref is None:
                     ref, ref_var = [x.float().clone() for x in outs], list(var)
                     units = [x.abs().max().item() * 2.0 ** -8 for x in ref]
@@ -221,7 +288,7 @@ def run_kind(kind, variants, x, r, causal):
                     note = f" ({diff:.2f} units from {ref_var})"
             ms = triton.testing.do_bench(lambda: call(**kw), warmup=25, rep=100)
             tflops = FLOPS_PER_PAIR_D[kind] * d * pairs / ms / 1e9
-            rows.append(dict(kind=kind, variant=list(var), ms=ms, tflops=tflops))
+            rows.append(dict(kind=kind, variant=list(var), ms=ms, tflops=tflops, **extra))
             print(f"PASS {kind:<10} {str(var):<26} {ms:8.3f} ms {tflops:6.0f} TFLOP/s{note}",
                   flush=True)
         except Exception as ex:  # noqa: BLE001 - a failing variant is a result
@@ -243,7 +310,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     hk = a.kv_heads or a.heads
-    defaults = dict(DEFAULTS, fwd=FWD_DEFAULTS.get(a.head_dim, FWD_DEFAULTS[64]))
+    defaults = dict(DEFAULTS, fwd=FWD_DEFAULTS.get(a.head_dim, FWD_DEFAULTS[64]),
+                    **ROW_DEFAULTS.get(a.head_dim, ROW_DEFAULTS[64]))
     defaults.update(KEY_TILE_DEFAULTS.get(a.head_dim, {}))
     chosen = {kind: list(defaults[kind]) for kind in a.kinds.split(",") if kind}
     given = {}

@@ -699,3 +699,131 @@ def test_gluon_key_tile_passes_reject_bad_consumers():
     with pytest.raises(ValueError, match="consumers"):
         gluon_dkdv(q, q, q, q, r, r, block_n=64, block_m=64, num_warps=4, consumers=2)
 
+
+# --------------------------------------------------------------------------- BoB row passes,
+# two consumer partitions (kernels/gluon/bob_row.py, ``consumers=2``: two 4-warp partitions
+# of 64 query rows each sharing the ring of key tiles, with the TMA producer)
+
+#: (block_m, block_n, stages) of the two-consumer variants per head dim and kind (no ptxas
+#: spills: scripts/gluon_compile_sm90.py)
+ROW_2C = {64: {"bob_stats": [(128, 64, 2), (128, 32, 3)],
+               "bob_direct": [(128, 64, 2), (128, 32, 3)]},
+          128: {"bob_stats": [(128, 64, 2), (128, 32, 2)],
+                "bob_direct": [(128, 32, 2), (128, 32, 3)]}}
+ROW_2C_CASES = {"h3-d64": ((3, 3), 64), "gqa-4-2-d64": ((4, 2), 64), "d128": ((2, 2), 128),
+                "gqa-4-1-d128": ((4, 1), 128)}
+
+
+def _row_2c_kw(variant):
+    bm, bn, st = variant
+    return dict(block_m=bm, block_n=bn, num_warps=8, stages=st, warp_specialize=True,
+                consumers=2)
+
+
+def _stats_close(name, got, tri, ref):
+    """The statistics bound of the tests above: float64 error at most 2x the Triton pass's
+    plus 2^-16 of the largest magnitude."""
+    err = (got.double() - ref.double()).abs().max().item()
+    tri_err = (tri.double() - ref.double()).abs().max().item()
+    floor = ref.abs().max().item() * 2.0 ** -16
+    assert err <= 2 * tri_err + floor, (name, err, tri_err, floor)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", list(ROW_2C_CASES))
+def test_gluon_bob_row_two_consumers_match_triton_and_float64(causal, case, monkeypatch):
+    """α, E + αD of the two-consumer statistics pass and Q̄, dŌ of the two-consumer direct
+    pass (fed float64 α, E + αD, and fed the two-consumer statistics) against the Triton
+    passes and float64 double backward, with the bounds of the single-partition tests;
+    causal includes the first partition's key tiles past its rows."""
+    heads, d = ROW_2C_CASES[case]
+    x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal, heads=heads, d=d)
+    qb_t, dob_t, alpha_t, ee_t = _triton_row(x, o, lse, delta, causal, monkeypatch)
+    qb64, dob64 = _float64_row(x, causal)
+    stats = []
+    for variant in ROW_2C[d]["bob_stats"]:
+        alpha_g, ee_g = gluon_bob_stats(*x, lse, delta, causal=causal, **_row_2c_kw(variant))
+        _stats_close(f"alpha {variant}", alpha_g, alpha_t, alpha64)
+        _stats_close(f"ee {variant}", ee_g, ee_t, ee64)
+        stats.append((alpha_g, ee_g))
+    for variant in ROW_2C[d]["bob_direct"]:
+        qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha64, ee64, causal=causal,
+                                       **_row_2c_kw(variant))
+        assert qb_g.shape == x[0].shape and dob_g.shape == x[3].shape
+        _close(f"qb {variant}", qb_g, qb_t, qb64)
+        _close(f"dob {variant}", dob_g, dob_t, dob64)
+        alpha_g, ee_g = stats[0]  # the two-consumer statistics feeding it
+        qb_g, dob_g = gluon_bob_direct(*x, lse, delta, alpha_g, ee_g, causal=causal,
+                                       **_row_2c_kw(variant))
+        _close(f"qb {variant} (2c stats)", qb_g, qb_t, qb64)
+        _close(f"dob {variant} (2c stats)", dob_g, dob_t, dob64)
+
+
+def test_gluon_bob_row_two_consumers_equal_one_partition():
+    """Two consumer partitions compute each query row with the products, in the order, of
+    a one-partition program of the same key step (64 queries, 4 warps): the same outputs up
+    to the compiler's rounding choices (2^-16 of the largest α, E + αD; one bf16 unit of
+    the largest Q̄, dŌ), full and causal."""
+    for causal in (False, True):
+        x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal, heads=(2, 2), d=64)
+        one = dict(block_m=64, block_n=64, num_warps=4, stages=2)
+        two = _row_2c_kw((128, 64, 2))
+        a1 = gluon_bob_stats(*x, lse, delta, causal=causal, **one)
+        a2 = gluon_bob_stats(*x, lse, delta, causal=causal, **two)
+        for t1, t2 in zip(a1, a2):
+            tol = t1.abs().max().item() * 2.0 ** -16
+            torch.testing.assert_close(t2, t1, rtol=0, atol=tol)
+        d1 = gluon_bob_direct(*x, lse, delta, *a1, causal=causal, **one)
+        d2 = gluon_bob_direct(*x, lse, delta, *a1, causal=causal, **two)
+        for t1, t2 in zip(d1, d2):
+            tol = t1.float().abs().max().item() * 2.0 ** -8
+            torch.testing.assert_close(t2.float(), t1.float(), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 512, 64), (1, 4, 1, 512, 128)],
+                         ids=["GQA-4-2", "GQA-4-1-d128"])
+def test_chain_two_consumer_row_passes(causal, shape, monkeypatch):
+    """The library chain with a table whose row-pass entries have two consumer partitions:
+    ``attn_bob`` launches them with ``consumers=2`` and every output is within the float64
+    bound of the chain with the Gluon passes off (and a few bf16 units of it)."""
+    import dataclasses
+
+    b, h, hk, n, d = shape
+    table = dict(configs.GLUON)
+    for kind in ("bob_stats", "bob_direct"):
+        bm, bn, st = ROW_2C[d][kind][0]
+        table[(kind, d)] = dataclasses.replace(table[(kind, d)], block_m=bm, block_n=bn,
+                                               num_warps=8, stages=st, warp_specialize=True,
+                                               consumers=2, maxnreg=None)
+    monkeypatch.setattr(configs, "GLUON", table)
+    launched = []
+    real = gluon_bob_row_mod.launch_bob_row
+    monkeypatch.setattr(gluon_bob_row_mod, "launch_bob_row", lambda *a, **kw: (
+        launched.append((kw["stats"], kw["consumers"])) or real(*a, **kw)))
+    plan.clear_cache()
+    torch.manual_seed(0)
+    x = [torch.randn(b, hh, n, d, device="cuda", dtype=torch.bfloat16)
+         for hh in (h, hk, hk, h, h, hk, hk)]
+    ref = _chain(x, causal, torch.float64)
+    base = _chain(x, causal, torch.bfloat16)
+    assert launched == [(True, 2), (False, 2)]
+    with configs.use_gluon_passes(False):
+        off = _chain(x, causal, torch.bfloat16)
+    for name in CHAIN_NAMES:
+        r = ref[name].double()
+        ulp = r.abs().max().item() * 2.0 ** -8
+        err_on = (base[name].double() - r).abs().max().item()
+        err_off = (off[name].double() - r).abs().max().item()
+        assert err_on <= 2 * err_off + ulp, (name, err_on, err_off, ulp)
+        diff = (base[name].float() - off[name].float()).abs().max().item()
+        assert diff <= 4 * ulp, (name, diff, ulp)
+
+
+def test_gluon_bob_row_rejects_bad_consumers():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256, device="cuda")
+    with pytest.raises(ValueError, match="gluon_bob_stats: consumers must be 1, or 2 with"):
+        gluon_bob_stats(*(q,) * 7, r, r, block_m=128, num_warps=8, consumers=2)
+    with pytest.raises(ValueError, match="gluon_bob_direct: consumers must be 1, or 2 with"):
+        gluon_bob_direct(*(q,) * 7, r, r, r, r, consumers=2, warp_specialize=True)

@@ -649,9 +649,9 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, consumers=1, stages=2,
                                maxnreg=None)
     assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
-                               warp_specialize=False, maxnreg=None)
+                               warp_specialize=False, consumers=1, maxnreg=None)
     assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
-                               warp_specialize=True, maxnreg=None)
+                               warp_specialize=True, consumers=1, maxnreg=None)
     assert calls[4][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, consumers=1, maxnreg=128)
     for name, x in want.items():
@@ -794,3 +794,137 @@ def test_pass_sweep_times_the_triton_forward_and_refuses_wrong_variants(monkeypa
     table = sweep.format_table(rows).splitlines()
     assert table[2] == "| fwd | triton | 2.000 | 0 | 1.000x |"
     assert table[-1] == "| fwd | 128,128,8,2,3,0 | failed | | |"
+
+
+# --------------------------------------------------------------------------- BoB row passes:
+# two consumer partitions (kernels/gluon/bob_row.py, ``consumers``)
+
+ROW_KINDS = ("bob_stats", "bob_direct")
+
+
+def _row_entry(kind, q, r, **kw):
+    """Call the checked entry point of ``kind`` on CPU tensors (``q`` for every tile input,
+    ``r`` for every row vector)."""
+    from ttt_flash.kernels.gluon import bob_row
+
+    if kind == "bob_stats":
+        return bob_row.gluon_bob_stats(*(q,) * 7, r, r, **kw)
+    return bob_row.gluon_bob_direct(*(q,) * 7, r, r, r, r, **kw)
+
+
+@pytest.fixture
+def row_launches(monkeypatch):
+    """The row passes' entry points with Gluon 'available' on the CPU and the launcher
+    replaced by a recorder of its keywords (nothing is compiled)."""
+    from ttt_flash.kernels.gluon import bob_row
+
+    launched = []
+    monkeypatch.setattr(bob_row, "available", lambda device=None: True)
+    monkeypatch.setattr(bob_row, "launch_bob_row",
+                        lambda *a, **kw: launched.append(kw) or (a[0], a[0]))
+    return launched
+
+
+def _row_smem(d, bm, bn, stages):
+    """Shared memory (bytes) of a row-pass program: Q, dO, U_Q of its query tile and
+    ``stages`` ring slots of K, V, U_K, U_V, 16-bit."""
+    return 2 * d * (3 * bm + 4 * stages * bn)
+
+
+def test_row_pass_variants_are_launchable(row_launches):
+    """Every row-pass variant of the table, the GPU sweep (per head dim) and the compile
+    script passes the entry points' checks, reaches the launcher with its ``consumers``
+    (warp_specialize 2: two consumer partitions with the TMA producer) and fits the H200's
+    shared memory, so no GPU time goes to a refused launch."""
+    import ast
+    import pathlib
+
+    sweep = _load_script("gluon_pass_sweep")
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    compile_variants = next(
+        ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign)
+        and getattr(node.targets[0], "id", "") == "BOB_ROW_VARIANTS")
+    assert set(sweep.ROW_DEFAULTS) == {64, 128}
+    variants = [(kind, d, v) for d, kinds in sweep.ROW_DEFAULTS.items()
+                for kind in ROW_KINDS for v in kinds[kind]]
+    assert any(v[4] == 2 for _, _, v in variants), "no two-consumer variant in the sweep"
+    assert any(v[4] == 2 for v in compile_variants), "no two-consumer variant to compile"
+    # the compile script's default head dim is 64
+    variants += [(kind, 64, v) for kind in ROW_KINDS for v in compile_variants]
+    for kind, d in configs.GLUON:
+        if kind in ROW_KINDS:
+            c = configs.GLUON[(kind, d)]
+            ws = 2 if c.consumers == 2 else int(c.warp_specialize)
+            variants.append((kind, d, (c.block_m, c.block_n, c.num_warps, c.stages, ws,
+                                       c.maxnreg or 0)))
+            assert c.consumers == 1 or c.warp_specialize, (kind, d)
+    for kind, d, (bm, bn, w, st, ws, mr) in variants:
+        assert ws in (0, 1, 2) and (mr == 0 or 24 < mr <= 255), (kind, d, ws, mr)
+        assert _row_smem(d, bm, bn, st) <= 227 * 1024, (kind, d, bm, bn, st)
+        q = torch.zeros(1, 2, 256, d, dtype=torch.bfloat16)
+        r = torch.zeros(1, 2, 256)
+        row_launches.clear()
+        _row_entry(kind, q, r, block_m=bm, block_n=bn, num_warps=w,
+                   stages=st, warp_specialize=ws > 0, consumers=2 if ws == 2 else 1,
+                   maxnreg=mr or None)
+        (kw,) = row_launches
+        assert kw["stats"] == (kind == "bob_stats")
+        assert (kw["block_m"], kw["block_n"], kw["num_warps"], kw["stages"]) == (bm, bn, w, st)
+        assert kw["consumers"] == (2 if ws == 2 else 1) and kw["warp_specialize"] == (ws > 0)
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS)
+@pytest.mark.parametrize("bad", [
+    dict(consumers=3, warp_specialize=True),
+    dict(consumers=0, warp_specialize=True),
+    dict(consumers=2, warp_specialize=False),
+    dict(consumers=2, warp_specialize=True, block_m=64, num_warps=4),
+], ids=["three", "zero", "no-producer", "four-warps"])
+def test_row_passes_refuse_bad_consumers(row_launches, kind, bad):
+    """``consumers`` other than 1, or 2 without the producer partition and 8 warps: a
+    ValueError naming the argument, before anything is launched."""
+    q = torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256)
+    kw = dict(block_m=128, block_n=64, num_warps=8, stages=2, **{
+        k: v for k, v in bad.items() if k not in ("block_m", "num_warps")})
+    kw.update({k: v for k, v in bad.items() if k in ("block_m", "num_warps")})
+    with pytest.raises(ValueError, match=f"gluon_{kind}: consumers must be 1, or 2 with "
+                                         "warp_specialize=True and num_warps=8"):
+        _row_entry(kind, q, r, **kw)
+    assert row_launches == []
+    # the same call with consumers=2, the producer and 8 warps is handed over
+    _row_entry(kind, q, r, block_m=128, block_n=64, num_warps=8, stages=2,
+               warp_specialize=True, consumers=2)
+    assert [kw["consumers"] for kw in row_launches] == [2]
+
+
+def test_call_sites_hand_the_row_passes_their_consumers(monkeypatch, one_thread):
+    """A table whose row-pass entries have two consumer partitions: ``attn_bob`` hands
+    ``consumers=2`` (with the rest of the entry) to the Gluon row launcher, and the results
+    equal the Triton passes'."""
+    import dataclasses
+
+    from ttt_flash.kernels.gluon import bob_row
+
+    ts = _inputs(4, 2)
+    kw = dict(scale=None, causal=True, window=None)
+    want = _chain(ts, kw)
+    calls, consumers = [], []
+    with _gluon_on_cpu(monkeypatch, calls):
+        table = dict(configs.GLUON)
+        for kind in ROW_KINDS:
+            table[(kind, 16)] = dataclasses.replace(table[(kind, 16)], warp_specialize=True,
+                                                    consumers=2)
+        monkeypatch.setattr(configs, "GLUON", table)
+        fake = bob_row.launch_bob_row
+        monkeypatch.setattr(bob_row, "launch_bob_row", lambda *a, **k: (
+            consumers.append((k["stats"], k["consumers"], k["warp_specialize"])) or fake(*a, **k)))
+        plan.clear_cache()
+        got = _chain(ts, kw)
+    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+    assert consumers == [(True, 2, True), (False, 2, True)]
+    for name, x in want.items():
+        mag = x.double().abs().max().item()
+        err = (got[name].double() - x.double()).abs().max().item()
+        assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)

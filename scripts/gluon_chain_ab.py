@@ -17,7 +17,8 @@ the CUDA time of every kernel in one chain with the passes on, off and in each v
 Gluon table changed for this head dim, timed in the same rounds: SPEC is ``+``-joined
 ``kind:block_n,block_m,num_warps,stages,warp_specialize,maxnreg`` entries (maxnreg 0: none;
 the table's ``min_keys`` is kept; for ``fwd`` and ``bwd_dq``, warp_specialize 2 runs two
-consumer partitions, and for ``fwd`` 3 makes them take turns) or ``kind:triton`` (that pass takes the Triton kernel);
+consumer partitions, and for ``fwd`` 3 makes them take turns) or ``kind:triton`` (that pass
+takes the Triton kernel);
 each variant's outputs are compared with the chain's with the Gluon passes off
 (``NAME_maxrel_vs_off``: the largest max |difference| / max |off| over the eight outputs).
 Writes ``gluon_chain_ab.json`` into ``--out``.

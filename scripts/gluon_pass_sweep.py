@@ -14,7 +14,8 @@ time). The dQ pass's rows (``bwd_dq``) likewise start with the Triton dQ kernel
 (``_attn_bwd_dq_kernel``'s CUDA time in ``attn_bwd`` with the Gluon passes off, from
 ``torch.profiler``), on O and L of the Triton forward, and each Gluon variant's dQ and D are
 compared with that call's (``dq_maxdiff`` in bf16 units of max |dQ|, ``delta_maxdiff``
-relative to max |D|; beyond 4 units or 1e-4: failed). The other Triton passes' times at the same shape come from
+relative to max |D|; beyond 4 units or 1e-4: failed). The other Triton passes' times at the
+same shape come from
 ``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A short table
 of every row is printed last. A variant that
 fails to compile or run prints its error and the sweep goes on. Writes
@@ -81,7 +82,8 @@ DQ_DEFAULTS = {
           (64, 64, 4, 3, 1, 0)],
 }
 
-FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dq": 6, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
+FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dq": 6, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18,
+                    "bob_col": 16}
 
 
 def run_fwd(variants, x, causal, on_row=lambda rows: None):

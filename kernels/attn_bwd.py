@@ -10,7 +10,8 @@ programs (``configs.ROWSUM_CORRECTION``).
 
 A dK/dV program owns one key tile of one key head and loops over the query tiles (and, for
 GQA, the g query heads) that can see it: no atomics, bitwise reproducible. On sm_90 the dK/dV
-pass runs as the Gluon kernel where the plan selects it (plan.py, gluon/dkdv.py).
+pass runs as the Gluon kernel where the plan selects it (plan.py, gluon/dkdv.py), and so does the
+dQ pass (gluon/dq.py: dQ and D, without ρ).
 """
 
 from __future__ import annotations
@@ -218,7 +219,7 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     use_window = bool(causal) and window is not None
     p = _plan.bwd(lay, q.dtype, q.device, window=use_window,
                   contiguous=q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
-                  and do.is_contiguous())
+                  and do.is_contiguous(), o_contiguous=o.is_contiguous())
     dq = new_empty(q.shape, q.dtype, q.device)
     dk = new_empty(k.shape, k.dtype, k.device)
     dv = new_empty(v.shape, v.dtype, v.device)
@@ -232,9 +233,19 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         delta, rho = new_rowvecs(lay, q.device, 2)
     else:
         delta = rho = new_rowvec(lay, q.device)
-    if dq.numel() and lay.n_q > 0:
+    if dq.numel() and lay.n_q > 0 and p.dq.gluon:
+        # dQ first: its programs also form D = rowsum(dO∘O), which dK/dV read (never ρ:
+        # the plan takes the Gluon pass only without the row-sum correction)
+        from .gluon import dq as _gluon_dq  # imported where it runs: sm_90
+
+        cfg = p.dq.tiles
+        _gluon_dq.launch_dq(q, k, v, o, do, lse, scale=scale, causal=causal,
+                            block_n=cfg.block_n, block_m=cfg.block_m, num_warps=cfg.num_warps,
+                            stages=cfg.stages, warp_specialize=cfg.warp_specialize,
+                            consumers=cfg.consumers, maxnreg=cfg.maxnreg, out=(dq, delta))
+    elif dq.numel() and lay.n_q > 0:
         # dQ first: its programs also form D = rowsum(dO∘O) and ρ, which dK/dV read
-        cfg = p.dq
+        cfg = p.dq.tiles
         grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
         _attn_bwd_dq_kernel[grid](
             *(view(x, lay.varlen) for x in (q, k, v, o, do, dq)), lse, delta, rho,

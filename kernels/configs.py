@@ -18,7 +18,7 @@ Kernel kinds and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N ke
 - ``jvp``        the tangent forward (``attn_jvp``) and the tangent of a computed forward
   (``attn_tangent``): two tile x d accumulators, two query-side tiles.
 
-On Hopper (sm_90) five passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
+On Hopper (sm_90) six passes have Gluon versions (``kernels/gluon/``): :data:`GLUON` lists
 their tiles; ``gluon/scope.py`` says per call whether a pass can take it.
 """
 
@@ -213,7 +213,8 @@ FUSED_ROW_MAX_KEYS = 8192
 #: The forward: 128 queries x 128 keys split between two 4-warp consumer partitions that
 #: share one K / V ring filled by a one-warp TMA producer (the fastest forward of the H200
 #: sweep at d = 64 and 128, ahead of the Triton forward; turn-taking between the consumers
-#: did not help).
+#: did not help). The dQ pass (``bwd_dq``) takes the forward's shape: two consumer
+#: partitions of 64 queries each over one K / V ring of 128-key tiles.
 #: GQA runs the same tiles. ``min_keys``: below it the chain is host-bound and the Triton
 #: passes run.
 GLUON = {
@@ -221,6 +222,10 @@ GLUON = {
                              min_keys=16384),
     ("fwd", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
                               min_keys=16384),
+    ("bwd_dq", 64): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                                min_keys=16384),
+    ("bwd_dq", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                                 min_keys=16384),
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),

@@ -91,28 +91,37 @@ def _fwd(lay, dtype, device, window, contiguous, generation) -> Pass:
 @dataclass(frozen=True)
 class BwdPlan:
     rowsum: bool  #: the dQ pass measures ρ and the dK/dV pass scales P by it
-    dq: configs.TileConfig
+    dq: Pass  #: dQ, D = rowsum(dO∘O) (and ρ, Triton only)
     dkdv: Pass
 
 
 def bwd(lay: Layout, dtype: torch.dtype, device: torch.device, *, window: bool,
-        contiguous: bool) -> BwdPlan:
-    """Passes of ``attn_bwd``: the dQ pass (it also writes D and ρ), then dK/dV (Gluon on
-    sm_90 where ``scope.dkdv_reason`` allows). ``contiguous``: q, k, v, dO all are."""
-    return _bwd(lay, dtype, device, window, contiguous, configs.generation())
+        contiguous: bool, o_contiguous: bool = True) -> BwdPlan:
+    """Passes of ``attn_bwd``: the dQ pass (it also writes D, and ρ where the row-sum
+    correction is on; Gluon on sm_90 where ``scope.dq_reason`` allows), then dK/dV (Gluon on
+    sm_90 where ``scope.dkdv_reason`` allows). ``contiguous``: q, k, v, dO all are;
+    ``o_contiguous``: O is (read by the dQ pass only)."""
+    return _bwd(lay, dtype, device, window, contiguous, o_contiguous, configs.generation())
 
 
 @functools.lru_cache(maxsize=4096)
-def _bwd(lay, dtype, device, window, contiguous, generation) -> BwdPlan:
+def _bwd(lay, dtype, device, window, contiguous, o_contiguous, generation) -> BwdPlan:
     rowsum = configs.ROWSUM_CORRECTION[dtype]
     bd = block_d(lay.head_dim)
-    reason = scope.dkdv_reason(lay, dtype, _gluon_capability(device), window=window,
-                               rowsum=rowsum, contiguous=contiguous)
+    cap = _gluon_capability(device)
+    reason = scope.dq_reason(lay, dtype, cap, window=window, rowsum=rowsum,
+                             contiguous=contiguous and o_contiguous)
+    if reason is None:
+        dq = Pass("bwd_dq", configs.GLUON[("bwd_dq", lay.head_dim)], True)
+    else:
+        dq = Pass("bwd_dq", tiles("bwd_dq", bd, dtype, device))
+    reason = scope.dkdv_reason(lay, dtype, cap, window=window, rowsum=rowsum,
+                               contiguous=contiguous)
     if reason is None:
         dkdv = Pass("bwd_dkdv", configs.GLUON[("bwd_dkdv", lay.head_dim)], True)
     else:
         dkdv = Pass("bwd_dkdv", tiles("bwd_dkdv", bd, dtype, device))
-    return BwdPlan(rowsum, tiles("bwd_dq", bd, dtype, device), dkdv)
+    return BwdPlan(rowsum, dq, dkdv)
 
 
 # --------------------------------------------------------------------------- BoB
@@ -215,11 +224,15 @@ def explain(kind: str, lay: Layout, dtype: torch.dtype, device: torch.device, **
 
         plan.explain("fwd", lay, torch.bfloat16, q.device, window=False, contiguous=True)
 
+        plan.explain("bwd_dq", lay, torch.bfloat16, q.device, window=False, rowsum=False,
+                     contiguous=True)
+
         plan.explain("bob_col", lay, torch.bfloat16, q.device, window=False, rowsum=False,
                      contiguous=True, precise=True, all_u=True, need_kb=True, need_vb=True,
                      split=False)
     """
-    verifier = {"fwd": scope.fwd_reason, "bwd_dkdv": scope.dkdv_reason,
+    verifier = {"fwd": scope.fwd_reason, "bwd_dq": scope.dq_reason,
+                "bwd_dkdv": scope.dkdv_reason,
                 "bob_stats": scope.bob_stats_reason, "bob_direct": scope.bob_direct_reason,
                 "bob_col": scope.bob_col_reason}[kind]
     reason = verifier(lay, dtype, _gluon_capability(device), **flags)

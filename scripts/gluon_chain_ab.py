@@ -16,8 +16,9 @@ the CUDA time of every kernel in one chain with the passes on, off and in each v
 ``kernels_off`` in the JSON). ``--variant NAME=SPEC`` (repeatable) adds a chain with the
 Gluon table changed for this head dim, timed in the same rounds: SPEC is ``+``-joined
 ``kind:block_n,block_m,num_warps,stages,warp_specialize,maxnreg`` entries (maxnreg 0: none;
-the table's ``min_keys`` is kept; for ``fwd``, warp_specialize 2 runs two consumer partitions
-and 3 makes them take turns) or ``kind:triton`` (that pass takes the Triton kernel);
+the table's ``min_keys`` is kept; for ``fwd`` and ``bwd_dq``, warp_specialize 2 runs two
+consumer partitions, and for ``fwd`` 3 makes them take turns) or ``kind:triton`` (that pass
+takes the Triton kernel);
 each variant's outputs are compared with the chain's with the Gluon passes off
 (``NAME_maxrel_vs_off``: the largest max |difference| / max |off| over the eight outputs).
 Writes ``gluon_chain_ab.json`` into ``--out``.
@@ -39,11 +40,11 @@ import torch
 
 def _counter():
     """Wrap the Gluon launchers; return the list their calls append to."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, dq, fwd
 
     calls = []
-    for mod, name in ((fwd, "launch_fwd"), (dkdv, "launch_dkdv"), (bob_col, "launch_bob_col"),
-                      (bob_row, "launch_bob_row")):
+    for mod, name in ((fwd, "launch_fwd"), (dq, "launch_dq"), (dkdv, "launch_dkdv"),
+                      (bob_col, "launch_bob_col"), (bob_row, "launch_bob_row")):
         real = getattr(mod, name)
 
         def counted(*a, _real=real, _name=name, **kw):
@@ -85,6 +86,8 @@ def parse_variant(text):
                              warp_specialize=bool(ws), maxnreg=mr or None)
             if kind == "fwd":  # ws 2: two consumer partitions, 3: taking turns
                 out[kind].update(consumers=2 if ws >= 2 else 1, pingpong=ws == 3)
+            elif kind == "bwd_dq":  # ws 2: two consumer partitions
+                out[kind].update(consumers=2 if ws >= 2 else 1)
     return name, out
 
 

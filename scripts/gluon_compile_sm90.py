@@ -6,13 +6,14 @@ compiled with ``warmup`` on CPU tensors (descriptors are built the way the wrapp
 them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 machine's) and
 3.9; run it with each interpreter to catch API drift before device time is spent::
 
-    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats|fwd]
+    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats|fwd|dq]
         [--head-dim 64] [--causal] [--groups 1]
 
 (``--groups G``: GQA inputs, G query heads per kv head.)
 
-(``bob_direct`` / ``bob_stats``: kernels/gluon/bob_row.py; ``fwd``: kernels/gluon/fwd.py; the
-variants of these row passes read block_m (query tile) first: ``qt x kt / warps``.)
+(``bob_direct`` / ``bob_stats``: kernels/gluon/bob_row.py; ``fwd``: kernels/gluon/fwd.py; ``dq``:
+kernels/gluon/dq.py; the variants of these row passes read block_m (query tile) first:
+``qt x kt / warps``.)
 """
 
 from __future__ import annotations
@@ -198,6 +199,35 @@ def compile_fwd(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg
                                         PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,), **meta)
 
 
+def compile_dq(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, groups=1):
+    """The dQ pass of gluon/dq.py (ws: 0 single partition, 1 warp-specialised, 2 two
+    consumer partitions of warps / 2 each)."""
+    b, n = 1, 4 * max(block_n, block_m)
+    q, o, do = (torch.zeros(b, 2 * groups, n, d, dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.zeros(b, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(b, 2 * groups, n)
+    consumers = 2 if ws >= 2 else 1
+    args, meta, _ = mod._prepare(q, k, v, o, do, lse, 0.125, causal, block_n, block_m, warps,
+                                 stages, consumers)
+    if maxnreg:
+        meta["maxnreg"] = maxnreg
+    return mod._gluon_dq_kernel.warmup(*args, WS=bool(ws), CONSUMER_REGS=mod.CONSUMER_REGS,
+                                       PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,), **meta)
+
+
+# (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the dQ pass
+# (warp_specialize 2: the TMA producer and two consumer partitions)
+DQ_VARIANTS = [
+    (128, 128, 8, 2, 2, 0),
+    (128, 64, 8, 2, 2, 0),
+    (128, 64, 8, 3, 2, 0),
+    (128, 128, 8, 2, 0, 0),
+    (128, 64, 8, 2, 0, 0),
+    (128, 64, 8, 3, 1, 0),
+    (64, 128, 4, 2, 0, 0),
+    (64, 64, 4, 3, 1, 0),
+]
+
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the forward
 # (warp_specialize 2: the TMA producer and two consumer partitions; 3: the same taking turns)
 FWD_VARIANTS = [
@@ -270,7 +300,7 @@ DKDV_VARIANTS = [
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--kernel", default="bob_col",
-                   choices=["bob_col", "dkdv", "bob_direct", "bob_stats", "fwd"])
+                   choices=["bob_col", "dkdv", "bob_direct", "bob_stats", "fwd", "dq"])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--groups", type=int, default=1, help="query heads per kv head (GQA)")
@@ -282,13 +312,13 @@ def main() -> int:
     p.add_argument("--dump", default="", help="folder for the PTX / TTGIR of each variant")
     a = p.parse_args()
     driver.set_active(_Sm90Stub())
-    row = a.kernel in ("bob_direct", "bob_stats", "fwd")
+    row = a.kernel in ("bob_direct", "bob_stats", "fwd", "dq")
     mod = load_module("bob_row" if a.kernel in ("bob_direct", "bob_stats") else a.kernel)
     if not mod.HAVE_GLUON:
         print(f"triton {triton.__version__}: Gluon's Hopper ops are missing")
         return 1
     defaults = {"bob_col": BOB_COL_VARIANTS, "bob_direct": BOB_ROW_VARIANTS,
-                "bob_stats": BOB_ROW_VARIANTS, "fwd": FWD_VARIANTS,
+                "bob_stats": BOB_ROW_VARIANTS, "fwd": FWD_VARIANTS, "dq": DQ_VARIANTS,
                 "dkdv": DKDV_VARIANTS}
     variants = [tuple(int(v) for v in s.split(",")) for s in a.variant] or defaults[a.kernel]
     fn = globals()[f"compile_{a.kernel}"]
@@ -299,7 +329,7 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        if a.kernel == "fwd":
+        if a.kernel in ("fwd", "dq"):
             ws_names = ['-', 'ws', 'ws+2c', 'ws+2c+pp']
         elif a.kernel in ("bob_stats", "bob_direct"):
             ws_names = ['-', 'ws', 'ws+2c']

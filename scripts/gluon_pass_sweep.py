@@ -1,16 +1,21 @@
 """Time each Gluon pass (kernels/gluon/) alone over a list of tile variants, at one shape.
 
     python scripts/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
-        [--causal] [--kinds fwd,bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
+        [--causal] [--kinds fwd,bwd_dq,bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
 
 Per pass kind and variant: ``triton.testing.do_bench`` median (ms) of the Gluon function on
 random bf16 inputs of shape (1, H_q, N, d) / (1, H_kv, N, d), and the rate it implies
-(flops per (query, key) pair: forward 4·d, dK/dV 8·d, statistics 10·d, direct 18·d,
+(flops per (query, key) pair: forward 4·d, dQ 6·d, dK/dV 8·d, statistics 10·d, direct 18·d,
 column 16·d; causal counts half the pairs). The forward's rows start with the Triton forward
 (``attn_fwd`` with ``configs.use_gluon_passes(False)``, variant ``triton``) timed in the same
 run, and each Gluon variant's O and L are compared with it (``o_maxdiff`` in bf16 units of
 max |O|, ``lse_maxdiff``; a variant beyond 4 units or 1e-3 is reported as failed, without a
-time). The other Triton passes' times at the same shape come from
+time). The dQ pass's rows (``bwd_dq``) likewise start with the Triton dQ kernel
+(``_attn_bwd_dq_kernel``'s CUDA time in ``attn_bwd`` with the Gluon passes off, from
+``torch.profiler``), on O and L of the Triton forward, and each Gluon variant's dQ and D are
+compared with that call's (``dq_maxdiff`` in bf16 units of max |dQ|, ``delta_maxdiff``
+relative to max |D|; beyond 4 units or 1e-4: failed). The other Triton passes' times at the
+same shape come from
 ``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A short table
 of every row is printed last. A variant that
 fails to compile or run prints its error and the sweep goes on. Writes
@@ -42,6 +47,7 @@ import torch
 #: per kind: the order of a variant's numbers (keywords of the Gluon function)
 FIELDS = {
     "fwd": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
+    "bwd_dq": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bwd_dkdv": ("block_n", "block_m", "num_warps", "maxnreg", "consumers", "stages"),
     "bob_col": ("block_n", "block_m", "num_warps", "stages", "warp_specialize", "maxnreg"),
     "bob_stats": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
@@ -118,7 +124,19 @@ ROW_DEFAULTS = {
     },
 }
 
-FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18, "bob_col": 16}
+#: dQ candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel dq)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+DQ_DEFAULTS = {
+    64: [(128, 128, 8, 2, 2, 0), (128, 64, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0),
+         (128, 128, 8, 2, 0, 0), (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0),
+         (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0)],
+    128: [(128, 128, 8, 2, 2, 0), (128, 64, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0),
+          (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0), (64, 64, 4, 2, 0, 0),
+          (64, 64, 4, 3, 1, 0)],
+}
+
+FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dq": 6, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18,
+                    "bob_col": 16}
 
 
 def run_fwd(variants, x, causal, on_row=lambda rows: None):
@@ -175,10 +193,93 @@ def run_fwd(variants, x, causal, on_row=lambda rows: None):
     return rows
 
 
+def triton_dq_ms(q, k, v, o, lse, do, causal, reps=20):
+    """CUDA time (ms, mean of ``reps`` calls) of the Triton dQ kernel alone, launched by
+    ``attn_bwd`` with the Gluon passes off (``torch.profiler``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ttt_flash.kernels import attn_bwd, configs
+
+    def call():
+        with configs.use_gluon_passes(False):
+            attn_bwd(q, k, v, o, lse, do, scale=None, causal=causal, window=None)
+
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages()
+                if "_attn_bwd_dq_kernel" in e.key)
+    if not total:
+        raise RuntimeError("the profiler saw no _attn_bwd_dq_kernel launch")
+    return total / reps / 1e3
+
+
+def run_dq(variants, x, causal, on_row=lambda rows: None):
+    """The Triton dQ pass, then each Gluon dQ variant checked against it (dQ and D) and
+    timed; O and L come from the Triton forward. ``on_row(rows)`` after each row."""
+    import triton
+
+    from ttt_flash.kernels import attn_bwd, attn_fwd, configs
+    from ttt_flash.kernels.gluon import dq as gluon_dq
+
+    q, k, v, do = x[:4]
+    b, h, n, d = q.shape
+    pairs = b * h * n * n * (0.5 if causal else 1.0)
+
+    def rate(ms):
+        return FLOPS_PER_PAIR_D["bwd_dq"] * d * pairs / ms / 1e9
+
+    with configs.use_gluon_passes(False):
+        o, lse = attn_fwd(q, k, v, scale=None, causal=causal, window=None)
+        dq_t, _, _, delta_t = attn_bwd(q, k, v, o, lse, do, scale=None, causal=causal,
+                                       window=None)
+    rows = []
+    try:
+        ms = triton_dq_ms(q, k, v, o, lse, do, causal)
+        rows.append(dict(kind="bwd_dq", variant="triton", ms=ms, tflops=rate(ms)))
+        print(f"PASS bwd_dq     {'triton':<26} {ms:8.3f} ms {rate(ms):6.0f} TFLOP/s", flush=True)
+    except Exception as ex:  # noqa: BLE001 - the variants are still checked against it
+        rows.append(dict(kind="bwd_dq", variant="triton", error=f"{type(ex).__name__}: {ex}"))
+        print(f"PASS bwd_dq     {'triton':<26} FAILED {type(ex).__name__}: {ex}", flush=True)
+    on_row(rows)
+    unit = dq_t.float().abs().max().item() * 2.0 ** -8
+    d_mag = max(delta_t.abs().max().item(), 1e-30)
+    for var in variants:
+        kw = dict(zip(FIELDS["bwd_dq"], var))
+        kw["consumers"] = 2 if kw["warp_specialize"] >= 2 else 1
+        kw["warp_specialize"] = bool(kw["warp_specialize"])
+        kw["maxnreg"] = kw.get("maxnreg") or None
+        try:
+            dq_g, delta_g = gluon_dq.gluon_attn_dq(q, k, v, o, do, lse, causal=causal, **kw)
+            torch.cuda.synchronize()
+            dq_diff = (dq_g.float() - dq_t.float()).abs().max().item() / unit
+            delta_diff = (delta_g - delta_t).abs().max().item() / d_mag
+            if not (dq_diff <= 4 and delta_diff <= 1e-4):
+                raise RuntimeError(f"disagrees with the Triton dQ pass: dQ by {dq_diff:.2f} "
+                                   f"bf16 units, D by {delta_diff:.2e} of max |D|")
+            ms = triton.testing.do_bench(
+                lambda: gluon_dq.gluon_attn_dq(q, k, v, o, do, lse, causal=causal, **kw),
+                warmup=25, rep=100)
+            rows.append(dict(kind="bwd_dq", variant=list(var), ms=ms, tflops=rate(ms),
+                             dq_maxdiff=dq_diff, delta_maxdiff=delta_diff))
+            print(f"PASS bwd_dq     {str(var):<26} {ms:8.3f} ms {rate(ms):6.0f} TFLOP/s "
+                  f"(dQ {dq_diff:.2f} units, D {delta_diff:.1e} from Triton)", flush=True)
+        except Exception as ex:  # noqa: BLE001 - a failing variant is a result
+            rows.append(dict(kind="bwd_dq", variant=list(var),
+                             error=f"{type(ex).__name__}: {ex}"))
+            print(f"PASS bwd_dq     {str(var):<26} FAILED {type(ex).__name__}: "
+                  f"{str(ex)[:300]}", flush=True)
+        on_row(rows)
+    return rows
+
+
 def format_table(rows):
-    """Markdown table of the sweep's rows (the forward's with their speed-up over the Triton
-    forward of the same run)."""
-    base = {r["kind"]: r["ms"] for r in rows if r.get("variant") == "triton"}
+    """Markdown table of the sweep's rows (the forward's and the dQ pass's with their
+    speed-up over the Triton pass of the same run)."""
+    base = {r["kind"]: r["ms"] for r in rows if r.get("variant") == "triton" and "ms" in r}
     out = ["| kind | variant | ms | TFLOP/s | vs Triton |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
         var = r["variant"] if isinstance(r["variant"], str) else \
@@ -311,6 +412,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     hk = a.kv_heads or a.heads
     defaults = dict(DEFAULTS, fwd=FWD_DEFAULTS.get(a.head_dim, FWD_DEFAULTS[64]),
+                    bwd_dq=DQ_DEFAULTS.get(a.head_dim, DQ_DEFAULTS[64]),
                     **ROW_DEFAULTS.get(a.head_dim, ROW_DEFAULTS[64]))
     defaults.update(KEY_TILE_DEFAULTS.get(a.head_dim, {}))
     chosen = {kind: list(defaults[kind]) for kind in a.kinds.split(",") if kind}
@@ -338,6 +440,8 @@ def main(argv=None) -> int:
     for kind, variants in chosen.items():
         if kind == "fwd":
             rows += run_fwd(variants, x, a.causal, on_row=save)
+        elif kind == "bwd_dq":
+            rows += run_dq(variants, x, a.causal, on_row=save)
         else:
             rows += run_kind(kind, variants, x, r, a.causal)
         save()

@@ -1,8 +1,11 @@
-"""GPU tests of the Gluon passes (kernels/gluon/fwd.py, dkdv.py, bob_col.py, bob_row.py)
-on sm_90.
+"""GPU tests of the Gluon passes (kernels/gluon/fwd.py, dq.py, dkdv.py, bob_col.py,
+bob_row.py) on sm_90.
 
 O and L of the Gluon forward are compared with float64 attention and the Triton forward
-(the bound below), full and causal, d = 64 / 128, GQA, several tile variants.
+(the bound below), full and causal, d = 64 / 128, GQA, several tile variants. dQ of the
+Gluon dQ pass (fed the Triton forward's O and L) meets the same bound against float64
+autograd and the Triton dQ pass, and its D = rowsum(dO∘O) agrees with the Triton pass's and
+float64 to float32 rounding.
 
 dK and dV of the Gluon pass, fed the Triton forward's LSE and the Triton backward's
 D = rowsum(dO∘O), are compared with float64 autograd through ``naive_attention``: the max
@@ -159,12 +162,13 @@ from ttt_flash.kernels import plan  # noqa: E402
 from ttt_flash.kernels.gluon import bob_col as gluon_bob_col_mod  # noqa: E402
 from ttt_flash.kernels.gluon import bob_row as gluon_bob_row_mod  # noqa: E402
 from ttt_flash.kernels.gluon import dkdv as gluon_dkdv_mod  # noqa: E402
+from ttt_flash.kernels.gluon import dq as gluon_dq_mod  # noqa: E402
 from ttt_flash.kernels.gluon import fwd as gluon_fwd_mod  # noqa: E402
 
 #: the Gluon launches of one in-scope chain, in order, and their table kinds
-GLUON_CHAIN = ["gluon_fwd", "gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct",
+GLUON_CHAIN = ["gluon_fwd", "gluon_dq", "gluon_dkdv", "gluon_bob_stats", "gluon_bob_direct",
                "gluon_bob_col"]
-GLUON_KINDS = ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+GLUON_KINDS = ["fwd", "bwd_dq", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
 
 
 def _expected_chain(d):
@@ -205,6 +209,7 @@ def gluon_calls(monkeypatch):
     """Names of the Gluon passes the library launches during the test."""
     calls = []
     for mod, name, label in ((gluon_fwd_mod, "launch_fwd", "gluon_fwd"),
+                             (gluon_dq_mod, "launch_dq", "gluon_dq"),
                              (gluon_dkdv_mod, "launch_dkdv", "gluon_dkdv"),
                              (gluon_bob_col_mod, "launch_bob_col", "gluon_bob_col"),
                              (gluon_bob_row_mod, "launch_bob_row", None)):
@@ -495,7 +500,9 @@ def test_chain_gluon_stats_with_triton_direct_gqa_d128(causal, gluon_calls, monk
          for hh in (4, 1, 1, 4, 4, 1, 1)]
     ref = _chain(x, causal, torch.float64)
     base = _chain(x, causal, torch.bfloat16)
-    assert gluon_calls == ["gluon_fwd", "gluon_dkdv", "gluon_bob_stats", "gluon_bob_col"]
+    assert gluon_calls == [name for name in ("gluon_fwd", "gluon_dq", "gluon_dkdv",
+                                             "gluon_bob_stats", "gluon_bob_col")
+                           if name != "gluon_dq" or ("bwd_dq", 128) in configs.GLUON]
     with configs.use_gluon_passes(False):
         off = _chain(x, causal, torch.bfloat16)
     for name in CHAIN_NAMES:
@@ -827,3 +834,95 @@ def test_gluon_bob_row_rejects_bad_consumers():
         gluon_bob_stats(*(q,) * 7, r, r, block_m=128, num_warps=8, consumers=2)
     with pytest.raises(ValueError, match="gluon_bob_direct: consumers must be 1, or 2 with"):
         gluon_bob_direct(*(q,) * 7, r, r, r, r, consumers=2, warp_specialize=True)
+
+
+# --------------------------------------------------------------------------- dQ pass
+# (kernels/gluon/dq.py; the chain tests above see it through attn_bwd)
+
+from ttt_flash.kernels.gluon.dq import gluon_attn_dq  # noqa: E402
+
+#: (block_m, block_n, num_warps, stages, warp_specialize, maxnreg)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+DQ_VARIANTS = [(128, 128, 8, 2, 2, None), (128, 64, 8, 3, 2, None), (128, 64, 8, 2, 0, None),
+               (128, 64, 8, 3, 1, None), (64, 64, 4, 2, 0, None)]
+DQ_IDS = ["ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3", "qt128-kt64-w8",
+          "ws-qt128-kt64-w8-s3", "qt64-kt64-w4"]
+#: (case, variant): every variant at d = 64 and 128, the table's tiles in every case, the
+#: two consumer-partition variant under GQA and at large logits
+DQ_PAIRS = ([(case, i) for i in range(len(DQ_VARIANTS)) for case in ("h3-d64", "d128")]
+            + [(case, "table") for case in FWD_CASES]
+            + [(case, 0) for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case,variant", [(c, v if v == "table" else DQ_VARIANTS[v])
+                                          for c, v in DQ_PAIRS],
+                         ids=[f"{c}-{v if v == 'table' else DQ_IDS[v]}" for c, v in DQ_PAIRS])
+def test_gluon_dq_matches_triton_and_float64(causal, case, variant):
+    heads, d, spread, dtype = FWD_CASES[case]
+    if variant == "table":
+        c = configs.GLUON.get(("bwd_dq", d))
+        if c is None:  # no Gluon dQ pass at this head dim: the plan takes the Triton one
+            lay_q = torch.empty(1, 2, 16384, d, device="cuda", dtype=dtype)
+            lay = host_layout(lay_q, lay_q, None, None, None, None)
+            assert plan.explain("bwd_dq", lay, dtype, lay_q.device, window=False,
+                                rowsum=False, contiguous=True).startswith("Triton: head dim")
+            return
+        variant = (c.block_m, c.block_n, c.num_warps, c.stages,
+                   2 if c.consumers == 2 else int(c.warp_specialize), c.maxnreg)
+    bm, bn, w, st, ws, mr = variant
+    torch.manual_seed(0)
+    h, hk = heads
+    q = (spread * torch.randn(2, h, 512, d, device="cuda")).to(dtype)
+    k, v = (torch.randn(2, hk, 512, d, device="cuda", dtype=dtype) for _ in range(2))
+    do = torch.randn(2, h, 512, d, device="cuda", dtype=dtype)
+    kw = dict(scale=None, causal=causal, window=None)
+    with configs.use_gluon_passes(False):  # the Triton forward and dQ pass as the baseline
+        o, lse = attn_fwd(q, k, v, **kw)
+        dq_t, _, _, delta_t = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
+    dq_g, delta_g = gluon_attn_dq(q, k, v, o, do, lse, causal=causal, block_m=bm, block_n=bn,
+                                  num_warps=w, stages=st, warp_specialize=ws > 0,
+                                  consumers=2 if ws >= 2 else 1, maxnreg=mr)
+    assert dq_g.shape == q.shape and dq_g.dtype == q.dtype and dq_g.is_contiguous()
+    assert delta_g.shape == q.shape[:3] and delta_g.dtype == torch.float32
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    o64 = naive_attention(q64, k64, v64, causal=causal)
+    (dq64,) = torch.autograd.grad(o64, (q64,), do.double())
+    _close("dq", dq_g, dq_t, dq64)
+    # D from the same 16-bit O and dO: float32 rounding of a d-term sum
+    delta64 = (o.double() * do.double()).sum(-1)
+    floor = (o.double() * do.double()).abs().sum(-1).max().item() * 2.0 ** -18
+    for name, ref in (("delta vs triton", delta_t.double()), ("delta vs float64", delta64)):
+        err = (delta_g.double() - ref).abs().max().item()
+        assert err <= floor, (name, err, floor)
+
+
+def test_gluon_dq_rejects_bad_inputs():
+    q = torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16)
+    r = torch.zeros(1, 2, 256, device="cuda")
+    with pytest.raises(ValueError, match="multiple of block_m"):
+        x = q[:, :, :200]
+        gluon_attn_dq(x, x, x, x, x, r[:, :, :200])
+    with pytest.raises(ValueError, match="multiple of k's"):
+        k3 = torch.randn(1, 3, 256, 64, device="cuda", dtype=torch.bfloat16)
+        gluon_attn_dq(q, k3, k3, q, q, r)
+    with pytest.raises(ValueError, match="q must be bf16 or fp16"):
+        gluon_attn_dq(q.float(), q.float(), q.float(), q.float(), q.float(), r)
+    with pytest.raises(ValueError, match="o must have shape"):
+        gluon_attn_dq(q, q, q, q[:, :1], q, r)
+    with pytest.raises(ValueError, match="do must have shape"):
+        gluon_attn_dq(q, q, q, q, q.half(), r)
+    with pytest.raises(ValueError, match="lse must be contiguous float32"):
+        gluon_attn_dq(q, q, q, q, q, r.half())
+    with pytest.raises(ValueError, match="block_m == 16"):
+        gluon_attn_dq(q, q, q, q, q, r, block_m=128, num_warps=4)
+    with pytest.raises(ValueError, match="stages must be"):
+        gluon_attn_dq(q, q, q, q, q, r, stages=5)
+    with pytest.raises(ValueError, match="consumers must be 1, or 2 with warp_specialize"):
+        gluon_attn_dq(q, q, q, q, q, r, consumers=2, warp_specialize=False)
+    with pytest.raises(ValueError, match="q has no rows"):
+        x = q[:, :, :0]
+        gluon_attn_dq(x, x, x, x, x, r[:, :, :0])
+    q96 = torch.randn(1, 2, 256, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head dim must be one of"):
+        gluon_attn_dq(q96, q96, q96, q96, q96, r)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from ttt_flash.kernels.gluon import scope
 
 attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
 CUDA0 = torch.device("cuda", 0)
-KINDS = ["fwd", "bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
+KINDS = ["fwd", "bwd_dq", "bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +57,8 @@ def _plan_pass(kind, lay=None, dtype=torch.bfloat16, device=CUDA0, window=False,
         return plan.fwd(lay, dtype, device, window=window, contiguous=contiguous)
     if kind == "bwd_dkdv":
         return plan.bwd(lay, dtype, device, window=window, contiguous=contiguous).dkdv
+    if kind == "bwd_dq":
+        return plan.bwd(lay, dtype, device, window=window, contiguous=contiguous).dq
     needs = (True, True, True, True)
     if not complete:
         needs = {"bob_col": (True, False, True, True), "bob_direct": (True, True, True, False)
@@ -101,7 +104,7 @@ def _flags(kind, **over):
     flags = dict(window=False, rowsum=False, contiguous=True)
     if kind == "fwd":  # the forward never applies the ρ correction
         del flags["rowsum"]
-    if kind not in ("fwd", "bwd_dkdv"):
+    if kind not in ("fwd", "bwd_dq", "bwd_dkdv"):
         flags.update(precise=True, all_u=True)
     if kind == "bob_direct":
         flags.update(need_qb=True, need_dob=True, split=False)
@@ -134,6 +137,10 @@ def test_table_tiles_are_the_measured_ones():
                                                                      min_keys=16384)
     assert configs.GLUON[("bob_direct", 128)] == configs.GluonConfig(32, 64, 4, stages=2,
                                                                       min_keys=16384)
+    # the dQ pass: the forward's shape, two 4-warp consumer partitions of 64 queries each
+    for d in (64, 128):
+        assert configs.GLUON[("bwd_dq", d)] == configs.GluonConfig(
+            128, 128, 8, stages=2, warp_specialize=True, consumers=2, min_keys=16384)
 
 
 OUT_OF_SCOPE = {
@@ -162,9 +169,10 @@ OUT_OF_SCOPE = {
 
 
 @pytest.mark.parametrize("kind,case", [(kind, case) for kind in KINDS for case in OUT_OF_SCOPE
-                                       # the forward and dK/dV passes have no caller
+                                       # the forward, dQ and dK/dV passes have no caller
                                        # conditions; the forward has no ρ correction
                                        if (kind, case) not in (("bwd_dkdv", "caller-incomplete"),
+                                                               ("bwd_dq", "caller-incomplete"),
                                                                ("fwd", "caller-incomplete"),
                                                                ("fwd", "rowsum"))])
 def test_out_of_scope_falls_back_to_triton(monkeypatch, kind, case):
@@ -407,6 +415,75 @@ def test_forward_plan_names_its_tiles_and_reason(monkeypatch):
     assert why == "Triton: head dim 96: no Gluon tiles for 'fwd' (configs.GLUON)"
 
 
+def test_dq_variants_are_launchable():
+    """Every dQ variant of the table, the GPU sweep and the compile script satisfies the
+    entry point's rules (gluon_attn_dq's checks) and fits the H200's shared memory (Q and dO
+    tiles + ``stages`` K and V tiles, 16-bit)."""
+    import ast
+    import pathlib
+
+    sweep = _load_script("gluon_pass_sweep")
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    compile_variants = next(
+        ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "DQ_VARIANTS")
+    assert set(sweep.DQ_DEFAULTS) == {64, 128}
+    variants = [(d, v) for d, vs in sweep.DQ_DEFAULTS.items() for v in vs]
+    variants += [(d, v) for v in compile_variants for d in (64, 128)]
+    for d in (64, 128):
+        c = configs.GLUON[("bwd_dq", d)]
+        assert c.consumers in (1, 2) and (c.consumers == 1 or c.warp_specialize)
+        assert not c.pingpong  # the dQ pass has no turn-taking
+        ws = 2 if c.consumers == 2 else int(c.warp_specialize)
+        variants.append((d, (c.block_m, c.block_n, c.num_warps, c.stages, ws, c.maxnreg or 0)))
+    for d, (bm, bn, w, st, ws, mr) in variants:
+        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions
+        assert w in (4, 8) and bm == 16 * w and bn in (32, 64, 128), (d, bm, bn, w)
+        assert 2 <= st <= 4 and ws in (0, 1, 2) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
+        assert ws < 2 or w == 8, (ws, w)
+        assert 2 * d * (2 * bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
+
+
+def test_dq_plan_names_its_tiles_and_reason(monkeypatch):
+    """The dQ pass's plan: the Gluon tiles on sm_90 in scope (GQA too), else the Triton dQ
+    tiles of the table (what ``attn_bwd`` launched before); the ρ correction (float32, or
+    forced on) and a non-contiguous O keep it on Triton (O only for dQ: the dK/dV pass,
+    which does not read O, stays Gluon), and ``explain`` says why."""
+    monkeypatch.setattr(configs, "interpreting", lambda: False)
+    monkeypatch.setattr(scope, "importable", lambda kind: True)
+    for cap, gluon in (((9, 0), True), ((8, 0), False)):
+        monkeypatch.setattr(plan, "device_capability", lambda index, _c=cap: _c)
+        plan.clear_cache()
+        for d in (64, 128):
+            lay = _lay(h_q=12, h_kv=4, d=d)
+            p = plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True)
+            assert p.dq.kind == "bwd_dq" and p.dq.gluon is gluon and not p.rowsum
+            want = configs.GLUON[("bwd_dq", d)] if gluon else configs.table_config(
+                "bwd_dq", d, torch.bfloat16, cap[0])
+            assert p.dq.tiles == want
+    monkeypatch.setattr(plan, "device_capability", lambda index: (9, 0))
+    plan.clear_cache()
+    lay = _lay()
+    p = plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True, o_contiguous=False)
+    assert not p.dq.gluon and p.dkdv.gluon
+    assert p.dq.tiles == configs.table_config("bwd_dq", 64, torch.bfloat16, 9)
+    p = plan.bwd(lay, torch.float32, CUDA0, window=False, contiguous=True)
+    assert p.rowsum and not p.dq.gluon
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(configs.ROWSUM_CORRECTION, torch.bfloat16, True)
+        plan.clear_cache()
+        assert not plan.bwd(lay, torch.bfloat16, CUDA0, window=False, contiguous=True).dq.gluon
+    plan.clear_cache()
+    flags = dict(window=False, rowsum=False, contiguous=True)
+    assert plan.explain("bwd_dq", lay, torch.bfloat16, CUDA0, **flags) == "Gluon"
+    why = plan.explain("bwd_dq", lay, torch.bfloat16, CUDA0, **dict(flags, rowsum=True))
+    assert why == "Triton: the ρ row-sum correction is on"
+    why = plan.explain("bwd_dq", _lay(n_q=8192, n_k=8192), torch.float16, CUDA0, **flags)
+    assert why == "Triton: N = 8192 is below the pass's min_keys = 16384"
+    why = plan.explain("bwd_dq", _lay(d=96), torch.float16, CUDA0, **flags)
+    assert why == "Triton: head dim 96: no Gluon tiles for 'bwd_dq' (configs.GLUON)"
+
+
 def test_plans_are_cached_and_follow_the_switches(sm90):
     """One plan per call shape (the same object back), a new one when a switch changes."""
     lay = _lay()
@@ -435,7 +512,7 @@ def test_triton_version_range(monkeypatch, version, ok):
     scope.importable.cache_clear()
     try:
         assert scope.importable("bwd_dkdv") is (ok and common.HAVE_GLUON)
-        for kind in ("fwd", "bob_col", "bob_stats", "bob_direct"):
+        for kind in ("fwd", "bwd_dq", "bob_col", "bob_stats", "bob_direct"):
             assert scope.importable(kind) is (ok and common.HAVE_GLUON
                                               and common.HAVE_WARP_SPECIALIZE)
     finally:
@@ -443,12 +520,15 @@ def test_triton_version_range(monkeypatch, version, ok):
 
 
 def test_gluon_modules_import_without_gpu():
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, dq, fwd
 
     assert not dkdv.available() and not bob_col.available()
-    assert not bob_row.available() and not fwd.available()
+    assert not bob_row.available() and not fwd.available() and not dq.available()
     with pytest.raises(RuntimeError, match="sm_90"):
         fwd.gluon_attn_fwd(*(torch.empty(1, 1, 128, 64, dtype=torch.bfloat16),) * 3)
+    with pytest.raises(RuntimeError, match="sm_90"):
+        dq.gluon_attn_dq(*(torch.empty(1, 1, 128, 64, dtype=torch.bfloat16),) * 5,
+                         torch.empty(1, 1, 128))
     with pytest.raises(RuntimeError, match="sm_90"):
         dkdv.gluon_dkdv(*(torch.empty(1, 1, 64, 64, dtype=torch.bfloat16),) * 4,
                         torch.empty(1, 1, 64), torch.empty(1, 1, 64))
@@ -485,6 +565,27 @@ def _fake_fwd(calls):
             s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
         out[0].copy_(torch.softmax(s, -1) @ _expand(v, q))
         out[1].copy_(torch.logsumexp(s, -1))
+        return out
+
+    return fake
+
+
+def _fake_dq(calls):
+    """launch_dq's documented result (τ dS K and D = rowsum(dO∘O), GQA: query head h reads
+    kv head h // G) in float64, written into ``out`` = (dq, delta)."""
+
+    def fake(q, k, v, o, do, lse, *, scale, causal, out, **tiles):
+        calls.append(("bwd_dq", tiles))
+        assert out[0].shape == q.shape and out[0].dtype == q.dtype
+        assert out[1].shape == q.shape[:3] and out[1].dtype == torch.float32
+        assert o.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+        assert all(x.is_contiguous() for x in (q, k, v, o, do, lse, *out))
+        k, v = (_expand(x, q) for x in (k, v))
+        q, do = q.double(), do.double()
+        delta = (o.double() * do).sum(-1)
+        ds = _probs(q, k, lse, scale, causal) * (do @ v.transpose(-1, -2) - delta[..., None])
+        out[0].copy_(scale * ds @ k)
+        out[1].copy_(delta)
         return out
 
     return fake
@@ -598,18 +699,21 @@ def _gluon_on_cpu(monkeypatch, calls, key_consumers=1):
     only: the Triton passes keep the interpreter's tiles), with d = 16 / 32-wide tiles in the
     Gluon table (interpreter-sized; the key-tile passes with ``key_consumers`` consumer
     partitions), and the float64 stand-ins for the Gluon launchers."""
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, dq, fwd
 
     monkeypatch.setattr(plan, "_gluon_capability", lambda device: (9, 0))
     monkeypatch.setattr(scope, "importable", lambda kind: True)
     monkeypatch.setattr(configs, "GLUON", {
         ("fwd", 16): configs.GluonConfig(16, 32, 2, stages=3, warp_specialize=True),
+        ("bwd_dq", 16): configs.GluonConfig(32, 16, 2, stages=2, warp_specialize=True,
+                                            consumers=2),
         ("bwd_dkdv", 16): configs.GluonConfig(32, 32, 2, consumers=key_consumers),
         ("bob_col", 16): configs.GluonConfig(32, 32, 2, stages=2, warp_specialize=True,
                                              maxnreg=128, consumers=key_consumers),
         ("bob_stats", 16): configs.GluonConfig(16, 32, 2, stages=3),
         ("bob_direct", 16): configs.GluonConfig(16, 32, 2, stages=2, warp_specialize=True)})
     monkeypatch.setattr(fwd, "launch_fwd", _fake_fwd(calls))
+    monkeypatch.setattr(dq, "launch_dq", _fake_dq(calls))
     monkeypatch.setattr(dkdv, "launch_dkdv", _fake_dkdv(calls))
     monkeypatch.setattr(bob_col, "launch_bob_col", _fake_bob_col(calls))
     monkeypatch.setattr(bob_row, "launch_bob_row", _fake_bob_row(calls))
@@ -643,16 +747,19 @@ def test_call_sites_hand_over_what_the_gluon_kernels_expect(monkeypatch, one_thr
     calls = []
     with _gluon_on_cpu(monkeypatch, calls):
         got = _chain(ts, kw)
-    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+    assert [c[0] for c in calls] == ["fwd", "bwd_dq", "bwd_dkdv", "bob_stats", "bob_direct",
+                                     "bob_col"]
     assert calls[0][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=True, consumers=1, pingpong=False, maxnreg=None)
-    assert calls[1][1] == dict(block_n=32, block_m=32, num_warps=2, consumers=1, stages=2,
+    assert calls[1][1] == dict(block_n=32, block_m=16, num_warps=2, stages=2,
+                               warp_specialize=True, consumers=2, maxnreg=None)
+    assert calls[2][1] == dict(block_n=32, block_m=32, num_warps=2, consumers=1, stages=2,
                                maxnreg=None)
-    assert calls[2][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
+    assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=3,
                                warp_specialize=False, consumers=1, maxnreg=None)
-    assert calls[3][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
+    assert calls[4][1] == dict(block_n=16, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, consumers=1, maxnreg=None)
-    assert calls[4][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
+    assert calls[5][1] == dict(block_n=32, block_m=32, num_warps=2, stages=2,
                                warp_specialize=True, consumers=1, maxnreg=128)
     for name, x in want.items():
         y = got[name]
@@ -698,7 +805,7 @@ def test_call_sites_mix_gluon_and_triton_row_passes(monkeypatch, one_thread, dro
         plan.clear_cache()
         got = _chain(ts, kw)
     kept = "bob_stats" if drop == "bob_direct" else "bob_direct"
-    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", kept, "bob_col"]
+    assert [c[0] for c in calls] == ["fwd", "bwd_dq", "bwd_dkdv", kept, "bob_col"]
     for name, x in want.items():
         mag = x.double().abs().max().item()
         err = (got[name].double() - x.double()).abs().max().item()
@@ -725,11 +832,39 @@ def test_call_sites_fall_back_outside_scope(monkeypatch, one_thread, case):
     # the row passes without the Gluon direct pass: one Triton launch (statistics sweep
     # first, the keys being below FUSED_ROW_MAX_KEYS), so no Gluon statistics pass either
     # the forward has no BoB conditions: it runs wherever the common scope holds
-    expect = {"split_col": ["fwd", "bwd_dkdv", *row], "split_row": ["fwd", "bwd_dkdv", "bob_col"],
-              "affine": ["fwd", "bwd_dkdv"], "uq-missing": ["fwd", "bwd_dkdv"],
-              "kb-not-wanted": ["fwd", "bwd_dkdv", *row],
-              "dob-not-wanted": ["fwd", "bwd_dkdv", "bob_col"]}.get(case, [])
+    first = ["fwd", "bwd_dq", "bwd_dkdv"]
+    expect = {"split_col": [*first, *row], "split_row": [*first, "bob_col"],
+              "affine": first, "uq-missing": first, "kb-not-wanted": [*first, *row],
+              "dob-not-wanted": [*first, "bob_col"]}.get(case, [])
     assert [c[0] for c in calls] == expect
+
+
+@pytest.mark.parametrize("case", ["rowsum", "o-not-contiguous"])
+def test_call_site_keeps_the_triton_dq_where_it_must(monkeypatch, one_thread, case):
+    """The composer launches the Triton dQ pass where the plan says so: with the ρ
+    correction on (the Gluon pass never forms ρ; every Gluon pass then stands down) and
+    with a non-contiguous O (read by the dQ pass only: dK/dV stays Gluon); dQ, D and the
+    rest of the first backward as the Triton passes give them, GQA 4 / 2."""
+    q, k, v, do = _inputs(4, 2)[:4]
+    kw = dict(scale=None, causal=True, window=None)
+    o, lse = attn_fwd(q, k, v, **kw)
+    if case == "o-not-contiguous":
+        o = o.transpose(1, 2).contiguous().transpose(1, 2)
+        assert not o.is_contiguous()
+    calls = []
+    with contextlib.ExitStack() as stack:
+        if case == "rowsum":
+            stack.enter_context(pytest.MonkeyPatch.context()).setitem(
+                configs.ROWSUM_CORRECTION, torch.float16, True)
+        plan.clear_cache()
+        want = attn_bwd_mod.attn_bwd(q, k, v, o, lse, do, **kw)
+        stack.enter_context(_gluon_on_cpu(monkeypatch, calls))
+        got = attn_bwd_mod.attn_bwd(q, k, v, o, lse, do, **kw)
+    assert [c[0] for c in calls] == ([] if case == "rowsum" else ["bwd_dkdv"])
+    for name, x, y in zip(("dq", "dk", "dv", "delta"), want, got):
+        mag = x.double().abs().max().item()
+        err = (y.double() - x.double()).abs().max().item()
+        assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)
 
 
 # --------------------------------------------------------------------------- A/B script
@@ -741,10 +876,11 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     import json
     import pathlib
 
-    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, fwd
+    from ttt_flash.kernels.gluon import bob_col, bob_row, dkdv, dq, fwd
 
     # the script wraps the launchers to count launches: put them back afterwards
     monkeypatch.setattr(fwd, "launch_fwd", fwd.launch_fwd)
+    monkeypatch.setattr(dq, "launch_dq", dq.launch_dq)
     monkeypatch.setattr(dkdv, "launch_dkdv", dkdv.launch_dkdv)
     monkeypatch.setattr(bob_col, "launch_bob_col", bob_col.launch_bob_col)
     monkeypatch.setattr(bob_row, "launch_bob_row", bob_row.launch_bob_row)
@@ -922,9 +1058,53 @@ def test_call_sites_hand_the_row_passes_their_consumers(monkeypatch, one_thread)
             consumers.append((k["stats"], k["consumers"], k["warp_specialize"])) or fake(*a, **k)))
         plan.clear_cache()
         got = _chain(ts, kw)
-    assert [c[0] for c in calls] == ["fwd", "bwd_dkdv", "bob_stats", "bob_direct", "bob_col"]
+    assert [c[0] for c in calls] == ["fwd", "bwd_dq", "bwd_dkdv", "bob_stats", "bob_direct",
+                                     "bob_col"]
     assert consumers == [(True, 2, True), (False, 2, True)]
     for name, x in want.items():
         mag = x.double().abs().max().item()
         err = (got[name].double() - x.double()).abs().max().item()
         assert err <= 4 * 2.0 ** -11 * mag, (name, err, mag)
+
+
+def test_pass_sweep_checks_the_gluon_dq_against_triton(monkeypatch, one_thread):
+    """scripts/gluon_pass_sweep.py's dQ rows on the CPU (the Triton dQ pass under the
+    interpreter as the reference, its time stood in for; a float64 stand-in for the Gluon
+    pass that is wrong in dQ for one variant and in D for another): the baseline row first,
+    a speed for each variant that agrees with it, none for the others."""
+    import triton.testing
+
+    from ttt_flash.kernels.gluon import dq
+
+    sweep = _load_script("gluon_pass_sweep")
+
+    def stand_in(q, k, v, o, do, lse, *, causal, block_n, consumers, **tiles):
+        out = (torch.empty_like(q), torch.empty(q.shape[:3]))
+        _fake_dq([])(q, k, v, o, do, lse, scale=q.shape[-1] ** -0.5, causal=causal, out=out)
+        if block_n == 64:  # wrong dQ
+            return out[0] * 1.1, out[1]
+        if consumers == 1:  # wrong D
+            return out[0], out[1] + 1e-2 * out[1].abs().max()
+        return out
+
+    monkeypatch.setattr(dq, "gluon_attn_dq", stand_in)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 2.0)[1])
+    monkeypatch.setattr(sweep, "triton_dq_ms", lambda *a, **kw: 3.0)
+    x = _inputs(h_q=4, h_kv=2, n=64, d=16)
+    variants = [(128, 128, 8, 2, 2, 0), (128, 64, 8, 2, 2, 0), (128, 128, 8, 2, 0, 0)]
+    rows = sweep.run_dq(variants, x, True)
+    assert [r["variant"] for r in rows] == ["triton", *map(list, variants)]
+    assert rows[0]["ms"] == 3.0 and rows[1]["ms"] == 2.0
+    assert rows[1]["dq_maxdiff"] <= 4 and rows[1]["delta_maxdiff"] <= 1e-4
+    assert rows[1]["tflops"] == pytest.approx(6 * 16 * 4 * 64 * 64 * 0.5 / 2.0 / 1e9)
+    for r in rows[2:]:
+        assert "ms" not in r and "disagrees with the Triton dQ pass" in r["error"]
+    def dq_units(row):
+        return float(re.search(r"dQ by ([0-9.]+)", row["error"]).group(1))
+
+    assert dq_units(rows[2]) > 4 and dq_units(rows[3]) <= 4  # the second is wrong in D
+    table = sweep.format_table(rows).splitlines()
+    assert table[2] == "| bwd_dq | triton | 3.000 | 0 | 1.000x |"
+    assert table[3] == "| bwd_dq | 128,128,8,2,2,0 | 2.000 | 0 | 1.500x |"
+    assert table[-1] == "| bwd_dq | 128,128,8,2,0,0 | failed | | |"

@@ -6,7 +6,7 @@ per call shape (its plans are cached), the Gluon launchers do not check again. N
 imports Gluon until the last condition (the Gluon API importable), so the verifiers run on
 any machine.
 
-Common scope of the five passes (:func:`common_reason`): the passes switched on
+Common scope of the six passes (:func:`common_reason`): the passes switched on
 (``configs.use_gluon_passes``), no tile override for the pass's kind (an override selects the
 Triton kernel), a CUDA device of capability 9.0 outside the interpreter, triton within
 ``configs.GLUON_TRITON`` with its Gluon Hopper API importable, bf16 / fp16, dense inputs with
@@ -44,7 +44,7 @@ def importable(kind: str) -> bool:
 
     if kind == "bwd_dkdv":
         return common.HAVE_GLUON
-    return common.HAVE_GLUON and common.HAVE_WARP_SPECIALIZE  # the BoB passes
+    return common.HAVE_GLUON and common.HAVE_WARP_SPECIALIZE  # the row and BoB passes
 
 
 def common_reason(kind: str, lay, dtype: torch.dtype, capability, *, window: bool,
@@ -93,6 +93,14 @@ def common_reason(kind: str, lay, dtype: torch.dtype, capability, *, window: boo
 def fwd_reason(lay, dtype, capability, *, window, contiguous) -> Optional[str]:
     """The forward (``fwd``): the common scope only (it never applies the ρ correction)."""
     return common_reason("fwd", lay, dtype, capability, window=window, rowsum=False,
+                         contiguous=contiguous)
+
+
+def dq_reason(lay, dtype, capability, *, window, rowsum, contiguous) -> Optional[str]:
+    """The first backward's dQ pass (``bwd_dq``, dQ and D): the common scope; it never forms
+    ρ, so a call with the row-sum correction on stays with the Triton pass. ``contiguous``:
+    q, k, v, O and dO all are."""
+    return common_reason("bwd_dq", lay, dtype, capability, window=window, rowsum=rowsum,
                          contiguous=contiguous)
 
 

@@ -18,7 +18,8 @@ fails to compile or run prints its error and the sweep goes on. Writes
 
 The BoB row passes' variants (per head dim, :data:`ROW_DEFAULTS`) are each compared with
 the table's tiles (configs.GLUON) on the same inputs (statistics within 2^-10, Q̄ / dŌ within
-4 bf16 units of the largest output; beyond: failed, without a time).
+4 bf16 units of the largest output; beyond: failed, without a time); the last table gives
+each one's speed-up over the table's tiles of the same run.
 
 Variants (``--variant kind=a,b,c,d,e,f``, repeatable, replaces that kind's defaults): the
 keyword arguments of the Gluon function in the order of :data:`FIELDS`; 0 for ``maxnreg``
@@ -142,9 +143,11 @@ def run_fwd(variants, x, causal):
 
 def format_table(rows):
     """Markdown table of the sweep's rows (the forward's with their speed-up over the Triton
-    forward of the same run)."""
+    forward of the same run, the row passes' over the table's tiles)."""
     base = {r["kind"]: r["ms"] for r in rows if r.get("variant") == "triton"}
-    out = ["| kind | variant | ms | TFLOP/s | vs Triton |", "| --- | --- | --- | --- | --- |"]
+    base.update({r["kind"]: r["ms"] for r in rows if r.get("table") and "ms" in r})
+    out = ["| kind | variant | ms | TFLOP/s | vs Triton / table |",
+           "| --- | --- | --- | --- | --- |"]
     for r in rows:
         var = r["variant"] if isinstance(r["variant"], str) else \
             ",".join(str(t) for t in r["variant"])
@@ -234,6 +237,8 @@ def run_kind(kind, variants, x, r, causal):
                     raise RuntimeError(f"disagrees with the table's tiles: by {worst:.2e} of "
                                        "the largest output")
                 extra, note = dict(maxdiff_rel=worst), f" ({worst:.1e} from the table's)"
+                if kw == _table_kw(kind, d):
+                    extra["table"] = True
             ms = triton.testing.do_bench(lambda: call(**kw), warmup=25, rep=100)
             tflops = FLOPS_PER_PAIR_D[kind] * d * pairs / ms / 1e9
             rows.append(dict(kind=kind, variant=list(var), ms=ms, tflops=tflops, **extra))

@@ -23,7 +23,8 @@ fails to compile or run prints its error and the sweep goes on. Writes
 
 The BoB row passes' variants (per head dim, :data:`ROW_DEFAULTS`) are each compared with
 the table's tiles (configs.GLUON) on the same inputs (statistics within 2^-10, Q̄ / dŌ within
-4 bf16 units of the largest output; beyond: failed, without a time).
+4 bf16 units of the largest output; beyond: failed, without a time); the last table gives
+each one's speed-up over the table's tiles of the same run.
 
 Variants (``--variant kind=a,b,c,d,e,f``, repeatable, replaces that kind's defaults): the
 keyword arguments of the Gluon function in the order of :data:`FIELDS`; 0 for ``maxnreg``
@@ -278,9 +279,11 @@ def run_dq(variants, x, causal, on_row=lambda rows: None):
 
 def format_table(rows):
     """Markdown table of the sweep's rows (the forward's and the dQ pass's with their
-    speed-up over the Triton pass of the same run)."""
+    speed-up over the Triton pass of the same run, the row passes' over the table's tiles)."""
     base = {r["kind"]: r["ms"] for r in rows if r.get("variant") == "triton" and "ms" in r}
-    out = ["| kind | variant | ms | TFLOP/s | vs Triton |", "| --- | --- | --- | --- | --- |"]
+    base.update({r["kind"]: r["ms"] for r in rows if r.get("table") and "ms" in r})
+    out = ["| kind | variant | ms | TFLOP/s | vs Triton / table |",
+           "| --- | --- | --- | --- | --- |"]
     for r in rows:
         var = r["variant"] if isinstance(r["variant"], str) else \
             ",".join(str(t) for t in r["variant"])
@@ -376,6 +379,8 @@ def run_kind(kind, variants, x, r, causal):
                     raise RuntimeError(f"disagrees with the table's tiles: by {worst:.2e} of "
                                        "the largest output")
                 extra, note = dict(maxdiff_rel=worst), f" ({worst:.1e} from the table's)"
+                if kw == _table_kw(kind, d):
+                    extra["table"] = True
             elif kind in ("bwd_dkdv", "bob_col"):
                 if ref is None:
                     ref, ref_var = [x.float().clone() for x in outs], list(var)

@@ -772,7 +772,7 @@ def test_gluon_bob_row_two_consumers_equal_one_partition():
     to the compiler's rounding choices (2^-16 of the largest α, E + αD; one bf16 unit of
     the largest Q̄, dŌ), full and causal."""
     for causal in (False, True):
-        x, o, lse, delta, alpha64, ee64 = _bob_inputs(causal, heads=(2, 2), d=64)
+        x, _, lse, delta, _, _ = _bob_inputs(causal, heads=(2, 2), d=64)
         one = dict(block_m=64, block_n=64, num_warps=4, stages=2)
         two = _row_2c_kw((128, 64, 2))
         a1 = gluon_bob_stats(*x, lse, delta, causal=causal, **one)

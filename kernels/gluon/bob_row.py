@@ -331,8 +331,9 @@ if HAVE_GLUON:
                               qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                               STATS: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr,
-                              CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                              PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                              CONSUMERS: gl.constexpr, LOW_REGS: gl.constexpr,
+                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                              num_warps: gl.constexpr):
         """Query tile ``program_id(0)`` of (batch·query head) ``program_id(1)``: Q̄, dŌ
         (direct) or α, E + αD (STATS). Tile descriptors view (B·H·N, d) tensors (H = H_q
         for the query side, H_kv for K, V, U_K, U_V; (batch·query head) j reads
@@ -340,16 +341,13 @@ if HAVE_GLUON:
         float32 pointers. WS adds the one-warp TMA producer. CONSUMERS = 2 (with WS) splits
         the query tile between two consumer partitions of ``num_warps`` warps each (the
         query-side and output descriptors have BLOCK_M / CONSUMERS rows), which share the
-        ring of key tiles (each slot released by both) but not their schedule."""
+        ring of key tiles (each slot released by both) but not their schedule; LOW_REGS
+        (two consumers): the direct pass's schedule with fewer registers."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
         krow0 = (gl.program_id(1) // GROUPS) * N
         m0 = row_tile(N, BLOCK_M, CAUSAL)
         n_tiles = key_tiles(m0, N, BLOCK_M, BLOCK_N, CAUSAL)
         SUB: gl.constexpr = BLOCK_M // CONSUMERS
-        # two consumer partitions: 240 registers per thread each (CONSUMER_REGS), enough
-        # for the direct pass's usual schedule at d = 64 with 32-key steps only
-        # (scripts/gluon_compile_sm90.py: no spills)
-        LOW_REGS: gl.constexpr = CONSUMERS == 2 and BLOCK_N + HEAD_DIM > 96
         dtype: gl.constexpr = q_desc.dtype
         q_s = gl.allocate_shared_memory(dtype, [CONSUMERS, SUB, HEAD_DIM], q_desc.layout)
         do_s = gl.allocate_shared_memory(dtype, [CONSUMERS, SUB, HEAD_DIM], do_desc.layout)
@@ -439,8 +437,12 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stat
     else:
         vecs = (lse2, delta.reshape(-1), alpha.reshape(-1), ee.reshape(-1))
     args = (*tiles, *vecs, n, h // k.shape[1], scale, scale * LOG2E)
+    # two consumer partitions have 240 registers per thread each (CONSUMER_REGS): enough
+    # for the direct pass's usual schedule at d = 64 with 32-key steps only
+    # (scripts/gluon_compile_sm90.py: no spills with LOW_REGS elsewhere)
+    low_regs = consumers == 2 and block_n + d > 96
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
-                STATS=bool(stats), STAGES=stages, CONSUMERS=consumers,
+                STATS=bool(stats), STAGES=stages, CONSUMERS=consumers, LOW_REGS=low_regs,
                 num_warps=num_warps // consumers)
     return args, meta, outs
 

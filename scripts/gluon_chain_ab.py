@@ -87,7 +87,10 @@ def parse_variant(text):
             if kind == "fwd":  # ws 2: two consumer partitions, 3: taking turns
                 out[kind].update(consumers=2 if ws >= 2 else 1, pingpong=ws == 3)
             elif kind == "bwd_dq":  # ws 2: two consumer partitions
-                out[kind].update(consumers=2 if ws >= 2 else 1)
+                if ws > 2:
+                    raise ValueError(f"{text}: bwd_dq takes warp_specialize 0, 1 or 2 here "
+                                     "(the table has no field for deferred waits)")
+                out[kind].update(consumers=2 if ws == 2 else 1)
     return name, out
 
 

@@ -201,24 +201,30 @@ def compile_fwd(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg
 
 def compile_dq(mod, gl, d, causal, block_m, block_n, warps, stages, ws, maxnreg, groups=1):
     """The dQ pass of gluon/dq.py (ws: 0 single partition, 1 warp-specialised, 2 two
-    consumer partitions of warps / 2 each)."""
+    consumer partitions of warps / 2 each, 3 the same with deferred dS K waits, 4
+    warp-specialised with deferred dS K waits)."""
     b, n = 1, 4 * max(block_n, block_m)
     q, o, do = (torch.zeros(b, 2 * groups, n, d, dtype=torch.bfloat16) for _ in range(3))
     k, v = (torch.zeros(b, 2, n, d, dtype=torch.bfloat16) for _ in range(2))
     lse = torch.zeros(b, 2 * groups, n)
-    consumers = 2 if ws >= 2 else 1
+    consumers = 2 if ws in (2, 3) else 1
     args, meta, _ = mod._prepare(q, k, v, o, do, lse, 0.125, causal, block_n, block_m, warps,
                                  stages, consumers)
     if maxnreg:
         meta["maxnreg"] = maxnreg
-    return mod._gluon_dq_kernel.warmup(*args, WS=bool(ws), CONSUMER_REGS=mod.CONSUMER_REGS,
+    return mod._gluon_dq_kernel.warmup(*args, WS=bool(ws), DEFER=ws >= 3,
+                                       CONSUMER_REGS=mod.CONSUMER_REGS,
                                        PRODUCER_REGS=mod.PRODUCER_REGS, grid=(1,), **meta)
 
 
 # (block_m, block_n, num_warps, stages, warp_specialize, maxnreg) of the dQ pass
-# (warp_specialize 2: the TMA producer and two consumer partitions)
+# (warp_specialize 2: the TMA producer and two consumer partitions; 3: the same with deferred
+# dS K waits; 4: the producer and one consumer partition with deferred dS K waits)
 DQ_VARIANTS = [
     (128, 128, 8, 2, 2, 0),
+    (128, 128, 8, 2, 3, 0),
+    (128, 64, 8, 3, 3, 0),
+    (128, 64, 8, 3, 4, 0),
     (128, 64, 8, 2, 2, 0),
     (128, 64, 8, 3, 2, 0),
     (128, 128, 8, 2, 0, 0),
@@ -329,8 +335,10 @@ def main() -> int:
           f"{'spill st/ld':>13}{'smem KiB':>10}{'wgmma':>7}")
     bad = 0
     for bn, bm, w, st, ws, mr in variants:
-        if a.kernel in ("fwd", "dq"):
+        if a.kernel == "fwd":
             ws_names = ['-', 'ws', 'ws+2c', 'ws+2c+pp']
+        elif a.kernel == "dq":
+            ws_names = ['-', 'ws', 'ws+2c', 'ws+2c+defer', 'ws+defer']
         elif a.kernel in ("bob_stats", "bob_direct"):
             ws_names = ['-', 'ws', 'ws+2c']
         else:

@@ -126,14 +126,18 @@ ROW_DEFAULTS = {
 }
 
 #: dQ candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel dq)
-#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same with deferred dS K waits, ``defer=True``; 4: the producer and one consumer partition
+#: with deferred waits; the deferred ones last)
 DQ_DEFAULTS = {
     64: [(128, 128, 8, 2, 2, 0), (128, 64, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0),
          (128, 128, 8, 2, 0, 0), (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0),
-         (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0)],
+         (64, 128, 4, 2, 0, 0), (64, 64, 4, 3, 1, 0), (128, 128, 8, 2, 3, 0),
+         (128, 128, 8, 3, 3, 0), (128, 64, 8, 3, 3, 0), (128, 64, 8, 3, 4, 0)],
     128: [(128, 128, 8, 2, 2, 0), (128, 64, 8, 2, 2, 0), (128, 64, 8, 3, 2, 0),
           (128, 64, 8, 2, 0, 0), (128, 64, 8, 3, 1, 0), (64, 64, 4, 2, 0, 0),
-          (64, 64, 4, 3, 1, 0)],
+          (64, 64, 4, 3, 1, 0), (128, 128, 8, 2, 3, 0), (128, 64, 8, 3, 3, 0),
+          (128, 64, 8, 3, 4, 0)],
 }
 
 FLOPS_PER_PAIR_D = {"fwd": 4, "bwd_dq": 6, "bwd_dkdv": 8, "bob_stats": 10, "bob_direct": 18,
@@ -250,7 +254,8 @@ def run_dq(variants, x, causal, on_row=lambda rows: None):
     d_mag = max(delta_t.abs().max().item(), 1e-30)
     for var in variants:
         kw = dict(zip(FIELDS["bwd_dq"], var))
-        kw["consumers"] = 2 if kw["warp_specialize"] >= 2 else 1
+        kw["consumers"] = 2 if kw["warp_specialize"] in (2, 3) else 1
+        kw["defer"] = kw["warp_specialize"] >= 3
         kw["warp_specialize"] = bool(kw["warp_specialize"])
         kw["maxnreg"] = kw.get("maxnreg") or None
         try:

@@ -842,16 +842,23 @@ def test_gluon_bob_row_rejects_bad_consumers():
 from ttt_flash.kernels.gluon.dq import gluon_attn_dq  # noqa: E402
 
 #: (block_m, block_n, num_warps, stages, warp_specialize, maxnreg)
-#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``)
+#: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
+#: same with deferred dS K waits, ``defer=True``; 4: the producer and one consumer partition
+#: with deferred waits)
 DQ_VARIANTS = [(128, 128, 8, 2, 2, None), (128, 64, 8, 3, 2, None), (128, 64, 8, 2, 0, None),
-               (128, 64, 8, 3, 1, None), (64, 64, 4, 2, 0, None)]
+               (128, 64, 8, 3, 1, None), (64, 64, 4, 2, 0, None), (128, 128, 8, 2, 3, None),
+               (128, 64, 8, 3, 4, None)]
 DQ_IDS = ["ws2c-qt128-kt128-w8", "ws2c-qt128-kt64-w8-s3", "qt128-kt64-w8",
-          "ws-qt128-kt64-w8-s3", "qt64-kt64-w4"]
+          "ws-qt128-kt64-w8-s3", "qt64-kt64-w4", "defer-ws2c-qt128-kt128-w8",
+          "defer-ws-qt128-kt64-w8-s3"]
+_DEFER = [i for i, name in enumerate(DQ_IDS) if name.startswith("defer")]
 #: (case, variant): every variant at d = 64 and 128, the table's tiles in every case, the
-#: two consumer-partition variant under GQA and at large logits
-DQ_PAIRS = ([(case, i) for i in range(len(DQ_VARIANTS)) for case in ("h3-d64", "d128")]
+#: two consumer-partition variant under GQA and at large logits; the deferred ones last
+DQ_PAIRS = ([(case, i) for i in range(len(DQ_VARIANTS)) if i not in _DEFER
+             for case in ("h3-d64", "d128")]
             + [(case, "table") for case in FWD_CASES]
-            + [(case, 0) for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")])
+            + [(case, 0) for case in ("gqa-4-2-d64", "gqa-4-1-d128", "peaked-d64")]
+            + [(case, i) for i in _DEFER for case in ("h3-d64", "d128", "gqa-4-1-d128")])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -882,7 +889,8 @@ def test_gluon_dq_matches_triton_and_float64(causal, case, variant):
         dq_t, _, _, delta_t = attn_bwd(q, k, v, o, lse, do, deterministic=True, **kw)
     dq_g, delta_g = gluon_attn_dq(q, k, v, o, do, lse, causal=causal, block_m=bm, block_n=bn,
                                   num_warps=w, stages=st, warp_specialize=ws > 0,
-                                  consumers=2 if ws >= 2 else 1, maxnreg=mr)
+                                  consumers=2 if ws in (2, 3) else 1, defer=ws >= 3,
+                                  maxnreg=mr)
     assert dq_g.shape == q.shape and dq_g.dtype == q.dtype and dq_g.is_contiguous()
     assert delta_g.shape == q.shape[:3] and delta_g.dtype == torch.float32
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -920,6 +928,8 @@ def test_gluon_dq_rejects_bad_inputs():
         gluon_attn_dq(q, q, q, q, q, r, stages=5)
     with pytest.raises(ValueError, match="consumers must be 1, or 2 with warp_specialize"):
         gluon_attn_dq(q, q, q, q, q, r, consumers=2, warp_specialize=False)
+    with pytest.raises(ValueError, match="defer=True needs warp_specialize=True"):
+        gluon_attn_dq(q, q, q, q, q, r, defer=True)
     with pytest.raises(ValueError, match="q has no rows"):
         x = q[:, :, :0]
         gluon_attn_dq(x, x, x, x, x, r[:, :, :0])

@@ -437,10 +437,11 @@ def test_dq_variants_are_launchable():
         ws = 2 if c.consumers == 2 else int(c.warp_specialize)
         variants.append((d, (c.block_m, c.block_n, c.num_warps, c.stages, ws, c.maxnreg or 0)))
     for d, (bm, bn, w, st, ws, mr) in variants:
-        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions
+        # ws: 0 single partition, 1 TMA producer, 2 producer + two consumer partitions,
+        # 3 the same with deferred dS K waits, 4 producer + one consumer with deferred waits
         assert w in (4, 8) and bm == 16 * w and bn in (32, 64, 128), (d, bm, bn, w)
-        assert 2 <= st <= 4 and ws in (0, 1, 2) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
-        assert ws < 2 or w == 8, (ws, w)
+        assert 2 <= st <= 4 and ws in range(5) and (mr == 0 or 24 < mr <= 255), (st, ws, mr)
+        assert ws not in (2, 3) or w == 8, (ws, w)
         assert 2 * d * (2 * bm + 2 * st * bn) <= 227 * 1024, (d, bm, bn, st)
 
 
@@ -1078,7 +1079,8 @@ def test_pass_sweep_checks_the_gluon_dq_against_triton(monkeypatch, one_thread):
 
     sweep = _load_script("gluon_pass_sweep")
 
-    def stand_in(q, k, v, o, do, lse, *, causal, block_n, consumers, **tiles):
+    def stand_in(q, k, v, o, do, lse, *, causal, block_n, consumers, defer, **tiles):
+        assert not defer
         out = (torch.empty_like(q), torch.empty(q.shape[:3]))
         _fake_dq([])(q, k, v, o, do, lse, scale=q.shape[-1] ** -0.5, causal=causal, out=out)
         if block_n == 64:  # wrong dQ

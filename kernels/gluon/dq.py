@@ -32,7 +32,9 @@ Program shapes (``warp_specialize``, ``consumers``):
 - two consumer partitions (``consumers=2``, with the producer): each of num_warps / 2 warps
   owns half the query tile and runs its own schedule over the shared K / V ring (a slot is
   free once both have released it), so that one's exponentials run while the other's
-  products are on the tensor cores.
+  products are on the tensor cores;
+- ``defer`` (warp-specialised shapes): a partition waits for a tile's dS K only after it
+  has issued the next tile's S and dP, and releases the tile's slot then.
 
 Causal: the query tiles are taken longest row first (program 0 gets the last query tile);
 only the key tiles that reach past a partition's first query are masked.
@@ -120,17 +122,43 @@ if HAVE_GLUON:
         return delta
 
     @gluon.jit
+    def _issue_scores(q_s, do_s, k_s, v_s, s_zero):
+        """Issue S = Q Kᵀ and dP = dO Vᵀ of one key tile (asynchronous, two groups)."""
+        st = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(do_s, v_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return st, dpt
+
+    @gluon.jit
+    def _ds_operand(st, dpt, l2, di, m0, n0, qk_scale2, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr,
+                    op_layout: gl.constexpr, dtype: gl.constexpr):
+        """dS = P∘(dP − D) of key tile [n0, n0 + BLOCK_N) as the A operand of dS K, from S
+        and dP in flight (the last two groups issued): P is formed while dP completes."""
+        st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # dP in flight
+        p = gl.exp2(st * qk_scale2 - l2)
+        if CAUSAL:
+            if n0 + BLOCK_N > m0:  # only the diagonal tiles hold masked pairs
+                offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+                offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                vis = gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0)
+                p = gl.where(vis, p, 0.0)
+        dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+        return gl.convert_layout((p * (dpt - di)).to(dtype), op_layout)
+
+    @gluon.jit
     def _dq_consumer(dq_desc, O, DO, LSE, DELTA, q_s, do_s, k_ring, v_ring, q_bar, ready,
                      free, row0, krow0, m0, n_tiles, scale, qk_scale2, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                     STAGES: gl.constexpr, WS: gl.constexpr, k_desc, v_desc,
-                     num_warps: gl.constexpr):
+                     STAGES: gl.constexpr, WS: gl.constexpr, DEFER: gl.constexpr, k_desc,
+                     v_desc, num_warps: gl.constexpr):
         """D of the BLOCK_M queries from ``m0`` (their Q, dO in ``q_s``, ``do_s``), then key
         tiles [0, n_tiles) and the epilogue: dQ·τ by TMA (staged through the Q buffer).
         Query rows from ``row0``, key rows from ``krow0`` (the kv head of the query head
         under GQA). WS: the ring is filled by the producer partition and each slot released
         on ``free`` (by every consumer partition); otherwise this partition issues the
-        copies itself."""
+        copies itself. DEFER (with WS): the wait for dS K of a tile comes after the next
+        tile's S and dP are issued (its slot is released then), so that dS K runs while the
+        next tile's products are queued."""
         dtype: gl.constexpr = q_s.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -152,34 +180,43 @@ if HAVE_GLUON:
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
         acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
         mbarrier.wait(q_bar, 0)
-        for i in range(n_tiles):
-            if not WS:  # refill the slot consumed (and waited for) in the previous iteration
-                nxt = i + STAGES - 1
-                if nxt < n_tiles:
-                    ns = nxt % STAGES
-                    _load_kv(k_desc, v_desc, k_ring, v_ring, ready.index(ns), ns,
-                             krow0 + nxt * BLOCK_N)
-            slot = i % STAGES
-            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            k_s = k_ring.index(slot)
-            st = warpgroup_mma(q_s, k_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            dpt = warpgroup_mma(do_s, v_ring.index(slot).permute((1, 0)), s_zero,
-                                use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # dP in flight
-            p = gl.exp2(st * qk_scale2 - l2)
-            if CAUSAL:
-                n0 = i * BLOCK_N
-                if n0 + BLOCK_N > m0:  # only the diagonal tiles hold masked pairs
-                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-                    offs_n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                    vis = gl.expand_dims(offs_m, 1) >= gl.expand_dims(offs_n, 0)
-                    p = gl.where(vis, p, 0.0)
-            dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-            ds_op = gl.convert_layout((p * (dpt - di)).to(dtype), op_layout)
-            acc = warpgroup_mma(ds_op, k_s, acc, is_async=True)
+        if DEFER:
+            mbarrier.wait(ready.index(0), 0)
+            st, dpt = _issue_scores(q_s, do_s, k_ring.index(0), v_ring.index(0), s_zero)
+            ds_op = _ds_operand(st, dpt, l2, di, m0, 0, qk_scale2, BLOCK_M, BLOCK_N, CAUSAL,
+                                s_layout, op_layout, dtype)
+            acc = warpgroup_mma(ds_op, k_ring.index(0), acc, is_async=True)
+            for i in range(1, n_tiles):
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                st, dpt = _issue_scores(q_s, do_s, k_ring.index(slot), v_ring.index(slot),
+                                        s_zero)
+                # dS K of the previous tile is complete: hand its slot back
+                acc, ds_op = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ds_op))
+                mbarrier.arrive(free.index((i - 1) % STAGES), count=1)
+                ds_op = _ds_operand(st, dpt, l2, di, m0, i * BLOCK_N, qk_scale2, BLOCK_M,
+                                    BLOCK_N, CAUSAL, s_layout, op_layout, dtype)
+                acc = warpgroup_mma(ds_op, k_ring.index(slot), acc, is_async=True)
             acc, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_op))
-            if WS:  # its products are complete: the producer may refill the slot
-                mbarrier.arrive(free.index(slot), count=1)
+            mbarrier.arrive(free.index((n_tiles - 1) % STAGES), count=1)
+        else:
+            for i in range(n_tiles):
+                if not WS:  # refill the slot consumed (and waited for) in the previous tile
+                    nxt = i + STAGES - 1
+                    if nxt < n_tiles:
+                        ns = nxt % STAGES
+                        _load_kv(k_desc, v_desc, k_ring, v_ring, ready.index(ns), ns,
+                                 krow0 + nxt * BLOCK_N)
+                slot = i % STAGES
+                mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+                k_s = k_ring.index(slot)
+                st, dpt = _issue_scores(q_s, do_s, k_s, v_ring.index(slot), s_zero)
+                ds_op = _ds_operand(st, dpt, l2, di, m0, i * BLOCK_N, qk_scale2, BLOCK_M,
+                                    BLOCK_N, CAUSAL, s_layout, op_layout, dtype)
+                acc = warpgroup_mma(ds_op, k_s, acc, is_async=True)
+                acc, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ds_op))
+                if WS:  # its products are complete: the producer may refill the slot
+                    mbarrier.arrive(free.index(slot), count=1)
         q_s.store((acc * scale).to(dtype))
         fence_async_shared()
         _tma_store(dq_desc, [row0 + m0, 0], q_s)
@@ -205,7 +242,7 @@ if HAVE_GLUON:
     def _gluon_dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, O, DO, LSE, DELTA, N, GROUPS,
                          scale, qk_scale2, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         WS: gl.constexpr, CONSUMERS: gl.constexpr,
+                         WS: gl.constexpr, CONSUMERS: gl.constexpr, DEFER: gl.constexpr,
                          CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                          num_warps: gl.constexpr):
         """dQ and D of query tile ``program_id(0)`` (BLOCK_M queries) of (batch·query head)
@@ -215,7 +252,8 @@ if HAVE_GLUON:
         (read for D), LSE the flat natural-log row log-sum-exp and DELTA the flat
         (B·H_q·N,) float32 output D. WS adds the one-warp TMA producer; CONSUMERS = 2
         (with WS) splits the query tile between two consumer partitions of ``num_warps``
-        warps each, which share the K / V ring."""
+        warps each, which share the K / V ring; DEFER (with WS) defers each tile's dS K
+        wait past the next tile's S and dP."""
         row0 = gl.program_id(1) * N  # TMA coordinates are int32 (checked by the wrapper)
         krow0 = (gl.program_id(1) // GROUPS) * N
         m0 = row_tile(N, BLOCK_M, CAUSAL)
@@ -238,11 +276,11 @@ if HAVE_GLUON:
                 (_dq_consumer, (dq_desc, O, DO, LSE, DELTA, q_s.index(0), do_s.index(0),
                                 k_ring, v_ring, q_bar, ready, free, row0, krow0, m0, n_tiles,
                                 scale, qk_scale2, SUB, BLOCK_N, HEAD_DIM, CAUSAL, STAGES,
-                                True, k_desc, v_desc, num_warps)),
+                                True, DEFER, k_desc, v_desc, num_warps)),
                 (_dq_consumer, (dq_desc, O, DO, LSE, DELTA, q_s.index(1), do_s.index(1),
                                 k_ring, v_ring, q_bar, ready, free, row0, krow0, m0 + SUB,
                                 n_tiles, scale, qk_scale2, SUB, BLOCK_N, HEAD_DIM, CAUSAL,
-                                STAGES, True, k_desc, v_desc, num_warps)),
+                                STAGES, True, DEFER, k_desc, v_desc, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_ring, v_ring,
                                 q_bar, ready, free, row0, krow0, m0, n_tiles, BLOCK_N, STAGES,
                                 CONSUMERS)),
@@ -252,7 +290,7 @@ if HAVE_GLUON:
                 (_dq_consumer, (dq_desc, O, DO, LSE, DELTA, q_s.index(0), do_s.index(0),
                                 k_ring, v_ring, q_bar, ready, free, row0, krow0, m0, n_tiles,
                                 scale, qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STAGES,
-                                True, k_desc, v_desc, num_warps)),
+                                True, DEFER, k_desc, v_desc, num_warps)),
                 (_dq_producer, (q_desc, do_desc, k_desc, v_desc, q_s, do_s, k_ring, v_ring,
                                 q_bar, ready, free, row0, krow0, m0, n_tiles, BLOCK_N, STAGES,
                                 CONSUMERS)),
@@ -262,7 +300,7 @@ if HAVE_GLUON:
             _dq_consumer(dq_desc, O, DO, LSE, DELTA, q_s.index(0), do_s.index(0), k_ring,
                          v_ring, q_bar, ready, free, row0, krow0, m0, n_tiles, scale,
                          qk_scale2, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STAGES, False,
-                         k_desc, v_desc, num_warps)
+                         False, k_desc, v_desc, num_warps)
 
 
 def _prepare(q, k, v, o, do, lse, scale, causal, block_n, block_m, num_warps, stages,
@@ -289,7 +327,7 @@ def _prepare(q, k, v, o, do, lse, scale, causal, block_n, block_m, num_warps, st
 
 
 def launch_dq(q, k, v, o, do, lse, *, scale, causal, block_n, block_m, num_warps, stages,
-              warp_specialize=False, consumers=1, maxnreg=None, out=None):
+              warp_specialize=False, consumers=1, defer=False, maxnreg=None, out=None):
     """Launch the pass without checks (the plan or the public entry point has verified the
     call): contiguous (B, H_q, N, d) ``q``, ``o``, ``do``, (B, H_kv, N, d) ``k``, ``v``,
     contiguous float32 (B, H_q, N) ``lse``; ``out``: the contiguous (dq, delta) to write
@@ -300,7 +338,8 @@ def launch_dq(q, k, v, o, do, lse, *, scale, causal, block_n, block_m, num_warps
                                 num_warps, stages, consumers, out)
     if maxnreg is not None:
         meta["maxnreg"] = int(maxnreg)
-    _gluon_dq_kernel[(n // block_m, b * h)](*args, WS=bool(warp_specialize) or consumers > 1,
+    ws = bool(warp_specialize) or consumers > 1
+    _gluon_dq_kernel[(n // block_m, b * h)](*args, WS=ws, DEFER=bool(defer) and ws,
                                             CONSUMER_REGS=CONSUMER_REGS,
                                             PRODUCER_REGS=PRODUCER_REGS, **meta)
     return outs
@@ -308,7 +347,7 @@ def launch_dq(q, k, v, o, do, lse, *, scale, causal, block_n, block_m, num_warps
 
 def gluon_attn_dq(q, k, v, o, do, lse, *, scale=None, causal=False, block_m=BLOCK_M,
                   block_n=BLOCK_N, num_warps=NUM_WARPS, stages=STAGES, warp_specialize=False,
-                  consumers=1, maxnreg=None):
+                  consumers=1, defer=False, maxnreg=None):
     """dQ and D = rowsum(dO∘O) of softmax attention: the Triton dQ pass's results
     (``attn_bwd``'s dq and delta, without the ρ correction).
 
@@ -324,8 +363,9 @@ def gluon_attn_dq(q, k, v, o, do, lse, *, scale=None, causal=False, block_m=BLOC
     8), ``block_n`` keys per step (32, 64 or 128), ``stages`` ring slots (2 to 4),
     ``warp_specialize`` adds a one-warp TMA producer partition, ``consumers=2`` (with
     ``warp_specialize`` and 8 warps) splits the query tile between two 4-warp consumer
-    partitions that share the K / V ring, ``maxnreg`` caps ptxas's registers per thread
-    (None: no cap).
+    partitions that share the K / V ring, ``defer`` (with ``warp_specialize``) waits for
+    each tile's dS K only after the next tile's S and dP are issued, ``maxnreg`` caps
+    ptxas's registers per thread (None: no cap).
     """
     fn = "gluon_attn_dq"
     b, h, n, d = check_args(fn, q, k, (("k", k, True), ("v", v, True), ("o", o, False),
@@ -339,9 +379,11 @@ def gluon_attn_dq(q, k, v, o, do, lse, *, scale=None, causal=False, block_m=BLOC
         raise ValueError(f"{fn}: consumers must be 1, or 2 with warp_specialize=True and "
                          f"num_warps=8, got consumers={consumers}, "
                          f"warp_specialize={warp_specialize}, num_warps={num_warps}")
+    if defer and not warp_specialize:
+        raise ValueError(f"{fn}: defer=True needs warp_specialize=True")
     scale = d ** -0.5 if scale is None else float(scale)
     dq, delta = launch_dq(q, k, v, o, do, lse, scale=scale, causal=causal, block_n=block_n,
                           block_m=block_m, num_warps=num_warps, stages=stages,
-                          warp_specialize=warp_specialize, consumers=consumers,
+                          warp_specialize=warp_specialize, consumers=consumers, defer=defer,
                           maxnreg=maxnreg)
     return dq.view(b, h, n, d), delta.view(b, h, n)

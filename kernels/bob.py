@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import configs
 from . import plan as _plan
 from .bob_cols import _bob_col_kernel
 from .bob_rows import _bob_affine_kernel, _bob_direct_kernel, _bob_stats_kernel
@@ -75,6 +76,10 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     precise = bool(precise)
     known = (stats is not None and stats[0] is not None and stats[1] is not None,
              stats is not None and stats[2] is not None)
+    if configs.ROWSUM_CORRECTION[q.dtype]:
+        # float32: the statistics pass forms its own shifted statistics (bob_rows.py,
+        # _bob_stats_shift_sweep), which α and E + αD from the caller do not give
+        known = (False, False)
     use_window = bool(causal) and window is not None
     tiles_in = (q, k, v, do, uq, uk, uv)
     p = _plan.bob(lay, q.dtype, q.device, window=use_window,
@@ -94,11 +99,16 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             v.shape, dtype=v.dtype, device=v.device)
     else:
         vb = None
+    # float32 (p.rowsum): also ρ and, for the precise passes, j*, c, g, b and D − c around each
+    # row's dominant key (bob_rows.py, _bob_stats_shift_sweep)
+    shifted = [lse] * 5
     if p.given:
         alpha, ee = stats[0].contiguous(), stats[1].contiguous()
         rho = stats[2].contiguous() if p.rowsum else lse
     else:
-        if p.with_stats and p.rowsum:
+        if p.with_stats and p.rowsum and p.affine is None:
+            alpha, ee, rho, *shifted = new_rowvecs(lay, q.device, 8)
+        elif p.with_stats and p.rowsum:
             alpha, ee, rho = new_rowvecs(lay, q.device, 3)
         elif p.with_stats:
             (alpha, ee), rho = new_rowvecs(lay, q.device, 2), lse
@@ -120,6 +130,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     rows = (lse, delta, alpha, ee, rho, rowvec_strides(lay),
             (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
             lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    rows_x = (*rows[:5], tuple(shifted), *rows[5:])  # the precise passes' row vectors
     vb_col = vb if p.col_vb else None
 
     def row_grid(cfg):
@@ -150,7 +161,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
                                       stats=True, **gluon_kw(cfg))
         else:
-            _bob_stats_kernel[row_grid(cfg)](*ins, *rows, **launch(cfg, NEED_E=p.need_e))
+            _bob_stats_kernel[row_grid(cfg)](*ins, *rows_x, **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
         if p.direct.gluon:
@@ -160,7 +171,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       stats=False, out=(qb, dob), **gluon_kw(cfg))
         else:
             _bob_direct_kernel[row_grid(cfg)](
-                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows,
+                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows_x,
                 **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
                          SPLIT=q.dtype != torch.float32 and bool(split_row),
                          STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats,
@@ -174,8 +185,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       out=(kb, vb), **gluon_kw(cfg))
         else:
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
-                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows,
+                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows_x,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
                          SPLIT=q.dtype != torch.float32 and bool(split_col),
-                         QMAJOR=cfg.qmajor))
+                         SHIFT=p.rowsum and p.affine is None, QMAJOR=cfg.qmajor))
     return qb, kb, vb, dob

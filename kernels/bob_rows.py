@@ -14,8 +14,11 @@ With the cotangents U_Q, U_K, U_V of (dQ, dK, dV), per tile (bob-math.md)
 - ``_bob_affine_kernel`` (``precise=False``): the two-pass affine form of bob-math.md, six
   α-free accumulators, α and E formed at the end of the row.
 
-The row passes scale their accumulators by ρ at the end. A missing cotangent removes its
-products at compile time (constexpr flags).
+The row passes scale their accumulators by ρ at the end. Float32 inputs (ROWSUM) recompute P
+in natural units and shift dP, G, B by their values at each row's dominant key
+(``_bob_stats_shift_sweep``, bob-math.md, "Row sums of the recomputed P"); 16-bit inputs
+compile none of it. A missing cotangent removes its products at compile time (constexpr
+flags).
 """
 
 from __future__ import annotations
@@ -28,12 +31,18 @@ from .common import (
     _row_probs,
     _row_scores,
     _NO_SPECIALIZE,
+    _bob_load_shift,
+    _bob_refs,
+    _bob_shift_tile,
+    _bob_store_shift,
     _dot_acc,
+    _row_dominant_sweep,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
     _load_view,
     _lse_log2,
+    _lse_nat,
     _row_off,
     _row_program,
     _rows,
@@ -49,9 +58,11 @@ from .common import (
 @triton.jit
 def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr):
+                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr,
+                      ROWSUM: tl.constexpr):
     """What every row program loads first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
-    lse2, delta), U_Q a placeholder (q) without HAS_UQ."""
+    lse2, delta), U_Q a placeholder (q) without HAS_UQ; L in log2 units, or with ROWSUM in
+    natural units (common.py, ``_nat_probs``)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
@@ -62,7 +73,10 @@ def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
     uq = q
     if HAS_UQ:
         uq = _load_view(UQ, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    if ROWSUM:
+        lse2 = _lse_nat(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    else:
+        lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     return offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta
 
@@ -89,16 +103,21 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
                   PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr):
+                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr,
+                  ROWSUM: tl.constexpr):
     """Key tile [start_n, start_n + BLOCK_N) of a row program: loads K, V (U_K, U_V) and
     returns (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo,
-    mid_hi)), dP and B when NEED_DP, G (scaled by τ) when HAS_G. Absent values are
-    placeholders (never read)."""
+    mid_hi); with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when
+    HAS_G. Absent values are placeholders (never read)."""
     offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                   BLOCK_N, EVEN_D, LONG)
     v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-                   window, qk_scale, PREC, CAUSAL, WINDOW)
+    if ROWSUM:
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, scale, PREC, CAUSAL, WINDOW, True)
+    else:
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, qk_scale, PREC, CAUSAL, WINDOW)
     dp = p
     b_tile = p
     g = p
@@ -133,6 +152,57 @@ def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
 
 
 @triton.jit
+def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+                           stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d, m_ok,
+                           lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                           LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                           HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                           NEED_E: tl.constexpr):
+    """The float32 row statistics of one query tile (bob-math.md, "Row sums of the
+    recomputed P"): a scores-only sweep finds ρ and the dominant key j*; with c, g, b = dP, G,
+    B at j* and x = dP − c, y = G − g, z = B − b (0 at j*), the second sweep forms
+    D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
+    that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
+    cancellation where one key dominates. Returns (α − g, F, ρ, j*, c, g, b, D − c)."""
+    jstar, r_p = _row_dominant_sweep(q, k_base, stride_kn, lse2, offs_m, offs_d, lo, mid_lo,
+                                     mid_hi, hi, n_q, n_k, shift, window, scale, HEAD_DIM,
+                                     BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
+    rho = 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
+    cref, gref, bref = _bob_refs(q, do, uq, jstar, k_base, v_base, uk_base, uv_base, stride_kn,
+                                 stride_vn, stride_ukn, stride_uvn, m_ok, n_k, offs_d, scale,
+                                 HEAD_DIM, BLOCK_M, EVEN_D, LONG, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
+                                 NEED_E)
+    r_y = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_x = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
+            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, True)
+        dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
+        x, y, z = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G, NEED_E)
+        if HAS_G:
+            r_y += tl.sum(p * y, 1)
+            if NEED_E:
+                if HAS_UV:
+                    r_e += tl.sum(p * (y * x + z), 1)
+                else:
+                    r_e += tl.sum(p * (y * x), 1)
+        elif NEED_E:
+            r_e += tl.sum(p * z, 1)
+        if NEED_E:
+            r_x += tl.sum(p * x, 1)
+    alpha = r_y * rho
+    dtil = r_x * rho
+    f = r_e * rho - alpha * dtil
+    return alpha, f, rho, jstar, cref, gref, bref, dtil
+
+
+@triton.jit
 def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                      stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                      lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
@@ -140,10 +210,9 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                      LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-                     NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
-    """Row statistics of one query tile over key tiles [lo, hi): (α, E + αD, ρ), all with the
-    corrected P·ρ. Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
-    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+                     NEED_E: tl.constexpr):
+    """Row statistics of one query tile over key tiles [lo, hi), 16-bit inputs: (α, E + αD).
+    Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
     r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -151,9 +220,7 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
-        if ROWSUM:
-            r_p += tl.sum(p, 1)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, False)
         if HAS_G:
             r_alpha += tl.sum(p * g, 1)
             if NEED_E:
@@ -163,14 +230,13 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                     r_e += tl.sum(p * (g * dp), 1)
         elif NEED_E:
             r_e += tl.sum(p * b_tile, 1)
-    rho = _rowsum_scale(r_p, ROWSUM)
-    alpha = r_alpha * rho
-    e_ad = r_e * rho - alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
-    return alpha, e_ad, rho
+    e_ad = r_e - r_alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
+    return r_alpha, e_ad
 
 
 @triton.jit
-def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
+def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base,
+                      v_base, uk_base, uv_base,
                       stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                       lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,10 +244,11 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
                       EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
                       HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
                       HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr):
     """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
     E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
-    ρ for the corrected P)."""
+    ρ for the corrected P). With ROWSUM, dP, G, B are shifted by c, g, b (``_bob_shift_tile``)
+    and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g and F (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -189,7 +256,11 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, ROWSUM)
+        if ROWSUM:
+            dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
+            dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G,
+                                            NEED_QB)
         if HAS_G:
             g = g - alpha[:, None]  # G − α
         if NEED_DOB:
@@ -212,12 +283,48 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
     return a_qb, a_dob
 
 
+@triton.jit
+def _bob_row_stats(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
+                   offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                   LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                   HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                   NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
+    """The statistics sweep of one query tile: (α, E + αD, 1, placeholders..., D) for 16-bit
+    inputs, (α − g, F, ρ, j*, c, g, b, D − c) with ROWSUM (``_bob_stats_shift_sweep``)."""
+    if ROWSUM:
+        return _bob_stats_shift_sweep(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
+            offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E)
+    else:
+        alpha, e_ad = _bob_stats_sweep(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3],
+            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E)
+        return (alpha, e_ad, tl.full([BLOCK_M], 1.0, tl.float32), offs_m, delta, delta, delta,
+                delta)
+
+
+@triton.jit
+def _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
+                     gref, bref, dtil, ROWSUM: tl.constexpr):
+    """Write what ``_bob_row_stats`` returned for the passes that follow."""
+    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
+    if ROWSUM:
+        _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
+
+
 # --------------------------------------------------------------------------- row kernels
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_stats_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -225,8 +332,10 @@ def _bob_stats_kernel(
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_E: tl.constexpr, ROWSUM: tl.constexpr,
 ):
-    """Statistics pass: writes α, E + αD (and ρ with ROWSUM) of one query tile. Tiles: views
-    (common.py); LSE ... RHO: row vectors with strides RS."""
+    """Statistics pass: writes α, E + αD of one query tile; with ROWSUM (float32) α − g, F,
+    ρ, j*, c, g, b and D − c instead (``_bob_stats_shift_sweep``; SH = the row vectors of
+    j*, c, g, b, D − c). Tiles: views (common.py); LSE ... RHO and SH: row vectors with strides
+    RS."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -234,25 +343,22 @@ def _bob_stats_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
-    alpha, e_ad, rho = _bob_stats_sweep(
-        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
-        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
-        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
-    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
-    if ROWSUM:
-        tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+    alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m, offs_d,
+        m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
+        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
+        NEED_E, ROWSUM)
+    _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
+                     gref, bref, delta, ROWSUM)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_direct_kernel(
-    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -262,8 +368,9 @@ def _bob_direct_kernel(
     STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
 ):
     """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD, ρ
-    come from the statistics pass, or (STATS_FIRST) from this program's own statistics sweep
-    over the same keys, then written when WRITE_STATS (a key-tile pass follows)."""
+    (with ROWSUM: α − g, F, ρ, j*, c, g, b, D − c) come from the statistics pass, or
+    (STATS_FIRST) from this program's own statistics sweep over the same keys, then written
+    when WRITE_STATS (a key-tile pass follows)."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -271,35 +378,33 @@ def _bob_direct_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
+    jstar, cref, gref, bref = offs_m, delta, delta, delta  # placeholders, read with ROWSUM only
     if STATS_FIRST:
-        alpha, e_ad, rho = _bob_stats_sweep(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
-            K[3], V[3], UK[3], UV[3], offs_m, offs_d,
-            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
+        alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
+            offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E, ROWSUM)
         if WRITE_STATS:
-            tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-            tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
-            if ROWSUM:
-                tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+            _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar,
+                             cref, gref, bref, delta, ROWSUM)
     else:
         alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
         e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
         if ROWSUM:
-            rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
+            rho, jstar, cref, gref, bref, delta = _bob_load_shift(RHO, SH, row_off, offs_m, m_ok)
         else:
             rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
-        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
+        q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base, v_base, uk_base,
+        uv_base, K[3], V[3], UK[3], UV[3], offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT)
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM)
     if NEED_QB:
         qb = a_qb * (rho * scale)[:, None]
         _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -334,7 +439,7 @@ def _bob_affine_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
@@ -353,7 +458,7 @@ def _bob_affine_kernel(
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
             UK[3], UV[3], offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
         if ROWSUM:
             r_p += tl.sum(p, 1)
         pg = p

@@ -26,7 +26,6 @@ from .common import (
     _row_probs,
     LOG2E,
     _NO_SPECIALIZE,
-    _dominant_dot,
     _dot_acc,
     _key_tile_range,
     _kt_dot,
@@ -41,7 +40,8 @@ from .common import (
     _load_index,
     _lse_log2,
     _lse_nat,
-    _row_dominant_sweep,
+    _nat_probs,
+    _visible,
     _store_index,
     _query_tile_range,
     _row_off,
@@ -81,14 +81,13 @@ def _attn_bwd_kt_tile(k, v, q_base, do_base, l_base, d_base, r_base, j_base, c_b
     rows = _rows(offs_m, LONG)
     q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    lse = _load_rowvec(l_base, offs_m, m_ok, True)
-    delta = _load_rowvec(d_base, offs_m, m_ok, True)
     if ROWSUM:  # natural units, qk_scale = τ (common.py, _nat_probs)
-        p = _kt_probs(k, q, _lse_nat(lse), offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k,
-                      shift, window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR, True)
+        lse2 = _lse_nat(_load_rowvec(l_base, offs_m, m_ok, True))
     else:
-        p = _kt_probs(k, q, _lse_log2(lse), offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k,
-                      shift, window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
+        lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
+    delta = _load_rowvec(d_base, offs_m, m_ok, True)
+    p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
+                  window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR, ROWSUM)
     dp = _kt_dot(v, do, None, PREC, QMAJOR)
     if ROWSUM:
         p = p * _kt_q(_load_rowvec(r_base, offs_m, m_ok, True), QMAJOR)
@@ -156,46 +155,69 @@ def _attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _attn_bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, offs_m,
-                       offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
+def _attn_bwd_dq_inner(dq, q, do, lse2, delta, jstar, cref, k_base, v_base, stride_kn, stride_vn,
+                       offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                        CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                       LONG: tl.constexpr, PREC: tl.constexpr):
-    """Accumulate dQ (unscaled) of one query tile over key tiles [lo, hi)."""
+                       LONG: tl.constexpr, PREC: tl.constexpr, ROWSUM: tl.constexpr):
+    """Accumulate dQ (unscaled; with ROWSUM uncorrected, P in natural units and dP − D formed
+    as (dP − c) − (D − c): ``delta`` holds D − c, 0 at the dominant key ``jstar``) of one query
+    tile over key tiles [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                       BLOCK_N, EVEN_D, LONG)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-                       window, qk_scale, PREC, CAUSAL, WINDOW)
+                       window, qk_scale, PREC, CAUSAL, WINDOW, ROWSUM)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        if ROWSUM:
+            dp = tl.where(offs_n[None, :] == jstar[:, None], 0.0, dp - cref[:, None])
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq
 
 
 @triton.jit
-def _attn_bwd_dq_shift_inner(a_xk, a_pk, r_x, q, do, lse, jstar, cref, k_base, v_base,
-                             stride_kn, stride_vn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
-                             n_k, shift, window, scale, HEAD_DIM: tl.constexpr,
-                             BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                             EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr):
-    """The float32 dQ sweep of one query tile over key tiles [lo, hi), with x = dP − c (0 at
-    the dominant key j*, c = dP there): accumulates Σ P x K, Σ P K and rowsum(P x), P
-    uncorrected, in natural units (``lse``, ``scale``: common.py, ``_nat_probs``); then
-    dQ = τ ρ (Σ P x K − (D − c) Σ P K) with D − c = ρ rowsum(P x)."""
+def _attn_bwd_dq_stats(q, do, lse, k_base, v_base, stride_kn, stride_vn, offs_m, offs_d, lo,
+                       mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
+                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                       LONG: tl.constexpr, PREC: tl.constexpr):
+    """The float32 row statistics of one query tile over key tiles [lo, hi), P̂ = exp(S − L)
+    uncorrected (natural units): (j*, c, rowsum(P̂), rowsum(P̂ x)) with j* the first key of
+    largest S, c = dP there and x = dP − c (0 at j*). j* and c are those of the keys seen so
+    far; when they move, the sum so far is re-shifted, rowsum(P̂ x) += (c_old − c_new)
+    rowsum(P̂) (exact: the old j*'s x becomes c_old − c_new), a small term where it matters,
+    since the keys before a dominant one carry little P̂."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    jstar = tl.zeros([BLOCK_M], dtype=tl.int32)
+    cref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_x = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                           BLOCK_N, EVEN_D, LONG)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-        p = _row_probs(q, k, lse, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-                       window, scale, PREC, CAUSAL, WINDOW, True)
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = _nat_probs(qk, scale, lse[:, None])
+        if (start_n < mid_lo) | (start_n >= mid_hi):
+            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL,
+                           WINDOW)
+            p = tl.where(vis, p, 0.0)
+            qk = tl.where(vis, qk, float("-inf"))
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        px = p * tl.where(offs_n[None, :] == jstar[:, None], 0.0, dp - cref[:, None])
-        r_x += tl.sum(px, 1)
-        a_xk = tl.dot(px.to(k.dtype), k, a_xk, input_precision=PREC)
-        a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
-    return a_xk, a_pk, r_x
+        t_max = tl.max(qk, 1)
+        t_arg = start_n + tl.argmax(qk, 1).to(tl.int32)
+        better = t_max > m
+        c_new = tl.where(better, tl.sum(tl.where(offs_n[None, :] == t_arg[:, None], dp, 0.0), 1),
+                         cref)
+        r_x += (cref - c_new) * r_p
+        jstar = tl.where(better, t_arg, jstar)
+        cref = c_new
+        m = tl.maximum(m, t_max)
+        r_x += tl.sum(p * tl.where(offs_n[None, :] == jstar[:, None], 0.0, dp - cref[:, None]), 1)
+        r_p += tl.sum(p, 1)
+    return jstar, cref, r_p, r_x
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -206,9 +228,9 @@ def _attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, ROWSUM: tl.constexpr,
 ):
     """dQ of one query tile; it also forms D = rowsum(dO∘O) of its rows and writes it (the
-    BoB reads it). With ROWSUM (float32) a scores-only sweep first finds ρ = 1 / rowsum(P)
-    and the dominant key j* of each row, and the dQ sweep forms dP − D as (dP − c) − (D − c)
-    around c = dP at j* (bob-math.md, "Row sums of the recomputed P"); ρ and SH = (j*, c,
+    BoB reads it). With ROWSUM (float32) a first sweep finds ρ = 1 / rowsum(P), the dominant
+    key j* of each row, c = dP there and D − c, and the dQ sweep forms dP − D as
+    (dP − c) − (D − c) (bob-math.md, "Row sums of the recomputed P"); ρ and SH = (j*, c,
     D − c) are written for the dK/dV launch that follows."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
@@ -222,7 +244,10 @@ def _attn_bwd_dq_kernel(
     q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     row_off = _row_off(RS, b64, h64, q_start64)
-    lse = _load_rowvec(LSE + row_off, offs_m, m_ok, True)
+    if ROWSUM:  # natural units (common.py, _nat_probs)
+        lse2 = _lse_nat(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    else:
+        lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     o = _load_view(O, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + row_off + offs_m, delta, mask=m_ok)
@@ -232,29 +257,26 @@ def _attn_bwd_dq_kernel(
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     if ROWSUM:
-        lse = _lse_nat(lse)
-        jstar, r_p = _row_dominant_sweep(q, k_base, K[3], lse, offs_m, offs_d, lo, mid_lo, mid_hi,
-                                         hi, n_q, n_k, shift, window, scale, HEAD_DIM, BLOCK_M,
-                                         BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
+        jstar, cref, r_p, r_x = _attn_bwd_dq_stats(
+            q, do, lse2, k_base, v_base, K[3], V[3], offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
+            n_k, shift, window, scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG,
+            PREC)
         rho = 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
-        cref = _dominant_dot(do, v_base, jstar, V[3], m_ok & (jstar < n_k), offs_d, HEAD_DIM,
-                             EVEN_D, LONG)
-        a_pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        r_x = tl.zeros([BLOCK_M], dtype=tl.float32)
-        dq, a_pk, r_x = _attn_bwd_dq_shift_inner(
-            dq, a_pk, r_x, q, do, lse, jstar, cref, k_base, v_base, K[3], V[3], offs_m, offs_d,
-            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, HEAD_DIM, BLOCK_N, CAUSAL,
-            WINDOW, EVEN_D, LONG, PREC)
         dtil = r_x * rho  # D − c
-        dq = (dq - dtil[:, None] * a_pk) * (rho * scale)[:, None]
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, dtil, jstar, cref, k_base, v_base, K[3], V[3],
+                                offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
+                                scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+                                True)
+        dq = dq * (rho * scale)[:, None]
         tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
         _store_index(SH[0] + row_off, offs_m, jstar, m_ok)
         tl.store(SH[1] + row_off + offs_m, cref, mask=m_ok)
         tl.store(SH[2] + row_off + offs_m, dtil, mask=m_ok)
     else:
-        dq = _attn_bwd_dq_inner(dq, q, do, _lse_log2(lse), delta, k_base, v_base, K[3], V[3],
-                                offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
-                                qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
+        dq = _attn_bwd_dq_inner(dq, q, do, lse2, delta, offs_m, delta, k_base, v_base, K[3],
+                                V[3], offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift,
+                                window, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG,
+                                PREC, False)
         dq = dq * scale
     _store_view(DQ, b64, h64, q_start64, rows_m, dq, m_ok, offs_d, HEAD_DIM, EVEN_D)
 
@@ -297,7 +319,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         _attn_bwd_dq_kernel[grid](
             *(view(x, lay.varlen) for x in (q, k, v, o, do, dq)), lse, delta, rho,
             (jstar, cref, dtil), rowvec_strides(lay), cu, *args, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, ROWSUM=p.rowsum, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            BLOCK_N=cfg.block_n, ROWSUM=p.rowsum, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common,
         )
     elif dq.numel():
         dq.zero_()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from . import configs
 from . import plan as _plan
 from .bob_cols import _bob_col_kernel
 from .bob_rows import _bob_affine_kernel, _bob_direct_kernel, _bob_stats_kernel
@@ -76,10 +75,6 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     precise = bool(precise)
     known = (stats is not None and stats[0] is not None and stats[1] is not None,
              stats is not None and stats[2] is not None)
-    if configs.ROWSUM_CORRECTION[q.dtype]:
-        # float32: the statistics pass forms its own shifted statistics (bob_rows.py,
-        # _bob_stats_shift_sweep), which α and E + αD from the caller do not give
-        known = (False, False)
     use_window = bool(causal) and window is not None
     tiles_in = (q, k, v, do, uq, uk, uv)
     p = _plan.bob(lay, q.dtype, q.device, window=use_window,
@@ -99,14 +94,16 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             v.shape, dtype=v.dtype, device=v.device)
     else:
         vb = None
-    # float32 (p.rowsum): also ρ and, for the precise passes, j*, c, g, b and D − c around each
-    # row's dominant key (bob_rows.py, _bob_stats_shift_sweep)
+    # float32 (p.rowsum): also ρ and, where this call's statistics pass forms them (not with
+    # the caller's statistics nor the affine pass), j*, c, g, b and D − c around each row's
+    # dominant key (bob_rows.py, _bob_stats_shift_sweep)
+    shift = p.rowsum and not p.given and p.affine is None
     shifted = [lse] * 5
     if p.given:
         alpha, ee = stats[0].contiguous(), stats[1].contiguous()
         rho = stats[2].contiguous() if p.rowsum else lse
     else:
-        if p.with_stats and p.rowsum and p.affine is None:
+        if p.with_stats and shift:
             alpha, ee, rho, *shifted = new_rowvecs(lay, q.device, 8)
         elif p.with_stats and p.rowsum:
             alpha, ee, rho = new_rowvecs(lay, q.device, 3)
@@ -173,7 +170,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             _bob_direct_kernel[row_grid(cfg)](
                 *ins, view(qb, varlen, q), view(dob, varlen, do), *rows_x,
                 **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
-                         SPLIT=q.dtype != torch.float32 and bool(split_row),
+                         SPLIT=q.dtype != torch.float32 and bool(split_row), SHIFT=shift,
                          STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats,
                          NEED_E=p.need_e))
     if p.col is not None:
@@ -188,5 +185,5 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                 *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows_x,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
                          SPLIT=q.dtype != torch.float32 and bool(split_col),
-                         SHIFT=p.rowsum and p.affine is None, QMAJOR=cfg.qmajor))
+                         SHIFT=shift, QMAJOR=cfg.qmajor))
     return qb, kb, vb, dob

@@ -32,11 +32,9 @@ from .common import (
     _row_scores,
     _NO_SPECIALIZE,
     _bob_load_shift,
-    _bob_refs,
     _bob_shift_tile,
     _bob_store_shift,
     _dot_acc,
-    _row_dominant_sweep,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
@@ -153,7 +151,7 @@ def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
 
 @triton.jit
 def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-                           stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d, m_ok,
+                           stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
@@ -161,19 +159,20 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
                            HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
                            NEED_E: tl.constexpr):
     """The float32 row statistics of one query tile (bob-math.md, "Row sums of the
-    recomputed P"): a scores-only sweep finds ρ and the dominant key j*; with c, g, b = dP, G,
-    B at j* and x = dP − c, y = G − g, z = B − b (0 at j*), the second sweep forms
+    recomputed P"), P̂ = exp(S − L) uncorrected: with j* the key of largest P̂, c, g, b = dP, G,
+    B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
     D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
     that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
-    cancellation where one key dominates. Returns (α − g, F, ρ, j*, c, g, b, D − c)."""
-    jstar, r_p = _row_dominant_sweep(q, k_base, stride_kn, lse2, offs_m, offs_d, lo, mid_lo,
-                                     mid_hi, hi, n_q, n_k, shift, window, scale, HEAD_DIM,
-                                     BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC)
-    rho = 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
-    cref, gref, bref = _bob_refs(q, do, uq, jstar, k_base, v_base, uk_base, uv_base, stride_kn,
-                                 stride_vn, stride_ukn, stride_uvn, m_ok, n_k, offs_d, scale,
-                                 HEAD_DIM, BLOCK_M, EVEN_D, LONG, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
-                                 NEED_E)
+    cancellation where one key dominates. j*, c, g, b are those of the keys seen so far; when
+    they move, the sums so far are re-shifted exactly (the old j*'s x, y, z become the old
+    minus the new c, g, b), a small correction where it matters: the keys before a dominant
+    one carry little P̂. Returns (α − g, F, ρ, j*, c, g, b, D − c)."""
+    m = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
+    jstar = tl.zeros([BLOCK_M], dtype=tl.int32)
+    cref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    gref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_y = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_x = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -183,7 +182,30 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, True)
-        dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        t_max = tl.max(p, 1)
+        t_arg = start_n + tl.argmax(p, 1).to(tl.int32)
+        better = t_max > m
+        at = offs_n[None, :] == t_arg[:, None]
+        # move j* (and c, g, b) to this tile's largest P̂ where it beats the old one
+        d_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NEED_E:
+            d_c = tl.where(better, tl.sum(tl.where(at, dp, 0.0), 1) - cref, 0.0)
+            if HAS_UV:
+                d_b = tl.where(better, tl.sum(tl.where(at, b_tile, 0.0), 1) - bref, 0.0)
+                r_e -= d_b * r_p
+                bref += d_b
+        if HAS_G:
+            d_g = tl.where(better, tl.sum(tl.where(at, g, 0.0), 1) - gref, 0.0)
+            gref += d_g
+        r_e += d_g * d_c * r_p - d_g * r_x - d_c * r_y
+        r_x -= d_c * r_p
+        r_y -= d_g * r_p
+        cref += d_c
+        jstar = tl.where(better, t_arg, jstar)
+        m = tl.maximum(m, t_max)
+        dom = offs_n[None, :] == jstar[:, None]
         x, y, z = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G, NEED_E)
         if HAS_G:
             r_y += tl.sum(p * y, 1)
@@ -196,6 +218,8 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
             r_e += tl.sum(p * z, 1)
         if NEED_E:
             r_x += tl.sum(p * x, 1)
+        r_p += tl.sum(p, 1)
+    rho = 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
     alpha = r_y * rho
     dtil = r_x * rho
     f = r_e * rho - alpha * dtil
@@ -244,11 +268,12 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
                       EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
                       HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
                       HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
-                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr):
+                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
     """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
     E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
-    ρ for the corrected P). With ROWSUM, dP, G, B are shifted by c, g, b (``_bob_shift_tile``)
-    and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g and F (``_bob_stats_shift_sweep``)."""
+    ρ for the corrected P). ROWSUM: P in natural units. SHIFT: dP, G, B are shifted by c, g, b
+    (``_bob_shift_tile``) and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g and F
+    (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -257,7 +282,7 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, ROWSUM)
-        if ROWSUM:
+        if SHIFT:
             dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
             dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G,
                                             NEED_QB)
@@ -285,7 +310,7 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
 
 @triton.jit
 def _bob_row_stats(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
-                   offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                   offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                    LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
@@ -296,7 +321,7 @@ def _bob_row_stats(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, 
     if ROWSUM:
         return _bob_stats_shift_sweep(
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
-            offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
             HAS_UV, HAS_G, NEED_E)
     else:
@@ -349,7 +374,7 @@ def _bob_stats_kernel(
         CAUSAL, WINDOW)
     alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
         q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m, offs_d,
-        m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
+        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
         BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
         NEED_E, ROWSUM)
     _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
@@ -365,12 +390,14 @@ def _bob_direct_kernel(
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
-    STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
+    SHIFT: tl.constexpr, STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr,
+    NEED_E: tl.constexpr,
 ):
-    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD, ρ
-    (with ROWSUM: α − g, F, ρ, j*, c, g, b, D − c) come from the statistics pass, or
-    (STATS_FIRST) from this program's own statistics sweep over the same keys, then written
-    when WRITE_STATS (a key-tile pass follows)."""
+    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD (ρ
+    with ROWSUM; with SHIFT α − g, F, ρ, j*, c, g, b, D − c: float32 without statistics from
+    the caller) come from the statistics pass, or (STATS_FIRST, which implies SHIFT for
+    float32) from this program's own statistics sweep over the same keys, then written when
+    WRITE_STATS (a key-tile pass follows)."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -382,11 +409,11 @@ def _bob_direct_kernel(
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
-    jstar, cref, gref, bref = offs_m, delta, delta, delta  # placeholders, read with ROWSUM only
+    jstar, cref, gref, bref = offs_m, delta, delta, delta  # placeholders, read with SHIFT only
     if STATS_FIRST:
         alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
             q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
-            offs_d, m_ok, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
             HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
             HAS_UV, HAS_G, NEED_E, ROWSUM)
         if WRITE_STATS:
@@ -395,8 +422,10 @@ def _bob_direct_kernel(
     else:
         alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
         e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
-        if ROWSUM:
+        if SHIFT:
             rho, jstar, cref, gref, bref, delta = _bob_load_shift(RHO, SH, row_off, offs_m, m_ok)
+        elif ROWSUM:
+            rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
         else:
             rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
@@ -404,7 +433,7 @@ def _bob_direct_kernel(
         uv_base, K[3], V[3], UK[3], UV[3], offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM)
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, SHIFT)
     if NEED_QB:
         qb = a_qb * (rho * scale)[:, None]
         _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)

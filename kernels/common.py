@@ -429,46 +429,6 @@ def _lse_log2(lse):
 
 
 @triton.jit
-def _row_dominant_sweep(q, k_base, stride_kn, lse, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
-                        n_k, shift, window, scale, HEAD_DIM: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                        WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                        PREC: tl.constexpr):
-    """The dominant key j* (the first key of largest S; 0 for rows that see no key) and
-    rowsum(exp(S − L)) of one query tile over key tiles [lo, hi): the scores-only sweep that
-    precedes the float32 row passes (bob-math.md, "Row sums of the recomputed P"). ``lse`` and
-    ``scale`` in natural units, as :func:`_nat_probs` takes them."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    jstar = tl.zeros([BLOCK_M], dtype=tl.int32)
-    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
-                                          BLOCK_N, EVEN_D, LONG)
-        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if (start_n < mid_lo) | (start_n >= mid_hi):
-            vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL,
-                           WINDOW)
-            r_p += tl.sum(tl.where(vis, _nat_probs(qk, scale, lse[:, None]), 0.0), 1)
-            qk = tl.where(vis, qk, float("-inf"))
-        else:
-            r_p += tl.sum(_nat_probs(qk, scale, lse[:, None]), 1)
-        t_max = tl.max(qk, 1)
-        t_arg = tl.argmax(qk, 1).to(tl.int32)
-        jstar = tl.where(t_max > m, start_n + t_arg, jstar)
-        m = tl.maximum(m, t_max)
-    return jstar, r_p
-
-
-@triton.jit
-def _dominant_dot(a, base, jstar, stride_row, ok, offs_d, HEAD_DIM: tl.constexpr,
-                  EVEN_D: tl.constexpr, LONG: tl.constexpr):
-    """Row i of the (rows, BLOCK_D) tile ``a`` dotted with row ``jstar[i]`` at ``base`` (0
-    where not ``ok``): a score-shaped product at each row's dominant key."""
-    b = _load_tile(base, _rows(jstar, LONG), stride_row, ok, offs_d, HEAD_DIM, True, EVEN_D)
-    return tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)
-
-
-@triton.jit
 def _store_index(base, offs, idx, ok):
     """Store int32 row indices into a float32 row vector (bit pattern kept)."""
     tl.store(base + offs, idx.to(tl.float32, bitcast=True), mask=ok)
@@ -478,34 +438,6 @@ def _store_index(base, offs, idx, ok):
 def _load_index(base, offs, ok):
     """Load int32 row indices stored by :func:`_store_index` (0 where not ``ok``)."""
     return tl.load(base + offs, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-
-
-@triton.jit
-def _bob_refs(q, do, uq, jstar, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
-              stride_ukn, stride_uvn, m_ok, n_k, offs_d, scale, HEAD_DIM: tl.constexpr,
-              BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-              HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
-              HAS_G: tl.constexpr, NEED_E: tl.constexpr):
-    """(c, g, b): dP, G and B at each row's dominant key j* (0 where absent or not needed),
-    from the gathered key rows."""
-    ok = m_ok & (jstar < n_k)
-    cref = tl.zeros([BLOCK_M], dtype=tl.float32)
-    gref = tl.zeros([BLOCK_M], dtype=tl.float32)
-    bref = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NEED_E:
-        cref = _dominant_dot(do, v_base, jstar, stride_vn, ok, offs_d, HEAD_DIM, EVEN_D, LONG)
-        if HAS_UV:
-            bref = _dominant_dot(do, uv_base, jstar, stride_uvn, ok, offs_d, HEAD_DIM, EVEN_D,
-                                 LONG)
-    if HAS_G:
-        if HAS_UK:
-            gref = _dominant_dot(q, uk_base, jstar, stride_ukn, ok, offs_d, HEAD_DIM, EVEN_D,
-                                 LONG)
-        if HAS_UQ:
-            gref += _dominant_dot(uq, k_base, jstar, stride_kn, ok, offs_d, HEAD_DIM, EVEN_D,
-                                  LONG)
-        gref = gref * scale
-    return cref, gref, bref
 
 
 @triton.jit

@@ -45,9 +45,11 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
                     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, qk_scale,
                     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                    PREC: tl.constexpr):
+                    PREC: tl.constexpr, NAT: tl.constexpr):
     """Online-softmax accumulation over key tiles [lo, hi); only tiles outside
-    [mid_lo, mid_hi) (band edges, ragged tail) are masked."""
+    [mid_lo, mid_hi) (band edges, ragged tail) are masked. Scores and the running max are in
+    log2 units, or with NAT (float32) in natural units (``qk_scale`` = τ), converted only after
+    the subtraction (common.py, ``_nat_probs``)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                       BLOCK_N, EVEN_D, LONG)
@@ -55,8 +57,12 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
                         qk_scale, PREC, CAUSAL, WINDOW)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp2(s - m_use[:, None])
-        corr = tl.exp2(m_i - m_use)
+        if NAT:
+            p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
+            corr = tl.exp2((m_i - m_use) * 1.4426950408889634)
+        else:
+            p = tl.exp2(s - m_use[:, None])
+            corr = tl.exp2(m_i - m_use)
         l_i = l_i * corr + tl.sum(p, 1)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         acc = acc * corr[:, None]
@@ -70,10 +76,10 @@ def _attn_fwd_kernel(
     Q, K, V, O, LSE, RS, CU, N_Q, N_K, GROUPS, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr, NAT: tl.constexpr,
 ):
     """O and L of one query tile. Q, K, V, O: views (common.py); LSE: a row vector with
-    strides RS; CU: (cu_seqlens_q, cu_seqlens_k)."""
+    strides RS; CU: (cu_seqlens_q, cu_seqlens_k); ``qk_scale``: τ·log2 e, or τ with NAT."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -102,13 +108,16 @@ def _attn_fwd_kernel(
     acc, m_i, l_i = _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn,
                                     offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift,
                                     window, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D,
-                                    LONG, PREC)
+                                    LONG, PREC, NAT)
 
     # rows that saw no key: l = 0 -> O = 0, L = -inf
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     o = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    if NAT:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe) * 0.6931471805599453)
+    else:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     _store_tile(o_base, rows_m, stride_on, o.to(O[0].dtype.element_ty), m_ok, offs_d, HEAD_DIM,
                 EVEN_D)
     tl.store(l_base + offs_m, lse, mask=m_ok)
@@ -147,13 +156,14 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
         return o, lse
     bd = block_d(lay.head_dim)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    nat = q.element_size() == 4  # float32: scores in natural units (_attn_fwd_inner)
     _attn_fwd_kernel[grid](
         view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),
         lse, rowvec_strides(lay), (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
-        lay.n_q, lay.n_k, lay.groups, scale * LOG2E, int(window or 0),
+        lay.n_q, lay.n_k, lay.groups, scale if nat else scale * LOG2E, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
-        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype),
+        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype), NAT=nat,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse

@@ -94,11 +94,18 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             v.shape, dtype=v.dtype, device=v.device)
     else:
         vb = None
+    # float32 (p.rowsum): also ρ and, where this call's statistics pass forms them (not with
+    # the caller's statistics nor the affine pass), j*, c, g, b and D − c around each row's
+    # dominant key (bob_rows.py, _bob_stats_shift_sweep)
+    shift = p.rowsum and not p.given and p.affine is None
+    shifted = [lse] * 5
     if p.given:
         alpha, ee = stats[0].contiguous(), stats[1].contiguous()
         rho = stats[2].contiguous() if p.rowsum else lse
     else:
-        if p.with_stats and p.rowsum:
+        if p.with_stats and shift:
+            alpha, ee, rho, *shifted = new_rowvecs(lay, q.device, 8)
+        elif p.with_stats and p.rowsum:
             alpha, ee, rho = new_rowvecs(lay, q.device, 3)
         elif p.with_stats:
             (alpha, ee), rho = new_rowvecs(lay, q.device, 2), lse
@@ -120,6 +127,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     rows = (lse, delta, alpha, ee, rho, rowvec_strides(lay),
             (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
             lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    rows_x = (*rows[:5], tuple(shifted), *rows[5:])  # the precise passes' row vectors
     vb_col = vb if p.col_vb else None
 
     def row_grid(cfg):
@@ -151,7 +159,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       stats=True, consumers=cfg.consumers,
                                       **gluon_kw(cfg))
         else:
-            _bob_stats_kernel[row_grid(cfg)](*ins, *rows, **launch(cfg, NEED_E=p.need_e))
+            _bob_stats_kernel[row_grid(cfg)](*ins, *rows_x, **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
         if p.direct.gluon:
@@ -162,9 +170,9 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       **gluon_kw(cfg))
         else:
             _bob_direct_kernel[row_grid(cfg)](
-                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows,
+                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows_x,
                 **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
-                         SPLIT=q.dtype != torch.float32 and bool(split_row),
+                         SPLIT=q.dtype != torch.float32 and bool(split_row), SHIFT=shift,
                          STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats,
                          NEED_E=p.need_e))
     if p.col is not None:
@@ -176,8 +184,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       out=(kb, vb), consumers=cfg.consumers, **gluon_kw(cfg))
         else:
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
-                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows,
+                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows_x,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
                          SPLIT=q.dtype != torch.float32 and bool(split_col),
-                         QMAJOR=cfg.qmajor))
+                         SHIFT=shift, QMAJOR=cfg.qmajor))
     return qb, kb, vb, dob

@@ -21,11 +21,14 @@ from .common import (
     _kt_probs,
     _kt_program,
     _kt_prologue,
+    _kt_k,
     _kt_q,
+    _load_index,
     _load_rowvec,
     _load_tile,
     _load_view,
     _lse_log2,
+    _lse_nat,
     _query_tile_range,
     _row_off,
     _rows,
@@ -39,26 +42,37 @@ from .common import (
 
 @triton.jit
 def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
-                 r_base, stride_qn, stride_dn, stride_uqn, offs_m, offs_n, offs_d, start_m,
+                 r_base, j_base, c_base, g_base, b_base, t_base, stride_qn, stride_dn,
+                 stride_uqn, offs_m, offs_n, offs_d, start_m,
                  mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
                  HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
                  HAS_G: tl.constexpr, NEED_R: tl.constexpr, ROWSUM: tl.constexpr,
-                 QMAJOR: tl.constexpr):
+                 SHIFT: tl.constexpr, QMAJOR: tl.constexpr):
     """Query tile ``offs_m`` of a key-tile program (orientation ``QMAJOR``, common.py
     ``_kt_*``): loads Q, dO (U_Q) and the row vectors, returns (q, do, uq, p, h, r, dp_d):
     P·ρ, H = P·ρ∘(G−α) (HAS_G), and with NEED_R R = P·ρ∘((G−α)∘(dP−D) + B − (E+αD)) and
-    dP − D. Absent values are placeholders."""
+    dP − D. ROWSUM (float32): P in natural units, scaled by ρ; SHIFT (and the statistics pass
+    ran): dP, G, B are shifted by c, g, b at each row's dominant key j* and α, E + αD, D are
+    read as α − g, F, D − c (bob_rows.py, ``_bob_stats_shift_sweep``). Absent values are
+    placeholders."""
     m_ok = offs_m < n_q
     rows = _rows(offs_m, LONG)
     q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     do = _load_tile(do_base, rows, stride_dn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(l_base, offs_m, m_ok, True))
-    p = _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift,
-                  window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
+    lse = _load_rowvec(l_base, offs_m, m_ok, True)
+    if ROWSUM:  # natural units (common.py, _nat_probs)
+        p = _kt_probs(k, q, _lse_nat(lse), offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k,
+                      shift, window, scale, PREC, CAUSAL, WINDOW, QMAJOR, True)
+    else:
+        p = _kt_probs(k, q, _lse_log2(lse), offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k,
+                      shift, window, qk_scale, PREC, CAUSAL, WINDOW, QMAJOR)
+    dom = p
     if ROWSUM:
         p = p * _kt_q(_load_rowvec(r_base, offs_m, m_ok, True), QMAJOR)
+    if SHIFT:
+        dom = _kt_q(_load_index(j_base, offs_m, m_ok), QMAJOR) == _kt_k(offs_n, QMAJOR)
     uq = q
     if HAS_UQ:
         uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
@@ -72,38 +86,58 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
                 g = _kt_dot(uk, q, g, PREC, QMAJOR)
         else:
             g = _kt_dot(uk, q, None, PREC, QMAJOR)
-        g = g * scale - _kt_q(alpha, QMAJOR)  # G − α
+        if SHIFT:
+            g = tl.where(dom, 0.0, g * scale - _kt_q(_load_rowvec(g_base, offs_m, m_ok, True),
+                                                     QMAJOR)) - _kt_q(alpha, QMAJOR)
+        else:
+            g = g * scale - _kt_q(alpha, QMAJOR)  # G − α
         h = p * g
     r = p
     dp_d = p
     if NEED_R:
         e_ad = _load_rowvec(e_base, offs_m, m_ok, True)
-        delta = _load_rowvec(d_base, offs_m, m_ok, True)
-        dp_d = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(delta, QMAJOR)
-        if HAS_G:
-            r = g * dp_d
+        if SHIFT:
+            dp_d = tl.where(dom, 0.0, _kt_dot(v, do, None, PREC, QMAJOR)
+                            - _kt_q(_load_rowvec(c_base, offs_m, m_ok, True), QMAJOR))
+            dp_d = dp_d - _kt_q(_load_rowvec(t_base, offs_m, m_ok, True), QMAJOR)
+            b_tile = dp_d
             if HAS_UV:
-                r += _kt_dot(uv, do, None, PREC, QMAJOR)
+                b_tile = tl.where(dom, 0.0, _kt_dot(uv, do, None, PREC, QMAJOR)
+                                  - _kt_q(_load_rowvec(b_base, offs_m, m_ok, True), QMAJOR))
+            if HAS_G:
+                r = g * dp_d
+                if HAS_UV:
+                    r += b_tile
+            else:
+                r = b_tile
         else:
-            r = _kt_dot(uv, do, None, PREC, QMAJOR)
+            delta = _load_rowvec(d_base, offs_m, m_ok, True)
+            dp_d = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(delta, QMAJOR)
+            if HAS_G:
+                r = g * dp_d
+                if HAS_UV:
+                    r += _kt_dot(uv, do, None, PREC, QMAJOR)
+            else:
+                r = _kt_dot(uv, do, None, PREC, QMAJOR)
         r = p * (r - _kt_q(e_ad, QMAJOR))
     return q, do, uq, p, h, r, dp_d
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_col_kernel(
-    Q, K, V, DO, UQ, UK, UV, KB, VB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    Q, K, V, DO, UQ, UK, UV, KB, VB, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_KB: tl.constexpr, NEED_VB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
-    QMAJOR: tl.constexpr,
+    SHIFT: tl.constexpr, QMAJOR: tl.constexpr,
 ):
     """Column pass: K̄ = τ (dSᵀ U_Q + Rᵀ Q) and V̄ = Hᵀ dO of one key tile, summed over the
-    query tiles and the query heads of its group. Tiles: views (common.py); LSE ... RHO: row
-    vectors with strides RS."""
+    query tiles and the query heads of its group. Tiles: views (common.py); LSE ... RHO and
+    SH = (j*, c, g, b, D − c): row vectors with strides RS (SH read with SHIFT only: the
+    precise float32 path)."""
     n0, n_q, n_k, b64, hk64, q_start64, k_start64 = _kt_program(CU, N_Q, N_K, BLOCK_N,
                                                                  IS_VARLEN)
     if n0 >= n_k:
@@ -131,10 +165,11 @@ def _bob_col_kernel(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q, do, uq, p, h, r, dp_d = _bob_kt_tile(
                 k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-                ALPHA + row_off, EE + row_off, RHO + row_off, Q[3], DO[3], UQ[3],
+                ALPHA + row_off, EE + row_off, RHO + row_off, SH[0] + row_off, SH[1] + row_off,
+                SH[2] + row_off, SH[3] + row_off, SH[4] + row_off, Q[3], DO[3], UQ[3],
                 offs_m, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, scale,
                 qk_scale, HEAD_DIM, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
-                HAS_G, NEED_KB, ROWSUM, QMAJOR)
+                HAS_G, NEED_KB, ROWSUM, SHIFT, QMAJOR)
             if NEED_VB:
                 vb = _dot_acc(h, do, vb, PREC, SPLIT, QMAJOR)
             if NEED_KB:

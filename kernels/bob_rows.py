@@ -14,8 +14,11 @@ With the cotangents U_Q, U_K, U_V of (dQ, dK, dV), per tile (bob-math.md)
 - ``_bob_affine_kernel`` (``precise=False``): the two-pass affine form of bob-math.md, six
   α-free accumulators, α and E formed at the end of the row.
 
-The row passes scale their accumulators by ρ at the end. A missing cotangent removes its
-products at compile time (constexpr flags).
+The row passes scale their accumulators by ρ at the end. Float32 inputs (ROWSUM) recompute P
+in natural units and shift dP, G, B by their values at each row's dominant key
+(``_bob_stats_shift_sweep``, bob-math.md, "Row sums of the recomputed P"); 16-bit inputs
+compile none of it. A missing cotangent removes its products at compile time (constexpr
+flags).
 """
 
 from __future__ import annotations
@@ -28,12 +31,16 @@ from .common import (
     _row_probs,
     _row_scores,
     _NO_SPECIALIZE,
+    _bob_load_shift,
+    _bob_shift_tile,
+    _bob_store_shift,
     _dot_acc,
     _key_tile_range,
     _load_rowvec,
     _load_tile,
     _load_view,
     _lse_log2,
+    _lse_nat,
     _row_off,
     _row_program,
     _rows,
@@ -49,9 +56,11 @@ from .common import (
 @triton.jit
 def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr):
+                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr,
+                      ROWSUM: tl.constexpr):
     """What every row program loads first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
-    lse2, delta), U_Q a placeholder (q) without HAS_UQ."""
+    lse2, delta), U_Q a placeholder (q) without HAS_UQ; L in log2 units, or with ROWSUM in
+    natural units (common.py, ``_nat_probs``)."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
@@ -62,7 +71,10 @@ def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
     uq = q
     if HAS_UQ:
         uq = _load_view(UQ, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
-    lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    if ROWSUM:
+        lse2 = _lse_nat(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
+    else:
+        lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     return offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta
 
@@ -89,16 +101,21 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
                   PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr):
+                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr,
+                  ROWSUM: tl.constexpr):
     """Key tile [start_n, start_n + BLOCK_N) of a row program: loads K, V (U_K, U_V) and
     returns (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo,
-    mid_hi)), dP and B when NEED_DP, G (scaled by τ) when HAS_G. Absent values are
-    placeholders (never read)."""
+    mid_hi); with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when
+    HAS_G. Absent values are placeholders (never read)."""
     offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                   BLOCK_N, EVEN_D, LONG)
     v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-                   window, qk_scale, PREC, CAUSAL, WINDOW)
+    if ROWSUM:
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, scale, PREC, CAUSAL, WINDOW, True)
+    else:
+        p = _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+                       window, qk_scale, PREC, CAUSAL, WINDOW)
     dp = p
     b_tile = p
     g = p
@@ -133,6 +150,83 @@ def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
 
 
 @triton.jit
+def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+                           stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
+                           lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                           LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                           HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                           NEED_E: tl.constexpr):
+    """The float32 row statistics of one query tile (bob-math.md, "Row sums of the
+    recomputed P"), P̂ = exp(S − L) uncorrected: with j* the key of largest P̂, c, g, b = dP, G,
+    B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
+    D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
+    that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
+    cancellation where one key dominates. j*, c, g, b are those of the keys seen so far; when
+    they move, the sums so far are re-shifted exactly (the old j*'s x, y, z become the old
+    minus the new c, g, b), a small correction where it matters: the keys before a dominant
+    one carry little P̂. Returns (α − g, F, ρ, j*, c, g, b, D − c)."""
+    m = tl.full([BLOCK_M], -1.0, dtype=tl.float32)
+    jstar = tl.zeros([BLOCK_M], dtype=tl.int32)
+    cref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    gref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bref = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_y = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_x = tl.zeros([BLOCK_M], dtype=tl.float32)
+    r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
+            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
+            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, True)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        t_max = tl.max(p, 1)
+        t_arg = start_n + tl.argmax(p, 1).to(tl.int32)
+        better = t_max > m
+        at = offs_n[None, :] == t_arg[:, None]
+        # move j* (and c, g, b) to this tile's largest P̂ where it beats the old one
+        d_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+        d_g = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if NEED_E:
+            d_c = tl.where(better, tl.sum(tl.where(at, dp, 0.0), 1) - cref, 0.0)
+            if HAS_UV:
+                d_b = tl.where(better, tl.sum(tl.where(at, b_tile, 0.0), 1) - bref, 0.0)
+                r_e -= d_b * r_p
+                bref += d_b
+        if HAS_G:
+            d_g = tl.where(better, tl.sum(tl.where(at, g, 0.0), 1) - gref, 0.0)
+            gref += d_g
+        r_e += d_g * d_c * r_p - d_g * r_x - d_c * r_y
+        r_x -= d_c * r_p
+        r_y -= d_g * r_p
+        cref += d_c
+        jstar = tl.where(better, t_arg, jstar)
+        m = tl.maximum(m, t_max)
+        dom = offs_n[None, :] == jstar[:, None]
+        x, y, z = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G, NEED_E)
+        if HAS_G:
+            r_y += tl.sum(p * y, 1)
+            if NEED_E:
+                if HAS_UV:
+                    r_e += tl.sum(p * (y * x + z), 1)
+                else:
+                    r_e += tl.sum(p * (y * x), 1)
+        elif NEED_E:
+            r_e += tl.sum(p * z, 1)
+        if NEED_E:
+            r_x += tl.sum(p * x, 1)
+        r_p += tl.sum(p, 1)
+    rho = 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
+    alpha = r_y * rho
+    dtil = r_x * rho
+    f = r_e * rho - alpha * dtil
+    return alpha, f, rho, jstar, cref, gref, bref, dtil
+
+
+@triton.jit
 def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                      stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                      lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
@@ -140,10 +234,9 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
                      LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-                     NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
-    """Row statistics of one query tile over key tiles [lo, hi): (α, E + αD, ρ), all with the
-    corrected P·ρ. Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
-    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
+                     NEED_E: tl.constexpr):
+    """Row statistics of one query tile over key tiles [lo, hi), 16-bit inputs: (α, E + αD).
+    Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
     r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -151,9 +244,7 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
-        if ROWSUM:
-            r_p += tl.sum(p, 1)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, False)
         if HAS_G:
             r_alpha += tl.sum(p * g, 1)
             if NEED_E:
@@ -163,14 +254,13 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
                     r_e += tl.sum(p * (g * dp), 1)
         elif NEED_E:
             r_e += tl.sum(p * b_tile, 1)
-    rho = _rowsum_scale(r_p, ROWSUM)
-    alpha = r_alpha * rho
-    e_ad = r_e * rho - alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
-    return alpha, e_ad, rho
+    e_ad = r_e - r_alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
+    return r_alpha, e_ad
 
 
 @triton.jit
-def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
+def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base,
+                      v_base, uk_base, uv_base,
                       stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                       lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,10 +268,12 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
                       EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
                       HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
                       HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
     """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
     E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
-    ρ for the corrected P)."""
+    ρ for the corrected P). ROWSUM: P in natural units. SHIFT: dP, G, B are shifted by c, g, b
+    (``_bob_shift_tile``) and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g and F
+    (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -189,7 +281,11 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
             stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, ROWSUM)
+        if SHIFT:
+            dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
+            dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G,
+                                            NEED_QB)
         if HAS_G:
             g = g - alpha[:, None]  # G − α
         if NEED_DOB:
@@ -212,12 +308,48 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_ba
     return a_qb, a_dob
 
 
+@triton.jit
+def _bob_row_stats(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
+                   offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                   LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                   HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                   NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
+    """The statistics sweep of one query tile: (α, E + αD, 1, placeholders..., D) for 16-bit
+    inputs, (α − g, F, ρ, j*, c, g, b, D − c) with ROWSUM (``_bob_stats_shift_sweep``)."""
+    if ROWSUM:
+        return _bob_stats_shift_sweep(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
+            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E)
+    else:
+        alpha, e_ad = _bob_stats_sweep(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3],
+            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E)
+        return (alpha, e_ad, tl.full([BLOCK_M], 1.0, tl.float32), offs_m, delta, delta, delta,
+                delta)
+
+
+@triton.jit
+def _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
+                     gref, bref, dtil, ROWSUM: tl.constexpr):
+    """Write what ``_bob_row_stats`` returned for the passes that follow."""
+    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
+    if ROWSUM:
+        _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
+
+
 # --------------------------------------------------------------------------- row kernels
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_stats_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
@@ -225,8 +357,10 @@ def _bob_stats_kernel(
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_E: tl.constexpr, ROWSUM: tl.constexpr,
 ):
-    """Statistics pass: writes α, E + αD (and ρ with ROWSUM) of one query tile. Tiles: views
-    (common.py); LSE ... RHO: row vectors with strides RS."""
+    """Statistics pass: writes α, E + αD of one query tile; with ROWSUM (float32) α − g, F,
+    ρ, j*, c, g, b and D − c instead (``_bob_stats_shift_sweep``; SH = the row vectors of
+    j*, c, g, b, D − c). Tiles: views (common.py); LSE ... RHO and SH: row vectors with strides
+    RS."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -234,36 +368,36 @@ def _bob_stats_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
-    alpha, e_ad, rho = _bob_stats_sweep(
-        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
-        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
-        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
-    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
-    if ROWSUM:
-        tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+    alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m, offs_d,
+        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
+        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
+        NEED_E, ROWSUM)
+    _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
+                     gref, bref, delta, ROWSUM)
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
 def _bob_direct_kernel(
-    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
     NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
-    STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
+    SHIFT: tl.constexpr, STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr,
+    NEED_E: tl.constexpr,
 ):
-    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD, ρ
-    come from the statistics pass, or (STATS_FIRST) from this program's own statistics sweep
-    over the same keys, then written when WRITE_STATS (a key-tile pass follows)."""
+    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD (ρ
+    with ROWSUM; with SHIFT α − g, F, ρ, j*, c, g, b, D − c: float32 without statistics from
+    the caller) come from the statistics pass, or (STATS_FIRST, which implies SHIFT for
+    float32) from this program's own statistics sweep over the same keys, then written when
+    WRITE_STATS (a key-tile pass follows)."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
@@ -271,35 +405,35 @@ def _bob_direct_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
+    jstar, cref, gref, bref = offs_m, delta, delta, delta  # placeholders, read with SHIFT only
     if STATS_FIRST:
-        alpha, e_ad, rho = _bob_stats_sweep(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
-            K[3], V[3], UK[3], UV[3], offs_m, offs_d,
-            lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
+        alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
+            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E, ROWSUM)
         if WRITE_STATS:
-            tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-            tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
-            if ROWSUM:
-                tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+            _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar,
+                             cref, gref, bref, delta, ROWSUM)
     else:
         alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
         e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
-        if ROWSUM:
+        if SHIFT:
+            rho, jstar, cref, gref, bref, delta = _bob_load_shift(RHO, SH, row_off, offs_m, m_ok)
+        elif ROWSUM:
             rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
         else:
             rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, delta, alpha, e_ad, k_base, v_base, uk_base, uv_base,
-        K[3], V[3], UK[3], UV[3], offs_m, offs_d,
+        q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base, v_base, uk_base,
+        uv_base, K[3], V[3], UK[3], UV[3], offs_m, offs_d,
         lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT)
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, SHIFT)
     if NEED_QB:
         qb = a_qb * (rho * scale)[:, None]
         _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -334,7 +468,7 @@ def _bob_affine_kernel(
     shift = n_k - n_q
     offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
         Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ)
+        EVEN_D, LONG, HAS_UQ, ROWSUM)
     k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
         K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
         CAUSAL, WINDOW)
@@ -353,7 +487,7 @@ def _bob_affine_kernel(
             q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
             UK[3], UV[3], offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
         if ROWSUM:
             r_p += tl.sum(p, 1)
         pg = p

@@ -343,11 +343,15 @@ def _kt_k(x, QMAJOR: tl.constexpr):
 @triton.jit
 def _kt_probs(k, q, lse2, offs_m, offs_n, start_m, mid_lo, mid_hi, n_q, n_k, shift, window,
               qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-              QMAJOR: tl.constexpr):
+              QMAJOR: tl.constexpr, NAT: tl.constexpr = False):
     """P of one (query tile, key tile) pair in a key-tile program; query tiles outside
-    [mid_lo, mid_hi) are masked."""
-    s = _kt_dot(k, q, None, PREC, QMAJOR) * qk_scale
-    p = tl.exp2(s - _kt_q(lse2, QMAJOR))
+    [mid_lo, mid_hi) are masked. NAT: ``lse2`` and ``qk_scale`` are L and τ in natural units
+    (:func:`_nat_probs`)."""
+    if NAT:
+        p = _nat_probs(_kt_dot(k, q, None, PREC, QMAJOR), qk_scale, _kt_q(lse2, QMAJOR))
+    else:
+        s = _kt_dot(k, q, None, PREC, QMAJOR) * qk_scale
+        p = tl.exp2(s - _kt_q(lse2, QMAJOR))
     if (start_m < mid_lo) | (start_m >= mid_hi):
         vis = _visible(_kt_q(offs_m, QMAJOR), _kt_k(offs_n, QMAJOR), n_q, n_k, shift, window,
                        CAUSAL, WINDOW)
@@ -380,11 +384,16 @@ def _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, 
 
 @triton.jit
 def _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
-               qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+               qk_scale, PREC: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               NAT: tl.constexpr = False):
     """P = exp(S − L) of one (query tile, key tile) pair in a query-tile program, (queries x
-    keys); key tiles outside [mid_lo, mid_hi) are masked."""
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    p = tl.exp2(s - lse2[:, None])
+    keys); key tiles outside [mid_lo, mid_hi) are masked. NAT: ``lse2`` and ``qk_scale`` are L
+    and τ in natural units (:func:`_nat_probs`)."""
+    if NAT:
+        p = _nat_probs(tl.dot(q, tl.trans(k), input_precision=PREC), qk_scale, lse2[:, None])
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        p = tl.exp2(s - lse2[:, None])
     if (start_n < mid_lo) | (start_n >= mid_hi):
         vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
         p = tl.where(vis, p, 0.0)
@@ -392,7 +401,76 @@ def _row_probs(q, k, lse2, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, sh
 
 
 @triton.jit
+def _nat_probs(qk, scale, lse):
+    """exp(S − L) with S = τ·qk and L subtracted in natural units, then converted: the float32
+    passes' P, rounded like PyTorch's softmax (S − L is small where P matters; converting S
+    and L to base 2 first would round each at |S| and double the error of P at large logits)."""
+    return tl.exp2((qk * scale - lse) * 1.4426950408889634)
+
+
+@triton.jit
+def _lse_nat(lse):
+    """The natural-log LSE as :func:`_nat_probs` takes it: rows that see no key (-inf)
+    become +inf so P = 0."""
+    return tl.where(lse == float("-inf"), float("inf"), lse)
+
+
+@triton.jit
 def _lse_log2(lse):
     """Natural-log LSE -> log2 units; rows that see no key (-inf) become +inf so P = 0."""
     lse2 = lse * 1.4426950408889634
     return tl.where(lse2 == float("-inf"), float("inf"), lse2)
+
+
+# --------------------------------------------------------------------------- float32 shift
+# Where one key dominates a row (P ≈ 1 there), dP − D, G − α and B − E cancel to a small rest;
+# the float32 passes shift dP, G, B by their values c, g, b at the dominant key j* (0 there
+# exactly) and carry the statistics as D − c, α − g (bob-math.md, "Row sums of the recomputed P").
+
+
+@triton.jit
+def _store_index(base, offs, idx, ok):
+    """Store int32 row indices into a float32 row vector (bit pattern kept)."""
+    tl.store(base + offs, idx.to(tl.float32, bitcast=True), mask=ok)
+
+
+@triton.jit
+def _load_index(base, offs, ok):
+    """Load int32 row indices stored by :func:`_store_index` (0 where not ``ok``)."""
+    return tl.load(base + offs, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV: tl.constexpr,
+                    HAS_G: tl.constexpr, NEED_DP: tl.constexpr):
+    """dP − c, G − g, B − b, each 0 at the dominant key (``dom``) of its row."""
+    if HAS_G:
+        g = tl.where(dom, 0.0, g - gref[:, None])
+    if NEED_DP:
+        dp = tl.where(dom, 0.0, dp - cref[:, None])
+        if HAS_UV:
+            b_tile = tl.where(dom, 0.0, b_tile - bref[:, None])
+    return dp, g, b_tile
+
+
+@triton.jit
+def _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
+    """Write the float32 statistics besides α − g and F: ρ, and j*, c, g, b, D − c into the
+    row vectors ``SH``."""
+    tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+    _store_index(SH[0] + row_off, offs_m, jstar, m_ok)
+    tl.store(SH[1] + row_off + offs_m, cref, mask=m_ok)
+    tl.store(SH[2] + row_off + offs_m, gref, mask=m_ok)
+    tl.store(SH[3] + row_off + offs_m, bref, mask=m_ok)
+    tl.store(SH[4] + row_off + offs_m, dtil, mask=m_ok)
+
+
+@triton.jit
+def _bob_load_shift(RHO, SH, row_off, offs_m, m_ok):
+    """Read back what :func:`_bob_store_shift` wrote: (ρ, j*, c, g, b, D − c)."""
+    return (_load_rowvec(RHO + row_off, offs_m, m_ok, True),
+            _load_index(SH[0] + row_off, offs_m, m_ok),
+            _load_rowvec(SH[1] + row_off, offs_m, m_ok, True),
+            _load_rowvec(SH[2] + row_off, offs_m, m_ok, True),
+            _load_rowvec(SH[3] + row_off, offs_m, m_ok, True),
+            _load_rowvec(SH[4] + row_off, offs_m, m_ok, True))

@@ -207,35 +207,37 @@ FUSED_ROW_MAX_KEYS = 8192
 # --------------------------------------------------------------------------- Gluon (sm_90)
 
 #: Gluon passes on sm_90, keyed by (kind, head dim): the best tiles of the H200 sweeps
-#: (``scripts/gluon_pass_sweep.py``, ``scripts/gluon_chain_ab.py``; docs/benchmarks.md). At
-#: d = 128 the direct and column passes step over 32 keys / queries (their two (tile x 128)
-#: float32 accumulators) and the statistics pass, with none, takes 128 queries x 64 keys.
-#: The forward: 128 queries x 128 keys split between two 4-warp consumer partitions that
-#: share one K / V ring filled by a one-warp TMA producer (the fastest forward of the H200
-#: sweep at d = 64 and 128, ahead of the Triton forward; turn-taking between the consumers
-#: did not help). The dQ pass (``bwd_dq``) takes the forward's shape: two consumer
-#: partitions of 64 queries each over one K / V ring of 128-key tiles.
-#: GQA runs the same tiles. ``min_keys``: below it the chain is host-bound and the Triton
-#: passes run.
+#: (``scripts/gluon_pass_sweep.py``, ``scripts/gluon_chain_ab.py``; docs/benchmarks.md).
+#: The row passes (forward, dQ at d = 128, the BoB statistics and direct passes) run as two
+#: 4-warp consumer partitions of 64 queries each that share one ring of key tiles filled by a
+#: one-warp TMA producer (``consumers=2``): the forward with 128-key tiles, the statistics
+#: pass with 64 (3 ring slots at d = 64), the direct pass with 64 keys at d = 64 and 32 at
+#: d = 128 (its two (tile x d) float32 accumulators in 240 registers). The dQ pass at d = 64,
+#: the dK/dV and column passes are faster in their earlier shapes (the Triton dQ; one
+#: partition per key tile, 2 programs per SM; the column pass with its producer warp): the
+#: two-consumer versions of those lost in the same sweep. GQA runs the same tiles.
+#: ``min_keys``: below it the chain is host-bound and the Triton passes run.
 GLUON = {
     ("fwd", 64): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
                              min_keys=16384),
     ("fwd", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
                               min_keys=16384),
-    ("bwd_dq", 64): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
-                                min_keys=16384),
     ("bwd_dq", 128): GluonConfig(128, 128, 8, stages=2, warp_specialize=True, consumers=2,
                                  min_keys=16384),
     ("bwd_dkdv", 64): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 64): GluonConfig(64, 64, 4, stages=2, warp_specialize=True, maxnreg=128,
                                  min_keys=16384),
-    ("bob_stats", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
-    ("bob_direct", 64): GluonConfig(64, 64, 4, stages=2, min_keys=16384),
+    ("bob_stats", 64): GluonConfig(64, 128, 8, stages=3, warp_specialize=True, consumers=2,
+                                   min_keys=16384),
+    ("bob_direct", 64): GluonConfig(64, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                                    min_keys=16384),
     ("bwd_dkdv", 128): GluonConfig(64, 64, 4, min_keys=16384),
     ("bob_col", 128): GluonConfig(128, 32, 8, stages=2, warp_specialize=True, maxnreg=168,
                                   min_keys=16384),
-    ("bob_stats", 128): GluonConfig(64, 128, 8, stages=2, min_keys=16384),
-    ("bob_direct", 128): GluonConfig(32, 64, 4, stages=2, min_keys=16384),
+    ("bob_stats", 128): GluonConfig(64, 128, 8, stages=2, warp_specialize=True, consumers=2,
+                                    min_keys=16384),
+    ("bob_direct", 128): GluonConfig(32, 128, 8, stages=3, warp_specialize=True, consumers=2,
+                                     min_keys=16384),
 }
 
 #: head dims the Gluon kernels are written for

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import common as _gc
-from .common import check_args, flat, tile_descriptors
+from .common import CONSUMER_REGS, PRODUCER_REGS, check_args, flat, tile_descriptors
 
 if _gc.HAVE_GLUON:
     from .common import (  # noqa: F401 - names the kernels below resolve
@@ -65,10 +65,6 @@ BLOCK_M = 64
 NUM_WARPS = 8
 #: ring slots of the warp-specialised kernel (``consumers=2``)
 STAGES = 2
-#: registers per thread of the warp-specialised kernel's producer warp (TMA issue only)
-PRODUCER_REGS = 24
-#: registers per thread of the second consumer partition (``consumers=2``)
-CONSUMER_REGS = 240
 
 
 def available(device=None) -> bool:
@@ -77,6 +73,38 @@ def available(device=None) -> bool:
 
 
 if HAVE_GLUON:
+
+    @gluon.jit
+    def _query_rowvecs(LSE, DELTA, qrow, m0, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+        """(positions, L·log2e, D) of query tile [m0, m0 + BLOCK_M) of the head whose first
+        flat row is ``qrow``, laid out along the queries of a (keys x queries) tile; rows that
+        see no key (L = −inf) get +inf, so their P is 0."""
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        lse2 = gl.load(LSE + qrow + offs_m) * 1.4426950408889634
+        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+        di = gl.load(DELTA + qrow + offs_m)
+        return offs_m, lse2, di
+
+    @gluon.jit
+    def _tile_products(k_smem, v_smem, q_s, do_s, lse2, di, offs_m, offs_n, s_zero, dk, dv,
+                       qk_scale2, CAUSAL: gl.constexpr, op_layout: gl.constexpr):
+        """(dK, dV) after one query tile (its Q, dO in ``q_s``, ``do_s``): Sᵀ, dPᵀ, then
+        dV += Pᵀ dO and dK += dSᵀ Q, every product complete on return."""
+        dtype: gl.constexpr = q_s.dtype
+        st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        pt = gl.exp2(st * qk_scale2 - gl.expand_dims(lse2, 0))
+        if CAUSAL:
+            vis = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
+            pt = gl.where(vis, pt, 0.0)
+        dst = pt * (dpt - gl.expand_dims(di, 0))
+        p_op = gl.convert_layout(pt.to(dtype), op_layout)
+        ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+        dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+        dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        return dk, dv
 
     @gluon.jit
     def _gluon_dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA,
@@ -141,30 +169,13 @@ if HAVE_GLUON:
                 mbarrier.expect(ld_bar.index(nxt), tile_bytes)
                 _tma_load(q_desc, [nrow, 0], ld_bar.index(nxt), q_smem.index(nxt))
                 _tma_load(do_desc, [nrow, 0], ld_bar.index(nxt), do_smem.index(nxt))
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            lse2 = gl.load(LSE + qrow + offs_m) * 1.4426950408889634
-            lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-            di = gl.load(DELTA + qrow + offs_m)
+            offs_m, lse2, di = _query_rowvecs(LSE, DELTA, qrow, m0, BLOCK_M, s_layout)
             mbarrier.wait(ld_bar.index(slot), (i // 2) & 1)
             q_s = q_smem.index(slot)
             do_s = do_smem.index(slot)
 
-            st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-            pt = gl.exp2(st * qk_scale2 - gl.expand_dims(lse2, 0))
-            if CAUSAL:
-                vis = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-                pt = gl.where(vis, pt, 0.0)
-            dst = pt * (dpt - gl.expand_dims(di, 0))
-
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            dk, dv = _tile_products(k_smem, v_smem, q_s, do_s, lse2, di, offs_m, offs_n, s_zero,
+                                    dk, dv, qk_scale2, CAUSAL, op_layout)
 
         mbarrier.invalidate(kv_bar)
         mbarrier.invalidate(ld_bar.index(0))
@@ -239,30 +250,13 @@ if HAVE_GLUON:
             slot = i % STAGES
             qrow, m0 = query_row(qrow0, i, lo, n_tiles, N, BLOCK_M, GROUPS)
             qrow = qrow - m0  # the head's first row
-            offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-            lse2 = gl.load(LSE + qrow + offs_m) * 1.4426950408889634
-            lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-            di = gl.load(DELTA + qrow + offs_m)
+            offs_m, lse2, di = _query_rowvecs(LSE, DELTA, qrow, m0, BLOCK_M, s_layout)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             q_s = q_ring.index(slot)
             do_s = do_ring.index(slot)
 
-            st = warpgroup_mma(k_smem, q_s.permute((1, 0)), s_zero, use_acc=False,
-                               is_async=True)
-            dpt = warpgroup_mma(v_smem, do_s.permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-            pt = gl.exp2(st * qk_scale2 - gl.expand_dims(lse2, 0))
-            if CAUSAL:
-                vis = gl.expand_dims(offs_m, 0) >= gl.expand_dims(offs_n, 1)
-                pt = gl.where(vis, pt, 0.0)
-            dst = pt * (dpt - gl.expand_dims(di, 0))
-
-            p_op = gl.convert_layout(pt.to(dtype), op_layout)
-            ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-            dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
-            dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            dk, dv = _tile_products(k_smem, v_smem, q_s, do_s, lse2, di, offs_m, offs_n, s_zero,
+                                    dk, dv, qk_scale2, CAUSAL, op_layout)
             mbarrier.arrive(empty.index(slot), count=1)  # its products are complete
 
         k_smem.store((dk * scale).to(dtype))

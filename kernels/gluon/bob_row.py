@@ -68,7 +68,8 @@ from __future__ import annotations
 import torch
 
 from . import common as _gc
-from .common import check_args, flat, lse_log2, tile_descriptors
+from .common import (CONSUMER_REGS, PRODUCER_REGS, check_args, flat, lse_log2,
+                     tile_descriptors)
 
 if _gc.HAVE_GLUON:
     from .common import (  # noqa: F401 - names the kernels below resolve
@@ -94,10 +95,6 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 4
 STAGES = 2
-#: registers per thread of the warp-specialised kernels' producer warp (TMA issue only)
-PRODUCER_REGS = 24
-#: registers per thread of the second consumer partition (``consumers=2``)
-CONSUMER_REGS = 240
 
 
 def available(device=None) -> bool:

@@ -44,8 +44,14 @@ try:
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_GLUON = HAVE_WARP_SPECIALIZE = False
 
-__all__ = ["HAVE_GLUON", "HAVE_WARP_SPECIALIZE", "LOG2E", "hopper_device", "check_args",
-           "tile_descriptors", "lse_log2"]
+__all__ = ["HAVE_GLUON", "HAVE_WARP_SPECIALIZE", "LOG2E", "PRODUCER_REGS", "CONSUMER_REGS",
+           "hopper_device", "check_args", "tile_descriptors", "lse_log2"]
+
+#: registers per thread of a warp-specialised kernel's one-warp TMA producer partition
+PRODUCER_REGS = 24
+#: registers per thread of the second consumer partition (``consumers=2``): what an SM's 64K
+#: registers leave beside the producer and the first 4-warp consumer
+CONSUMER_REGS = 240
 
 
 def hopper_device(device=None) -> bool:

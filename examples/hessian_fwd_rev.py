@@ -9,7 +9,7 @@ U = ẋ), so the Hessian is exact. This script
    key and value projections (``torch.func.functional_call``), compares it with the same
    model on materialised attention and prints its extreme eigenvalues;
 2. computes one Hessian-vector product of the same loss with
-   :func:`ttt_flash.hessian.hvp` in both modes (``"fwd_rev"``: no ``create_graph`` graph,
+   :func:`ttt_flash.second_order.hvp` in both modes (``"fwd_rev"``: no ``create_graph`` graph,
    and ``"rev_rev"``) and compares them with the Hessian.
 
 Run (CPU, seconds)::
@@ -26,8 +26,8 @@ from torch import nn
 from torch.func import functional_call, hessian
 
 from ttt_flash import flash_attention
-from ttt_flash.hessian import hvp
-from ttt_flash.reference import naive_attention
+from ttt_flash.second_order import hvp
+from ttt_flash.attention.reference import naive_attention
 
 
 class TinyAttention(nn.Module):
@@ -76,7 +76,7 @@ def main(dim: int = 4, seq_len: int = 6, batch: int = 2, seed: int = 0, verbose:
     eig = torch.linalg.eigvalsh((h + h.T) / 2)
     result["eigenvalues"] = (eig[0].item(), eig[-1].item())
 
-    # one HVP by forward over reverse and by reverse over reverse (ttt_flash.hessian)
+    # one HVP by forward over reverse and by reverse over reverse (ttt_flash.second_order)
     selected = {n: p for n, p in ours_model.named_parameters() if n in names}
     chosen = {id(p) for p in selected.values()}
     for p in ours_model.parameters():

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ttt_flash import flash_attention
-from ttt_flash.reference import naive_attention
+from ttt_flash.attention.reference import naive_attention
 
 
 class Block(nn.Module):

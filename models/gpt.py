@@ -20,9 +20,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from ..context_parallel import sequence_offset
+from ..distributed.context_parallel import sequence_offset
 from .._checks import check_int
-from ..impls import check_attention, context_parallel_attention_for
+from ..attention.registry import check_attention, context_parallel_attention_for
 from .layers import CausalSelfAttention, RMSNorm, SwiGLU, rope_angles
 
 __all__ = ["GPTConfig", "GPT", "Block", "lm_loss"]

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from ..impls import ATTENTION_IMPLS, attend
+from ..attention.registry import ATTENTION_IMPLS, attend
 
 __all__ = [
     "ATTENTION_IMPLS",

@@ -30,7 +30,7 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..impls import ATTENTION_IMPLS, AttentionName, attend, check_attention
+from ..attention.registry import ATTENTION_IMPLS, AttentionName, attend, check_attention
 from .gpt import GPT, GPTConfig
 
 __all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "MemoryRegressor", "ATTENTIONS"]

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.optim import SophiaH
+from ttt_flash.second_order.optim import SophiaH
 
 warnings.filterwarnings("ignore", message=r"Using backward\(\) with create_graph=True")
 

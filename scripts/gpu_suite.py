@@ -54,7 +54,7 @@ def _chain(attn, q, k, v, do, u):
 
 def stage_errors(out: str) -> None:
     from ttt_flash import flash_attention
-    from ttt_flash.reference import naive_attention
+    from ttt_flash.attention.reference import naive_attention
 
     names = ["o", "dq", "dk", "dv", "q_bar", "k_bar", "v_bar", "do_bar"]
     rows = {}
@@ -208,7 +208,7 @@ def stage_startup(out: str) -> None:
 
 def stage_length(out: str, n: int, causal_modes=(True, False)) -> None:
     from ttt_flash import flash_attention
-    from ttt_flash.reference import naive_attention
+    from ttt_flash.attention.reference import naive_attention
 
     for causal in causal_modes:
         # warm-up (compilation) on a shorter sequence with the same specialisation: above

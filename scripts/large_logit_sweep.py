@@ -53,7 +53,7 @@ def sweep(n=24, d=8, heads=2, causal=False, dtype=torch.float32, scales=(2.0, 4.
           device="cpu"):
     """Rows (max |logit|, kernel errors, math-path errors) for each q/k scale."""
     from ttt_flash import flash_attention
-    from ttt_flash.reference import naive_attention
+    from ttt_flash.attention.reference import naive_attention
 
     rows = []
     for a in scales:

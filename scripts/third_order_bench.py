@@ -22,9 +22,9 @@ step. Each configuration runs in its own process; one that runs out of memory is
     python scripts/third_order_bench.py --seq-lens 8192,32768 --out runs/third_order_bench
 
 Each ttt_flash row also gives the memory allocated when the third derivative starts (the first
-reference.bob_vjp call: what the step holds for its outer backward) and the peak inside it.
+recompute.bob_vjp call: what the step holds for its outer backward) and the peak inside it.
 --recompute sweeps the score elements per block of that recomputation ("auto": the library's
-rule, reference._recompute_rows; an integer: that many elements per block, floor and cap).
+rule, recompute._recompute_rows; an integer: that many elements per block, floor and cap).
 
 --device cpu: no allocator statistics there, so the peak is an account of live tensor bytes
 (LiveBytes: the storage bytes of every tensor created during the step, summed while alive).
@@ -240,21 +240,21 @@ def _order_worker(args) -> dict:
 
 def _set_recompute(value: str) -> None:
     """``auto``: the library's block rule; an integer: that many score elements per block."""
-    from ttt_flash import reference
+    from ttt_flash.attention.reference import recompute
 
     if value != "auto":
-        reference.RECOMPUTE_BLOCK_ELEMENTS = reference.RECOMPUTE_BLOCK_FLOOR = int(value)
+        recompute.RECOMPUTE_BLOCK_ELEMENTS = recompute.RECOMPUTE_BLOCK_FLOOR = int(value)
 
 
 def _watch_third(device, tracker):
-    """Wrap reference.bob_vjp (the third derivative's recomputation): record the memory
+    """Wrap recompute.bob_vjp (the third derivative's recomputation): record the memory
     allocated at the first call's entry and the largest peak inside a call (GiB). On CUDA the
     peak statistics are reset at each entry; ``step_floor`` keeps the step's peak before it.
     Returns (record dict, undo)."""
-    from ttt_flash import reference
+    from ttt_flash.attention.reference import recompute
 
     rec = {"third_entry_gib": None, "third_peak_gib": 0.0, "step_floor": 0}
-    orig = reference.bob_vjp
+    orig = recompute.bob_vjp
     cuda = device.type == "cuda"
 
     def watched(*a, **k):
@@ -278,8 +278,8 @@ def _watch_third(device, tracker):
             if not cuda:
                 tracker.peak = max(before, inside)
 
-    reference.bob_vjp = watched
-    return rec, lambda: setattr(reference, "bob_vjp", orig)
+    recompute.bob_vjp = watched
+    return rec, lambda: setattr(recompute, "bob_vjp", orig)
 
 
 def _worker(args) -> dict:
@@ -304,7 +304,7 @@ def _worker(args) -> dict:
             tracker = LiveBytes() if not cuda else None
             undo = []
             if tracker is not None:
-                from ttt_flash import reference
+                from ttt_flash.attention import reference
                 undo.append(tracker.opaque(reference, ("attn_fwd", "attn_bwd", "attn_bob", "attn_tangent")))
             watch = not cuda or rep > args.reps
             rec = {"third_entry_gib": None, "step_floor": 0}

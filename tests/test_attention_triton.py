@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ttt_flash import flash_attention, flash_attention_varlen
-from ttt_flash.reference import naive_attention, naive_attention_varlen
+from ttt_flash.attention.reference import naive_attention, naive_attention_varlen
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

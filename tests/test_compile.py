@@ -1,7 +1,7 @@
 """torch.compile: flash_attention and a first-order GPT step compile with fullgraph=True and
 match eager; second-order gradients through compiled graphs raise the library's explanation.
 
-CPU: the reference backend through the custom operators of ttt_flash.ops, compiled with the
+CPU: the reference backend through the custom operators of ttt_flash.attention.ops, compiled with the
 ``aot_eager`` backend (Dynamo + AOTAutograd, no C++ compiler needed) and, where a C++
 compiler is installed, ``inductor``. The GPU check (Triton kernels, inductor) is in
 tests/test_kernels_gpu.py.
@@ -14,10 +14,10 @@ import torch
 
 from ttt_flash import flash_attention
 from ttt_flash.bench import main as bench_main
-from ttt_flash.hessian import HessianOperator
+from ttt_flash.second_order import HessianOperator
 from ttt_flash.meta import inner_loop
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.ops import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
+from ttt_flash.attention.ops import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
 
 DT = torch.float64
 

@@ -1,4 +1,4 @@
-"""Context parallelism (ttt_flash.context_parallel, docs/distributed.md): one sequence across
+"""Context parallelism (ttt_flash.distributed.context_parallel, docs/distributed.md): one sequence across
 2 and 4 processes (gloo, float64) equals one process over the whole sequence to 1e-10.
 
 Each rank builds the same full inputs (same seed), runs the chain (output, first backward
@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ttt_flash import flash_attention, flash_attention_varlen
-from ttt_flash.context_parallel import _seq_to_heads, head_plan
+from ttt_flash.distributed.context_parallel import _seq_to_heads, head_plan
 from ttt_flash.distributed import (
     all_reduce_sum,
     block_bounds,

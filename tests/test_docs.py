@@ -29,9 +29,9 @@ def test_attention_docstring_examples():
 
 
 def test_registry_docstring_examples():
-    import ttt_flash.impls
+    import ttt_flash.attention.registry
 
-    result = doctest.testmod(ttt_flash.impls)
+    result = doctest.testmod(ttt_flash.attention.registry)
     assert result.attempted > 0 and result.failed == 0
 
 

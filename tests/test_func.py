@@ -5,7 +5,7 @@ import torch
 from torch.func import grad, vjp, vmap
 
 from ttt_flash import flash_attention, flash_attention_varlen
-from ttt_flash.reference import naive_attention, naive_attention_varlen
+from ttt_flash.attention.reference import naive_attention, naive_attention_varlen
 
 F64 = torch.float64
 

@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 
 from ttt_flash.kernels import attn_bwd, attn_fwd, configs  # noqa: E402
 from ttt_flash.kernels.gluon.dkdv import available, gluon_dkdv  # noqa: E402
-from ttt_flash.reference import naive_attention  # noqa: E402
+from ttt_flash.attention.reference import naive_attention  # noqa: E402
 
 if not available():
     pytest.skip("needs triton.experimental.gluon and an sm_90 GPU", allow_module_level=True)

@@ -1,4 +1,4 @@
-"""ttt_flash.hessian: exact Hessian-vector products through GPT, Hutchinson estimators, power
+"""ttt_flash.second_order: exact Hessian-vector products through GPT, Hutchinson estimators, power
 iteration, parameter subsets and input validation."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ttt_flash.hessian import (
+from ttt_flash.second_order import (
     HessianOperator,
     exact_diagonal,
     hutchinson_diagonal,

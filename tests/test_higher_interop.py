@@ -2,7 +2,7 @@
 
 The second-order MAML meta-gradient through higher's monkeypatched model equals the
 functional path (``ttt_flash.meta.inner_loop``, torch.func.functional_call) and the same
-computation with materialised attention (``ttt_flash.reference.naive_attention``), in
+computation with materialised attention (``ttt_flash.attention.reference.naive_attention``), in
 float64 to 1e-10 relative.
 """
 
@@ -14,7 +14,7 @@ higher = pytest.importorskip("higher", reason="the higher interop tests need the
 
 from ttt_flash import flash_attention  # noqa: E402
 from ttt_flash.meta import functional_loss, higher_inner_loop, inner_loop  # noqa: E402
-from ttt_flash.reference import naive_attention  # noqa: E402
+from ttt_flash.attention.reference import naive_attention  # noqa: E402
 
 F64 = torch.float64
 REL = 1e-10

@@ -6,9 +6,9 @@ Function (whose own backward gives the third derivative), and ``fast_apply`` fal
 import pytest
 import torch
 
-from ttt_flash import attention as attn_mod
+from ttt_flash.attention import functions as attn_mod
 from ttt_flash import flash_attention
-from ttt_flash.reference import naive_attention
+from ttt_flash.attention.reference import naive_attention
 
 F64 = torch.float64
 

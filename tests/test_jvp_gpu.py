@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 from ttt_flash import flash_attention, flash_attention_varlen  # noqa: E402
 from ttt_flash.kernels import attn_jvp, host  # noqa: E402
-from ttt_flash.reference import naive_attention, naive_attention_varlen  # noqa: E402
+from ttt_flash.attention.reference import naive_attention, naive_attention_varlen  # noqa: E402
 
 DEV = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -1,11 +1,11 @@
-"""Forward-over-reverse (mode="fwd_rev") Hessian-vector products in ttt_flash.hessian, the
+"""Forward-over-reverse (mode="fwd_rev") Hessian-vector products in ttt_flash.second_order, the
 optimizers and the Sophia-H refresh callback: the same numbers as reverse over reverse."""
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
-from ttt_flash.hessian import (
+from ttt_flash.second_order import (
     HessianOperator,
     hutchinson_diagonal,
     hutchinson_trace,
@@ -14,7 +14,7 @@ from ttt_flash.hessian import (
 )
 from ttt_flash.lightning.lm import ByteTextDataModule, HessianRefresh, LanguageModel
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.optim import SophiaH
+from ttt_flash.second_order.optim import SophiaH
 
 F64 = torch.float64
 

@@ -1,7 +1,7 @@
 """Triton kernels vs float64 autograd through the materialised oracle (CPU: Triton interpreter).
 
 Every output of ``attn_fwd`` / ``attn_bwd`` / ``attn_bob`` is compared with float64 autograd
-through :func:`ttt_flash.reference.naive_attention` (autograd twice gives the BoB oracle).
+through :func:`ttt_flash.attention.reference.naive_attention` (autograd twice gives the BoB oracle).
 Outputs are poisoned with NaN before launch, so an element a kernel forgets to write fails.
 float32 must match to ~1e-4 relative; float16 may err at most 2x PyTorch's own float16
 math path plus a rounding floor. bfloat16 runs only on GPU (tests/test_kernels_gpu.py):
@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from ttt_flash import reference  # noqa: E402
+from ttt_flash.attention import reference  # noqa: E402
 from ttt_flash.kernels import (  # noqa: E402
     MAX_HEAD_DIM,
     SUPPORTED_HEAD_DIMS,
@@ -29,7 +29,7 @@ from ttt_flash.kernels import (  # noqa: E402
     attn_fwd,
     host,
 )
-from ttt_flash.reference import naive_attention  # noqa: E402
+from ttt_flash.attention.reference import naive_attention  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -546,10 +546,10 @@ def test_int64_row_offsets_path(monkeypatch):
 _HAS_REFERENCE_COMPOSERS = all(hasattr(reference, n) for n in ("attn_fwd", "attn_bwd", "attn_bob"))
 
 
-@pytest.mark.skipif(not _HAS_REFERENCE_COMPOSERS, reason="ttt_flash.reference composers not there yet")
+@pytest.mark.skipif(not _HAS_REFERENCE_COMPOSERS, reason="ttt_flash.attention.reference composers not there yet")
 @pytest.mark.parametrize("case", _params([DENSE[4], DENSE[9], VARLEN[1]]))
 def test_matches_reference_composers(case):
-    """Same contract, same numbers: kernels vs ttt_flash.reference (float32)."""
+    """Same contract, same numbers: kernels vs ttt_flash.attention.reference (float32)."""
     q, k, v, do, uq, uk, uv = _dev(case.tensors(), torch.float32)
     kw = case.kw()
     o, lse = attn_fwd(q, k, v, **kw)

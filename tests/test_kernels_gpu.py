@@ -30,9 +30,9 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from ttt_flash import reference  # noqa: E402
+from ttt_flash.attention import reference  # noqa: E402
 from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, host  # noqa: E402
-from ttt_flash.reference import naive_attention, naive_attention_varlen  # noqa: E402
+from ttt_flash.attention.reference import naive_attention, naive_attention_varlen  # noqa: E402
 
 DEV = "cuda"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

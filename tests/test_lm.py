@@ -9,7 +9,7 @@ import torch
 
 from ttt_flash.lightning.lm import ByteTextDataModule, HessianRefresh, LanguageModel, stdlib_source_files
 from ttt_flash.models import GPTConfig
-from ttt_flash.optim import SophiaH
+from ttt_flash.second_order.optim import SophiaH
 
 
 def _gpt(**kw):

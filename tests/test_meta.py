@@ -70,7 +70,7 @@ def test_transformer_second_order_meta_grad_flash_equals_materialised(kind):
     assert _max_rel_diff(g_first, g_flash) > 1e-3
 
 
-@pytest.mark.parametrize("kind, module", [("transformer", "ttt_flash.impls"), ("gpt", "ttt_flash.impls")],
+@pytest.mark.parametrize("kind, module", [("transformer", "ttt_flash.attention.registry"), ("gpt", "ttt_flash.attention.registry")],
                          ids=["TinyTransformer", "models.GPT"])
 def test_flash_attention_actually_used_in_transformer(kind, module, monkeypatch):
     import importlib

@@ -15,7 +15,7 @@ from ttt_flash.cli import main
 from ttt_flash.memory import FastWeightTTT, GradientMemoryAttention
 from ttt_flash.meta import inner_loop
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.reference import naive_attention
+from ttt_flash.attention.reference import naive_attention
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "maml_sinusoid.yaml"
 

@@ -1,4 +1,4 @@
-"""ttt_flash.optim: one Sophia-H / AdaHessian step against hand-computed updates on a
+"""ttt_flash.second_order.optim: one Sophia-H / AdaHessian step against hand-computed updates on a
 quadratic with a diagonal Hessian (where one Rademacher Hutchinson probe is exact), the
 three ways to refresh the Hessian, the refresh schedule, state_dict and bad inputs."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ttt_flash.optim import AdaHessian, SophiaH
+from ttt_flash.second_order.optim import AdaHessian, SophiaH
 
 # f(x) = ½ xᵀ A x − bᵀ x with A = diag(a): ∇f = a ∘ x − b, ∇²f = diag(a).
 A = torch.tensor([1.0, 100.0, 2.0, 0.5], dtype=torch.float64)

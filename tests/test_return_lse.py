@@ -8,7 +8,7 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 
 from ttt_flash import flash_attention, flash_attention_varlen
-from ttt_flash.reference import attention_mask, naive_attention
+from ttt_flash.attention.reference import attention_mask, naive_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 F64 = torch.float64

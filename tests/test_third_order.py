@@ -9,8 +9,9 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, jacfwd, jacrev, jvp
 
-from ttt_flash import flash_attention, flash_attention_varlen, reference
-from ttt_flash.reference import naive_attention, naive_attention_varlen
+from ttt_flash import flash_attention, flash_attention_varlen
+from ttt_flash.attention.reference import composers, recompute
+from ttt_flash.attention.reference import naive_attention, naive_attention_varlen
 
 F64 = torch.float64
 TOL = 1e-10
@@ -29,7 +30,7 @@ VARIANTS = [
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     # blocks of one or two query rows: every derivative crosses block boundaries
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", 1)
 
 
 def _inputs(hq, hkv, nq, nk, d, b=1, dtype=F64):
@@ -72,7 +73,7 @@ def test_third_derivative_matches_materialised_autograd(case):
 
 @pytest.mark.parametrize("case", VARIANTS)
 def test_jacrev_of_jacrev_of_jacrev(case, monkeypatch):
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 25)  # one block (speed)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 25)  # one block (speed)
     hq, hkv, nq, nk, d, causal, window = case
     # the third derivative has (3·numel)³ entries: 3 or 4 positions, keeping N_q vs N_k
     hq, nq, nk = min(hq, 2), min(nq, 3 + (nq > nk)), min(nk, 3 + (nk > nq))
@@ -176,7 +177,7 @@ GRADCHECK = [
 @pytest.mark.parametrize("case", GRADCHECK)
 def test_gradgradcheck_of_the_bob_outputs(case, monkeypatch):
     """gradcheck (third order) and gradgradcheck (fourth order) of (Q̄, K̄, V̄, dŌ)."""
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", 3 * case[3])  # blocks of 3 rows
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", 3 * case[3])  # blocks of 3 rows
     hq, hkv, nq, nk, causal, window = case
     q, k, v = _inputs(hq, hkv, nq, nk, 2)
     do, uq = (torch.randn_like(q).requires_grad_() for _ in range(2))
@@ -250,15 +251,15 @@ def test_recomputation_holds_no_full_score_matrix(window, monkeypatch):
                     Largest.most = max(Largest.most, t.numel())
             return out
 
-    vjp = reference.bob_vjp
+    vjp = recompute.bob_vjp
 
     def watched(*args, **kwargs):
         with Largest():
             return vjp(*args, **kwargs)
 
     n, rows = 64, 8
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", rows * n)
-    monkeypatch.setattr(reference, "bob_vjp", watched)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", rows * n)
+    monkeypatch.setattr(recompute, "bob_vjp", watched)
     x = _inputs(1, 1, n, n, 4)
     w = _weights(x, x[0].shape)
     ours = _third(lambda q, k, v: flash_attention(q, k, v, causal=True, window=window), x, w)
@@ -289,13 +290,13 @@ def test_lean_block_equals_the_closed_form(present):
     k, v, uk, uv = (torch.randn(1, hq, nk, d, generator=g, dtype=F64) for _ in range(4))
     uq, uk, uv = (u if b else None for u, b in zip((uq, uk, uv), present))
     s = (q @ k.transpose(-1, -2)) * scale
-    mask = reference.attention_mask(nq, nk, causal=True, window=None)
+    mask = composers.attention_mask(nq, nk, causal=True, window=None)
     p = torch.softmax(s.masked_fill(~mask, float("-inf")).masked_fill(~mask.any(-1, keepdim=True), 0), -1)
     p = p.masked_fill(~mask.any(-1, keepdim=True), 0)
     assert (p.sum(-1) == 0).any()  # rows that see no key
     delta = (do * (p @ v)).sum(-1)
-    lean = reference._bob_rows_lean(p, q, do, uq, k, v, uk, uv, delta, scale)
-    full = reference._bob_rows(p, q, do, uq, k, v, uk, uv, delta, scale)
+    lean = recompute._bob_rows_lean(p, q, do, uq, k, v, uk, uv, delta, scale)
+    full = composers._bob_rows(p, q, do, uq, k, v, uk, uv, delta, scale)
     _close(lean, full, tol=1e-13)
 
 
@@ -332,9 +333,9 @@ def test_live_bytes_account():
 
 def test_recompute_block_rule(monkeypatch):
     """Score blocks the size of the queries, within the floor and the cap."""
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 25)
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_FLOOR", 1 << 20)
-    rows = reference._recompute_rows
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 25)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_FLOOR", 1 << 20)
+    rows = recompute._recompute_rows
     assert rows(8, 4096, 512, 64) == 512          # 8·512·512 = 8·4096·64 elements
     assert rows(8, 16384, 512, 64) == 2048
     assert rows(8, 256, 512, 64) == 256           # the floor: 2^20 elements
@@ -349,20 +350,20 @@ def test_third_derivative_working_set_is_a_few_score_blocks(monkeypatch):
     closed form as written with torch.func.vjp kept 21.6 at this shape."""
     live = _bench().LiveBytes()
     hq, nq, nk, d, rows = 2, 64, 512, 2, 16
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", hq * rows * nk)
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_FLOOR", hq * rows * nk)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", hq * rows * nk)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_FLOOR", hq * rows * nk)
     g = torch.Generator().manual_seed(0)
     q, do, uq, cq, cdo = (torch.randn(1, hq, nq, d, generator=g, dtype=F64) for _ in range(5))
     k, v, uk, uv, ck, cv = (torch.randn(1, hq, nk, d, generator=g, dtype=F64) for _ in range(6))
     kw = dict(scale=d ** -0.5, causal=False, window=None)
     with live.mode:
         start = live.live
-        ours = reference.bob_vjp((q, k, v, do, uq, uk, uv), (cq, ck, cv, cdo), (True,) * 7, **kw)
+        ours = recompute.bob_vjp((q, k, v, do, uq, uk, uv), (cq, ck, cv, cdo), (True,) * 7, **kw)
     block = hq * rows * nk * 8
     assert live.peak - start <= 14 * block, f"{(live.peak - start) / block:.1f} blocks"
     # the same vjp through autograd over the materialised BoB (one block)
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 30)
-    monkeypatch.setattr(reference, "RECOMPUTE_BLOCK_FLOOR", 1 << 30)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_ELEMENTS", 1 << 30)
+    monkeypatch.setattr(recompute, "RECOMPUTE_BLOCK_FLOOR", 1 << 30)
     xs = [t.clone().requires_grad_() for t in (q, k, v, do, uq, uk, uv)]
     out = _bob(lambda a, b, c: naive_attention(a, b, c))(*xs[:4], *xs[4:])
     ref = torch.autograd.grad(out, xs, (cq, ck, cv, cdo))
@@ -402,13 +403,13 @@ def _task(seed=1, n=12):
 
 def _count_third_order(monkeypatch):
     calls = []
-    vjp = reference.bob_vjp
+    vjp = recompute.bob_vjp
 
     def counted(*args, **kwargs):
         calls.append(1)
         return vjp(*args, **kwargs)
 
-    monkeypatch.setattr(reference, "bob_vjp", counted)
+    monkeypatch.setattr(recompute, "bob_vjp", counted)
     return calls
 
 

@@ -10,7 +10,10 @@ Public names:
 * ``__version__``.
 """
 
+from . import _moved
 from .attention import flash_attention, flash_attention_varlen
+
+_moved.install()  # ttt_flash.hessian, ttt_flash.reference, ...: the old paths of moved modules
 
 __version__ = "0.1.0"
 

@@ -83,7 +83,7 @@ def _check(argv: Sequence[str]) -> int:
 
     from .attention import flash_attention
     from .bench.common import attention_chain
-    from .reference import naive_attention
+    from .attention.reference import naive_attention
 
     p = argparse.ArgumentParser(prog="ttt-flash check", description=_COMMANDS["check"])
     p.add_argument("--batch", type=int, default=2, help="batch size B (default: %(default)s)")

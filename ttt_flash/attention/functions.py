@@ -24,101 +24,29 @@ style so that ``torch.func`` transforms compose with them):
 A backward that records no graph (``create_graph=False``, no torch.func transform) calls the
 next composer directly instead of through the next Function: nothing will differentiate it.
 
-This module is the only place that validates attention inputs and the only place that
-chooses between the Triton kernels and the PyTorch reference.
+The inputs are validated before they reach this module (:mod:`ttt_flash.attention.checks`, called
+by the public functions of :mod:`ttt_flash.attention.api`); the composers run are the ones
+:func:`ttt_flash.attention.backend.backend_module` names. :func:`_apply` is the one dispatch of a
+call: the Functions eagerly, the custom operators of :mod:`ttt_flash.attention.ops` while
+``torch.compile`` traces; both call the same composers.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-import numbers
-import warnings
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 from torch._functorch.utils import unwrap_dead_wrappers as _unwrap_dead  # as Function.apply does
 from torch.autograd import forward_ad as _forward_ad
 
-from . import ops, reference
-
-__all__ = ["flash_attention", "flash_attention_varlen", "BACKENDS", "LAYOUTS"]
-
-#: Accepted values of the ``backend`` argument.
-BACKENDS = ("auto", "triton", "reference")
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from . import ops
+from .reference import recompute
+from .backend import backend_module
 
 _functorch_active = torch._C._are_functorch_transforms_active
-
-
-# --------------------------------------------------------------------------- backend choice
-
-
-def _triton_module():
-    from . import kernels  # imported lazily: importing triton is slow and optional on CPU
-
-    return kernels
-
-
-def _interpreting() -> bool:
-    # The one reader of TRITON_INTERPRET is kernels/configs.py (the Triton interpreter is a
-    # kernels matter); backend="triton" imports the kernels anyway.
-    from .kernels import configs
-
-    return configs.interpreting()
-
-
-def resolve_backend(backend: str, q: Tensor) -> str:
-    """The backend that runs for ``backend`` ("auto", "triton" or "reference") on query ``q``
-    (..., N, d): "auto" picks "triton" for CUDA float16/bfloat16/float32 inputs within the
-    kernels' head-dim limit, else "reference". Raises for a backend the inputs cannot run on."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    head_dim = q.shape[-1]
-    if backend == "auto":
-        if q.is_cuda and q.dtype in _KERNEL_DTYPES:
-            max_d = _triton_module().MAX_HEAD_DIM
-            if head_dim > max_d:
-                warnings.warn(
-                    f"head dim {head_dim} exceeds the Triton kernels' maximum {max_d}; "
-                    "using the (slower, exact) PyTorch reference backend",
-                    stacklevel=3,
-                )
-                return "reference"
-            return "triton"
-        return "reference"
-    if backend == "triton":
-        if q.dtype not in _KERNEL_DTYPES:
-            raise TypeError(
-                f"backend='triton' supports float16, bfloat16 and float32 inputs, got {q.dtype}; "
-                "use backend='reference' (or 'auto') for float64"
-            )
-        if not q.is_cuda and not _interpreting():
-            raise RuntimeError(
-                "backend='triton' needs CUDA tensors; on the CPU it runs only under the Triton "
-                "interpreter: set TRITON_INTERPRET=1 in the environment before importing "
-                "ttt_flash, or use backend='reference' (what 'auto' picks on the CPU)"
-            )
-        max_d = _triton_module().MAX_HEAD_DIM
-        if head_dim > max_d:
-            raise ValueError(
-                f"head dim (q.shape[-1] = {head_dim}) is larger than the Triton kernels support "
-                f"({max_d}); use backend='reference'"
-            )
-    return backend
-
-
-def backend_module(backend: str):
-    """The module whose ``attn_fwd``, ``attn_bwd``, ``attn_bob``, ``attn_tangent`` and ``attn_jvp``
-    run a resolved backend: :mod:`ttt_flash.reference` or the Triton kernels."""
-    return reference if backend == "reference" else _triton_module()
-
-
-ops.register_composers("reference", lambda: reference)
-ops.register_composers("triton", _triton_module)
 
 
 def _apply(q, k, v, spec: "_Spec", cu_q, cu_k, with_lse: bool = False):
@@ -438,7 +366,7 @@ class _AttentionBoB(_Function):
         q, k, v, do, uq, uk, uv, cu_q, cu_k = ctx.saved_tensors
         ni = ctx.needs_input_grad
         slots = (0, 1, 2, 5, 7, 8, 9)  # positions of (q, k, v, do, uq, uk, uv) in forward
-        grads = reference.bob_vjp(
+        grads = recompute.bob_vjp(
             (q, k, v, do, uq, uk, uv), (gq, gk, gv, gdo), tuple(ni[i] for i in slots),
             scale=ctx.spec.scale, causal=ctx.spec.causal, window=ctx.spec.window,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -452,7 +380,7 @@ class _AttentionBoB(_Function):
         """A jvp of a second derivative (third order): ``reference.bob_jvp``. The tangents of
         o, lse, delta and the statistics are the ones the other tangents induce: not read."""
         q, k, v, do, uq, uk, uv, cu_q, cu_k = ctx.saved_tensors
-        out = reference.bob_jvp(
+        out = recompute.bob_jvp(
             (q, k, v, do, uq, uk, uv), (tq, tk, tv, tdo, tuq, tuk, tuv),
             scale=ctx.spec.scale, causal=ctx.spec.causal, window=ctx.spec.window,
             cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
@@ -622,366 +550,3 @@ try:
     _apply_lse_eager = torch.compiler.disable(_apply_lse_eager, reason=_EAGER_LSE_REASON)
 except TypeError:  # a torch whose disable takes no reason
     _apply_lse_eager = torch.compiler.disable(_apply_lse_eager)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _check_tensor(name: str, x) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-
-
-def _flag(name: str, value) -> bool:
-    """``value`` as a bool: True/False or a NumPy bool; anything else (a string such as "no",
-    an int) is a TypeError, so that no flag is read as True by accident."""
-    if isinstance(value, bool):
-        return value
-    kind = type(value)
-    if kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"):
-        return bool(value)
-    raise TypeError(f"{name} must be a bool (True or False), got {kind.__name__} {value!r}")
-
-
-def _check_common(q, k, v, scale, window, causal) -> float:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, x)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(
-            f"q, k and v must share one dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}; "
-            "cast them with .to(q.dtype)"
-        )
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"q, k and v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}"
-        )
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if window is not None:
-        if isinstance(window, bool) or not isinstance(window, numbers.Integral):
-            raise TypeError(f"window must be an int or None, got {type(window).__name__}")
-        if window < 1:
-            raise ValueError(f"window must be >= 1 (the number of most recent keys a query sees), got {window}")
-        if not causal:
-            raise ValueError("window requires causal=True (a sliding window looks back from each query)")
-    if q.dim() > 0 and q.shape[-1] == 0:
-        raise ValueError(f"head dim (q.shape[-1]) must be >= 1, got 0 (q of shape {tuple(q.shape)})")
-    if scale is None:
-        return q.shape[-1] ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
-
-
-def _check_heads(hq: int, hkv: int) -> None:
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(
-            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
-            f"heads ({hkv}) (grouped-query attention)"
-        )
-
-
-def _check_cu_seqlens(name: str, cu, tokens: int, device, read: bool = True) -> Optional[list]:
-    """The checked values of ``cu`` as a list; None (the values unchecked, nothing read back
-    to the host) when ``read`` is False and ``cu`` is on a GPU: with ``max_seqlen_*`` given the
-    call stays free of device synchronisations (CUDA-graph capture, docs/cuda-graphs.md)."""
-    if not isinstance(cu, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype torch.int32, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise ValueError(f"{name} must have dtype torch.int32, got {cu.dtype}; use {name}.to(torch.int32)")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with batch_size + 1 >= 2 entries, got shape {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({device}), got {cu.device}")
-    if not read and cu.device.type != "cpu":
-        return None
-    try:
-        values = cu.tolist()
-    except RuntimeError as e:  # e.g. a vmapped (batched) tensor has no data to read
-        raise NotImplementedError(
-            f"{name} must be a concrete tensor: torch.func.vmap over cu_seqlens is not supported; "
-            "vmap over q, k, v only"
-        ) from e
-    if values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
-        raise ValueError(f"{name} must be non-decreasing (cumulative sequence lengths), got {values}")
-    if values[-1] != tokens:
-        raise ValueError(
-            f"{name}[-1] must equal the number of packed tokens ({tokens}), got {values[-1]}"
-        )
-    return values
-
-
-#: Accepted values of ``flash_attention``'s ``layout`` argument.
-LAYOUTS = ("bhnd", "bnhd")
-
-
-def _check_layout(layout: Optional[str], q: Tensor, k: Tensor) -> str:
-    """The layout to use: ``layout`` itself, or ``"bhnd"`` when None, warning when the shapes
-    look like FlashAttention's (B, N, H, D): more heads than positions in q and in k."""
-    if layout is not None:
-        if layout not in LAYOUTS:
-            raise ValueError(
-                f"layout must be 'bhnd' (batch, heads, seq_len, head_dim; the default, as "
-                f"scaled_dot_product_attention) or 'bnhd' (batch, seq_len, heads, head_dim, as "
-                f"FlashAttention's flash_attn_func), got {layout!r}"
-            )
-        return layout
-    if q.dim() == 4 and k.dim() == 4 and q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]:
-        warnings.warn(
-            f"flash_attention reads q {tuple(q.shape)} and k {tuple(k.shape)} as (batch, heads, "
-            f"seq_len, head_dim): {q.shape[1]} heads over {q.shape[2]} queries and "
-            f"{k.shape[1]} heads over {k.shape[2]} keys. If they are (batch, seq_len, heads, "
-            "head_dim) (FlashAttention's layout), pass layout='bnhd'; pass layout='bhnd' to "
-            "state the layout and silence this warning",
-            UserWarning,
-            stacklevel=3,
-        )
-    return "bhnd"
-
-
-def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
-    """:func:`_check_heads` for (B, H, N, D) tensors, with a hint when the tensors would be
-    consistent read as (B, N, H, D)."""
-    try:
-        _check_heads(q.shape[1], k.shape[1])
-    except ValueError as e:
-        hkv = k.shape[2]
-        # the hint only for shapes that look like (B, N, H, D), as the layout warning's: more
-        # "heads" than positions in q and k (not ordinary self-attention shapes)
-        looks_bnhd = q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]
-        if not layout_given and hkv and q.shape[2] % hkv == 0 and looks_bnhd:
-            raise ValueError(
-                f"{e}; q {tuple(q.shape)} and k {tuple(k.shape)} are read as (batch, heads, "
-                "seq_len, head_dim): if they are (batch, seq_len, heads, head_dim) "
-                "(FlashAttention's layout), pass layout='bnhd'"
-            ) from None
-        raise
-
-
-# --------------------------------------------------------------------------- public API
-
-
-def flash_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    causal: bool = False,
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-    backend: str = "auto",
-    precise_bob: bool = True,
-    deterministic: bool = False,
-    layout: Optional[str] = None,
-    return_lse: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    r"""Attention on (B, H, N, D) tensors (``layout="bnhd"``: (B, N, H, D)), differentiable to any order exactly.
-
-    ``o = softmax(scale · q kᵀ + mask) v`` for each batch and head, with exact gradients
-    and exact gradients of gradients (Hessian-vector products, MAML, gradient-written
-    memory), never materialising the N_q × N_k matrix on the Triton backend.
-
-    Args:
-        q: queries, shape (B, H_q, N_q, D).
-        k: keys, shape (B, H_kv, N_k, D). H_q must be a multiple of H_kv (grouped-query
-            attention: query head h uses key head h // (H_q / H_kv)).
-        v: values, shape (B, H_kv, N_k, D).
-        causal: mask future keys. Aligned to the bottom-right when N_q ≠ N_k: query i
-            sees key j iff j ≤ i + N_k − N_q (FlashAttention-2 convention).
-        scale: softmax scale; defaults to D^-1/2.
-        window: with ``causal=True``, each query sees only its ``window`` most recent
-            keys, its own aligned position included: j > i + N_k − N_q − window.
-        backend: ``"auto"`` (Triton kernels for CUDA float16/bfloat16/float32, the
-            PyTorch reference otherwise), ``"triton"`` or ``"reference"``.
-        precise_bob: Triton backend only. True (default): the backward-over-backward runs a
-            row-statistics pass, then forms the cotangents of S and dP per tile, keeping
-            16-bit errors below PyTorch's own math path even where attention is peaked
-            (bf16 ~2.4e-3 relative L2). False: the two-pass affine form of
-            docs/bob-math.md (fewer products), whose 16-bit error grows where attention is
-            peaked (terms cancel).
-        deterministic: accepted for compatibility; it changes nothing. Every pass of both
-            backends is atomic-free (each output element is written by one program, its sums
-            taken in a fixed order), so results are bitwise reproducible run to run on one
-            device with the same torch and triton, whatever its value; different GPUs or
-            tile tables may round differently.
-        layout: axis order of q, k, v and the output. ``"bhnd"``: (B, H, N, D), as
-            ``torch.nn.functional.scaled_dot_product_attention`` (the shapes above).
-            ``"bnhd"``: (B, N, H, D), as FlashAttention's ``flash_attn_func``; the inputs
-            are read through transposed views (no copies) and the output is returned as
-            a (B, N_q, H_q, D) view (its memory is (B, H, N, D)-contiguous; gradients come
-            back in the inputs' shapes). ``None`` (default): ``"bhnd"``, with a
-            ``UserWarning`` when the shapes look like (B, N, H, D), i.e. when q and k both
-            have more heads than positions (``q.shape[1] > q.shape[2]`` and
-            ``k.shape[1] > k.shape[2]``); and a ``ValueError`` on mismatched head counts
-            says so when the tensors would be consistent read as (B, N, H, D). Tensors of
-            one layout with equal shapes and at least as many positions as heads cannot
-            be told apart: pass ``layout`` explicitly to state it (and silence the check).
-        return_lse: also return the row log-sum-exp of the masked, scaled scores,
-            ``lse[b, h, i] = log Σ_j exp(scale · q_i·k_j)`` over the keys query i sees, as
-            FlashAttention's ``return_softmax_lse`` / ``return_attn_probs``. ``lse`` is
-            differentiable like the output: first, second and higher derivatives of a loss
-            of (o, lse) are exact, with no N_q × N_k tensor (docs/bob-math.md, "The
-            log-sum-exp as an output"). A cotangent of ``lse`` costs one more forward and
-            first backward in each backward (with K as the values). Under ``torch.compile``
-            the call runs eagerly (a graph break; ``fullgraph=True`` refuses it).
-
-    Returns:
-        Tensor of shape (B, H_q, N_q, D) (``layout="bnhd"``: (B, N_q, H_q, D)), dtype of
-        ``q``. A query row that sees no key returns 0, and all its gradients are 0.
-        With ``return_lse=True``: the pair ``(o, lse)``, ``lse`` of shape (B, H_q, N_q) in
-        either layout, float64 for float64 inputs and float32 otherwise; a row that sees no
-        key has ``lse = -inf`` (gradients through it stay 0, never NaN).
-
-    Inputs may be non-contiguous (e.g. produced by ``transpose``). Derivatives of any order
-    are exact: the third and higher recompute the backward-over-backward in blocks of query
-    rows with plain PyTorch ops (O(rows × N_k) memory per head; docs/second-order.md).
-
-    Example: an exact Hessian-vector product through attention::
-
-        >>> import torch
-        >>> from ttt_flash import flash_attention
-        >>> q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        >>> loss = flash_attention(q, k, v, causal=True).square().sum()
-        >>> grads = torch.autograd.grad(loss, (q, k, v), create_graph=True)
-        >>> vecs = [torch.randn_like(g) for g in grads]
-        >>> hvp = torch.autograd.grad(grads, (q, k, v), grad_outputs=vecs)
-        >>> [tuple(h.shape) for h in hvp]
-        [(1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
-    """
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
-    layout_given = layout is not None
-    layout = _check_layout(layout, q, k)
-    axes = "(batch, seq_len, heads, head_dim)" if layout == "bnhd" else "(batch, heads, seq_len, head_dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
-                f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if layout == "bnhd":  # views: the kernels and the reference take strides
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    _check_heads_bhnd(q, k, layout_given)
-    backend = resolve_backend(backend, q)
-    if q.numel() == 0 or k.shape[2] == 0:
-        backend = "reference"  # nothing for a kernel to do; the reference handles empties
-    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
-                 precise_bob=bool(precise_bob), deterministic=bool(deterministic))
-    if return_lse is not False and _flag("return_lse", return_lse):
-        o, lse = _apply(q, k, v, spec, None, None, with_lse=True)
-        return (o.transpose(1, 2) if layout == "bnhd" else o), lse
-    o = _apply(q, k, v, spec, None, None)
-    return o.transpose(1, 2) if layout == "bnhd" else o
-
-
-def flash_attention_varlen(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
-    max_seqlen_q: Optional[int],
-    max_seqlen_k: Optional[int],
-    *,
-    causal: bool = False,
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-    backend: str = "auto",
-    precise_bob: bool = True,
-    deterministic: bool = False,
-    return_lse: bool = False,
-) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-    r"""Attention over variable-length sequences packed along the token axis.
-
-    Sequence b owns query tokens ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key tokens
-    ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``; no token attends across sequences. Empty
-    sequences are allowed. Masks (``causal``, ``window``), ``scale``, ``backend``,
-    ``precise_bob``, ``deterministic`` and ``return_lse`` are as in :func:`flash_attention`, applied per sequence with that sequence's lengths.
-
-    The packed (T, H, D) layout is FlashAttention's ``flash_attn_varlen_func`` layout (no
-    ``layout`` argument here).
-
-    Args:
-        q: (T_q, H_q, D) packed queries.
-        k, v: (T_k, H_kv, D) packed keys and values.
-        cu_seqlens_q, cu_seqlens_k: int32 tensors of shape (B + 1,): 0, then cumulative
-            sequence lengths; the last entry equals T_q (resp. T_k).
-        max_seqlen_q, max_seqlen_k: the longest query (key) sequence, or None to compute
-            it (one device synchronisation).
-
-    Returns:
-        (T_q, H_q, D) tensor, differentiable twice like :func:`flash_attention`. With
-        ``return_lse=True``: the pair ``(o, lse)``, ``lse`` the differentiable row
-        log-sum-exp of shape (H_q, T_q) (FlashAttention's varlen layout), float64 for
-        float64 inputs and float32 otherwise, ``-inf`` on rows that see no key.
-
-    Example::
-
-        >>> import torch
-        >>> from ttt_flash import flash_attention_varlen
-        >>> cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)  # lengths 3, 0, 5
-        >>> q, k, v = (torch.randn(8, 2, 4) for _ in range(3))
-        >>> flash_attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).shape
-        torch.Size([8, 2, 4])
-    """
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(
-                f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
-                f"attention, got shape {tuple(x.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    _check_heads(q.shape[1], k.shape[1])
-    read = max_seqlen_q is None or max_seqlen_k is None  # both given on a GPU: no host read-back
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, read)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, read)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
-        )
-    longest_q = None if cq is None else max(b - a for a, b in zip(cq, cq[1:]))
-    longest_k = None if ck is None else max(b - a for a, b in zip(ck, ck[1:]))
-    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
-        if given is None:
-            continue
-        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
-            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-        if longest is not None and given < longest:
-            raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
-    backend = resolve_backend(backend, q)
-    if q.numel() == 0 or k.shape[0] == 0:
-        backend = "reference"
-    spec = _Spec(
-        scale=scale,
-        causal=causal,
-        window=None if window is None else int(window),
-        backend=backend,
-        max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
-        max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
-        precise_bob=bool(precise_bob),
-        deterministic=bool(deterministic),
-    )
-    if return_lse is not False and _flag("return_lse", return_lse):
-        return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k, with_lse=True)
-    return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)

@@ -10,32 +10,26 @@ with fake (meta) implementations giving output shapes, and ``register_autograd``
 first to the second. The compiled graph calls the same composers (Triton kernels or the
 reference) as eager mode, so a compiled first-order step computes what the eager step does.
 
-Double backward through a compiled graph is refused by PyTorch; :mod:`ttt_flash.second_order`
-(:func:`~ttt_flash.second_order.second_order_grad`, re-exported here for old imports) turns that
-refusal into the library's explanation.
+Double backward through a compiled graph is refused by PyTorch;
+:func:`ttt_flash.second_order.second_order_grad` turns that refusal into the library's
+explanation.
 
-Floor 0 (docs/architecture.md): imports torch and :mod:`ttt_flash.second_order` only (the
-composer modules are registered by ``attention.py``).
+The operators take the backend that :func:`ttt_flash.attention.backend.resolve_backend`
+resolved, and run the composers that :func:`~ttt_flash.attention.backend.backend_module` names:
+the one table the autograd Functions read too.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .second_order import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
+from ..second_order.grad import COMPILE_DOUBLE_BACKWARD_MESSAGE
+from .backend import backend_module
 
-__all__ = ["compiled_attention", "second_order_grad", "COMPILE_DOUBLE_BACKWARD_MESSAGE"]
-
-# The composer modules, registered by attention.py under the backend names.
-_COMPOSERS: dict = {}
-
-
-def register_composers(name: str, getter: Callable) -> None:
-    """Register ``getter() -> module`` (with ``attn_fwd``/``attn_bwd``) as backend ``name``."""
-    _COMPOSERS[name] = getter
+__all__ = ["compiled_attention"]
 
 
 def _opt(x: int) -> Optional[int]:
@@ -60,7 +54,7 @@ def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
     scale: float, causal: bool, window: int, max_q: int, max_k: int, backend: str,
 ) -> Tuple[Tensor, Tensor]:
-    o, lse = _COMPOSERS[backend]().attn_fwd(q, k, v, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
+    o, lse = backend_module(backend).attn_fwd(q, k, v, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
     return o.contiguous(), lse.to(_row_dtype(q, backend)).contiguous()
 
 
@@ -77,7 +71,7 @@ def _attention_bwd(
     cu_q: Optional[Tensor], cu_k: Optional[Tensor],
     scale: float, causal: bool, window: int, max_q: int, max_k: int, backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv, _ = _COMPOSERS[backend]().attn_bwd(
+    dq, dk, dv, _ = backend_module(backend).attn_bwd(
         q, k, v, o, lse, do, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -119,7 +113,7 @@ def _bwd_setup(ctx, inputs, output):
 
 def _bwd_backward(ctx, *grads):
     # Reached only if someone differentiates the custom operator itself eagerly; the eager
-    # public path uses attention.py's autograd.Functions, which are differentiable twice.
+    # public path uses the autograd.Functions, which are differentiable twice.
     raise RuntimeError(COMPILE_DOUBLE_BACKWARD_MESSAGE)
 
 

@@ -10,7 +10,7 @@ name                    what runs
 ``"ttt_flash"``         :func:`ttt_flash.flash_attention` (``backend="auto"``: the Triton
                         kernels on CUDA, the chunked PyTorch reference elsewhere). Exact
                         first and second derivatives, O(N) memory on the Triton path.
-``"math"``              :func:`ttt_flash.reference.naive_attention`: materialised
+``"math"``              :func:`ttt_flash.attention.reference.naive_attention`: materialised
                         softmax(QKᵀ)V in plain torch ops; any order of derivative, O(N²)
                         memory. The oracle.
 ``"sdpa"``              ``torch.nn.functional.scaled_dot_product_attention`` with its own
@@ -19,19 +19,19 @@ name                    what runs
 
 Below the registry, :func:`ttt_flash.flash_attention`'s ``backend`` argument
 (``"auto"``/``"triton"``/``"reference"``) chooses between the Triton kernels and the PyTorch
-reference; ``attention.py`` is the only place that makes that choice. Above it, the Hugging
+reference; :mod:`ttt_flash.attention.backend` is the only place that makes that choice. Above it, the Hugging
 Face integration registers ``"ttt_flash"`` under transformers' name ``"ttt_bob"``
 (:data:`HF_NAME`), and ``GPT(..., context_parallel=...)`` asks :func:`context_parallel_attention_for`
 for the implementation across ranks (:data:`CONTEXT_PARALLEL_IMPLS`: ``"ttt_flash"``, through
-:func:`ttt_flash.context_parallel.context_parallel_attention`).
+:func:`ttt_flash.distributed.context_parallel_attention`).
 
 Every implementation has the signature ``attend(q, k, v, *, causal, window=None)`` with q
 (B, H_q, N_q, D), k and v (B, H_kv, N_k, D), H_q a multiple of H_kv (GQA), scale D^-1/2, and
 returns (B, H_q, N_q, D). ``window`` (causal only) lets each query see its ``window`` most
 recent keys, itself included.
 
-Floor 3 (docs/architecture.md): imports :mod:`ttt_flash.attention`,
-:mod:`ttt_flash.context_parallel` and :mod:`ttt_flash.reference` only.
+Imports the attention functions, the reference and :mod:`ttt_flash.distributed.context_parallel`
+only.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from typing import Callable, Dict, Literal, Optional, Sequence, Tuple
 import torch.nn.functional as F
 from torch import Tensor
 
-from .attention import flash_attention
-from .context_parallel import context_parallel_attention
+from ..distributed.context_parallel import context_parallel_attention
+from .api import flash_attention
 from .reference import attention_mask, naive_attention
 
 __all__ = ["AttentionName", "ATTENTION_IMPLS", "CONTEXT_PARALLEL_IMPLS", "HF_NAME", "attend", "get_attention",
@@ -122,7 +122,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, impl: str, causal: bool = True,
 def context_parallel_attention_for(name: str, group=None, *, what: str = "attention") -> Callable[..., Tensor]:
     """Implementation ``name`` with the sequence sharded across the ranks of ``group`` (None:
     the default process group): ``attend(q, k, v, *, causal, window=None)`` over each rank's
-    block of tokens (:func:`ttt_flash.context_parallel.context_parallel_attention`).
+    block of tokens (:func:`ttt_flash.distributed.context_parallel_attention`).
 
     Raises:
         ValueError: ``name`` is not one of :data:`CONTEXT_PARALLEL_IMPLS`.

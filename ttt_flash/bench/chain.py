@@ -43,7 +43,7 @@ from ..attention import flash_attention
 from .common import (
     HelpFormatter, attended_pairs, attention_chain, flop_unit, measure, new_result, progress_bar, write_json,
 )
-from ..reference import naive_attention
+from ..attention.reference import naive_attention
 
 __all__ = ["BenchConfig", "run_bench", "chain_flops", "make_provider", "main"]
 

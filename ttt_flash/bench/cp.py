@@ -39,8 +39,8 @@ import torch.multiprocessing as mp
 
 from ..attention import flash_attention
 from .common import write_json
-from ..context_parallel import context_parallel_attention, shard_sequence
-from ..reference import naive_attention
+from ..distributed.context_parallel import context_parallel_attention, shard_sequence
+from ..attention.reference import naive_attention
 
 __all__ = ["CPBenchConfig", "run_cp_bench", "format_cp_table", "main_from_args"]
 

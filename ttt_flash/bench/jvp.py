@@ -62,7 +62,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..attention import backend_module, resolve_backend, flash_attention
 from .common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
-from ..reference import naive_attention
+from ..attention.reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
 
@@ -335,7 +335,7 @@ def chunked_lm_loss(model, x, y, chunk: int):
     """``model.loss(x, y)`` with the vocabulary head (final logits, fp32 cross-entropy) computed
     and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.hessian.recompute`): the same
     mean cross-entropy, without a (tokens × vocabulary) fp32 tensor of the whole batch."""
-    from ..hessian import recompute
+    from ..second_order import recompute
     from ..models.gpt import lm_loss
 
     def head_sum(h, w, t):
@@ -358,7 +358,7 @@ def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     difference to the plain reverse-over-reverse one. ``peak_ratio_vs_rev_rev`` and
     ``peak_ratio_vs_best_rev_rev`` (the lower of the two reverse-over-reverse peaks) on the
     forward-over-reverse rows."""
-    from .. import hessian
+    from .. import second_order as hessian
     from ..models import GPT, GPTConfig
 
     dtype = getattr(torch, cfg.dtype)

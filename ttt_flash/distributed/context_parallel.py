@@ -25,7 +25,7 @@ rank holds a copy of get only their rank's share; :func:`all_reduce_sum` (differ
 its backward is itself) adds the shares, also inside an inner loop whose gradient is
 differentiated again (MAML over a context-parallel sequence).
 
-Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.attention` only.
+Imports torch and :mod:`ttt_flash.attention` only.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .attention import flash_attention, flash_attention_varlen
+from ..attention import flash_attention, flash_attention_varlen
 
 __all__ = [
     "context_parallel_attention",

@@ -20,12 +20,7 @@ global batch, so the result equals one process on the global batch (to rounding)
 Every function is a no-op when :mod:`torch.distributed` is not initialised or has one
 process.
 
-Context parallelism (one sequence across processes, exact to second order) lives in
-:mod:`ttt_flash.context_parallel` and is re-exported here: :func:`context_parallel_attention`,
-:func:`context_parallel_attention_varlen`, :func:`all_reduce_sum`, :func:`shard_sequence`,
-:func:`block_bounds`, :func:`sequence_offset`, :func:`context_parallel_groups`, :func:`reduce_gradients`.
-
-Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.context_parallel`.
+Imports torch and :mod:`ttt_flash.distributed.context_parallel` (its gradient reduction).
 """
 
 from __future__ import annotations
@@ -36,27 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .context_parallel import (
-    all_reduce_sum,
-    block_bounds,
-    context_parallel_attention,
-    context_parallel_attention_varlen,
-    context_parallel_groups,
-    local_gradients,
-    reduce_gradients,
-    sequence_offset,
-    shard_sequence,
-)
+from .context_parallel import local_gradients
 
 __all__ = [
-    "context_parallel_attention",
-    "context_parallel_attention_varlen",
-    "context_parallel_groups",
-    "reduce_gradients",
-    "all_reduce_sum",
-    "shard_sequence",
-    "block_bounds",
-    "sequence_offset",
     "world_size",
     "is_distributed",
     "disable_gradient_sync",

@@ -68,7 +68,7 @@ import torch
 from torch import Tensor
 
 from ..attention import flash_attention, flash_attention_varlen
-from ..impls import HF_NAME
+from ..attention.registry import HF_NAME
 
 __all__ = [
     "NAME",

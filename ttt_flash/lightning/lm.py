@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader
 
 from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
 from ..models import GPT, GPTConfig
-from ..hessian import probe_like
-from ..optim import AdaHessian, HessianOptimizer, SophiaH
+from ..second_order import probe_like
+from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
 from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
 from .resume import EpochSampler, ResumableLoader
 from .context_parallel import ContextParallelPlan

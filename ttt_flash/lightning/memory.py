@@ -43,7 +43,7 @@ from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, 
 from .context_parallel import ContextParallelPlan
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
-from ..impls import AttentionName
+from ..attention.registry import AttentionName
 from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
 from ..memory.attention_layer import WriteRule
 from ..models import GPT, GPTConfig

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..context_parallel import group_size_rank, all_reduce_sum, block_bounds
+from ..distributed.context_parallel import group_size_rank, all_reduce_sum, block_bounds
 from ..second_order import second_order_grad
 
 __all__ = ["masked_lm_loss", "masked_lm_loss_part", "inner_step", "inner_grad_mode", "log_lr_parameter",

@@ -17,7 +17,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from .._checks import check_int
-from ..impls import attend, check_attention
+from ..attention.registry import attend, check_attention
 from ._common import inner_grad_mode, log_lr_parameter, inner_step
 
 __all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "GradientMemoryAttention"]

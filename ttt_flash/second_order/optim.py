@@ -43,7 +43,7 @@ and averages the local estimates over processes (weighted by ``weight``), so eve
 holds the estimate one process would get on the global batch; the gradients themselves must
 be averaged by the caller (:func:`ttt_flash.distributed.average_gradients`; docs/distributed.md).
 
-Floor 2 (docs/architecture.md): imports torch, :mod:`ttt_flash.hessian` and
+Imports torch, :mod:`ttt_flash.second_order.hessian` and
 :mod:`ttt_flash.distributed`.
 """
 
@@ -56,7 +56,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .distributed import all_reduce_mean_, broadcast_
+from ..distributed.data_parallel import all_reduce_mean_, broadcast_
 from .hessian import PROBES, HessianOperator, probe_like
 
 __all__ = ["SophiaH", "AdaHessian", "HessianOptimizer"]

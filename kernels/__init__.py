@@ -2,7 +2,7 @@
 backward-over-backward.
 
 Exports the composer contract of ``docs/architecture.md`` (same signatures as
-``ttt_flash.reference``): :func:`attn_fwd`, :func:`attn_bwd`, :func:`attn_bob`,
+``ttt_flash.attention.reference``): :func:`attn_fwd`, :func:`attn_bwd`, :func:`attn_bob`,
 :func:`attn_tangent` and :func:`attn_jvp`. Imports torch and triton only.
 """
 

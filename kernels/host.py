@@ -63,7 +63,7 @@ def check_inputs(q: torch.Tensor) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(
             f"ttt_flash.kernels supports float16, bfloat16 and float32 inputs, got {q.dtype}"
-            " (float64 runs on ttt_flash.reference)"
+            " (float64 runs on ttt_flash.attention.reference)"
         )
     d = q.shape[-1]
     if d > MAX_HEAD_DIM or d < 1:

@@ -9,7 +9,7 @@ Public names:
 * :class:`Block` — one pre-norm transformer block.
 * :func:`lm_loss` — mean next-token cross-entropy of logits against targets.
 * :data:`ATTENTION_IMPLS` — accepted values of ``GPTConfig.attention`` (the names of
-  :mod:`ttt_flash.impls`).
+  :mod:`ttt_flash.attention.registry`).
 * MAML networks (:mod:`~ttt_flash.models.regressors`): :class:`NetConfig`,
   :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`,
   :class:`MemoryRegressor` (gradient-memory attention: MAML over it is third order).

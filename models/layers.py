@@ -87,7 +87,7 @@ def causal_attention(
     q: Tensor, k: Tensor, v: Tensor, *, impl: str, window: Optional[int] = None
 ) -> Tensor:
     """Causal softmax attention, scale D^-1/2, through the implementation ``impl`` of
-    :mod:`ttt_flash.impls` (``"ttt_flash"``, ``"math"`` or ``"sdpa"``).
+    :mod:`ttt_flash.attention.registry` (``"ttt_flash"``, ``"math"`` or ``"sdpa"``).
 
     Args:
         q: (B, H_q, N, D); k, v: (B, H_kv, N, D) with H_q a multiple of H_kv (GQA).

@@ -17,9 +17,8 @@
 Every network is differentiable to any order through every layer (MAML differentiates
 twice, three times through the memory layer's second-order writes).
 
-Floor 4 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls`, the GPT and (lazily:
-:mod:`ttt_flash.memory` imports the models) the memory layer; never Lightning. (``ttt_flash.lightning.nets`` re-exports these names for recipes written before the
-move.)
+Imports torch, :mod:`ttt_flash.attention.registry`, the GPT and (lazily: :mod:`ttt_flash.memory`
+imports the models) the memory layer; never Lightning.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .gpt import GPT, GPTConfig
 __all__ = ["NetConfig", "SinusoidMLP", "TinyTransformer", "GPTRegressor", "MemoryRegressor", "ATTENTIONS"]
 
 #: Attention implementations :class:`TinyTransformer` and :class:`GPTRegressor` can use: the
-#: names of :mod:`ttt_flash.impls`.
+#: names of :mod:`ttt_flash.attention.registry`.
 ATTENTIONS = ATTENTION_IMPLS
 
 
@@ -81,7 +80,7 @@ class TinyTransformer(nn.Module):
 
     ``embed`` (linear) → ``n_layers`` pre-LN blocks (attention + 4× GELU MLP) → LayerNorm →
     ``head`` (linear). ``attention`` picks :func:`ttt_flash.flash_attention` (``"ttt_flash"``,
-    exact double backward with O(N) memory), :func:`ttt_flash.reference.naive_attention`
+    exact double backward with O(N) memory), :func:`ttt_flash.attention.reference.naive_attention`
     (``"math"``, materialises N × N scores; the oracle) or
     ``torch.nn.functional.scaled_dot_product_attention`` (``"sdpa"``; its fused CUDA kernels
     have no double backward).

@@ -40,7 +40,8 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
     import yaml
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.lightning import MAML
+    from ttt_flash.models import NetConfig
     from ttt_flash.lightning.data import InContextRegressionDataModule, SinusoidDataModule
 
     cfg = yaml.safe_load(Path(recipe).read_text())

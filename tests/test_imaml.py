@@ -332,7 +332,8 @@ def _sinusoid_batch(tasks=3):
 
 @pytest.mark.parametrize("algorithm", ["imaml", "reptile"])
 def test_lightning_accumulates_the_mean_task_meta_gradient(algorithm):
-    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.lightning import MAML
+    from ttt_flash.models import NetConfig
 
     torch.manual_seed(0)
     kw = dict(imaml_lam=50.0, cg_steps=30, cg_tol=1e-12) if algorithm == "imaml" else {}
@@ -364,7 +365,8 @@ def test_lightning_accumulates_the_mean_task_meta_gradient(algorithm):
 def test_lightning_trains_and_logs(algorithm, extra, tmp_path):
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning import MAML, NetConfig, SinusoidDataModule
+    from ttt_flash.lightning import MAML
+    from ttt_flash.models import NetConfig, SinusoidDataModule
 
     module = MAML(NetConfig(kind="mlp", hidden=8, depth=1), inner_steps=3, inner_lr=0.05,
                   algorithm=algorithm, eval_inner_steps=3, **extra)
@@ -495,7 +497,8 @@ def test_imaml_meta_gradient_under_ddp_equals_one_process(tmp_path):
     tests/test_distributed.py."""
     import test_distributed as helpers  # tests/ is on sys.path (pytest's rootdir-relative import)
 
-    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.lightning import MAML
+    from ttt_flash.models import NetConfig
     from ttt_flash.tasks import SinusoidTasks
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Recomputation units (ttt_flash.second_order.recompute) in Hessian-vector products: forward over
+"""Recomputation units (ttt_flash.second_order.recomputation) in Hessian-vector products: forward over
 reverse with the transformer blocks and the vocabulary head recomputed gives the reverse-over-
 reverse product (float64, 1e-10), keeps only the units' inputs, and peaks well below reverse
 over reverse; the units fall back to checkpointing / plain calls where they must."""
@@ -14,7 +14,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from ttt_flash.attention import functions as attention_module
 from ttt_flash.bench.jvp import LiveBytes, chunked_lm_loss
 from ttt_flash.second_order import HessianOperator, hutchinson_diagonal, hvp, recompute, recomputed
-from ttt_flash.second_order.recompute import forward_over_reverse, unit_modules
+from ttt_flash.second_order.recomputation import forward_over_reverse, unit_modules
 from ttt_flash.models import GPT, GPTConfig
 
 F64 = torch.float64
@@ -186,8 +186,8 @@ def test_docstring_examples():
     import doctest
 
     import ttt_flash.bench.jvp
-    import ttt_flash.second_order.recompute
+    import ttt_flash.second_order.recomputation
 
-    for module in (ttt_flash.second_order.recompute, ttt_flash.bench.jvp):
+    for module in (ttt_flash.second_order.recomputation, ttt_flash.bench.jvp):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -13,7 +13,7 @@ Public names:
 from . import _moved
 from .attention import flash_attention, flash_attention_varlen
 
-_moved.install()  # ttt_flash.hessian, ttt_flash.reference, ...: the old paths of moved modules
+_moved.install()  # the old import paths of modules that moved into subpackages
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ __all__ = ["flash_attention", "flash_attention_varlen", "GradientMemoryAttention
 
 
 def __getattr__(name: str):
-    # The memory layer sits on floor 4 (it imports the models); load it only when asked.
+    # The memory layer imports the models (docs/architecture.md): load it only when asked.
     if name == "GradientMemoryAttention":
         from .memory import GradientMemoryAttention
 

@@ -19,7 +19,7 @@ MOVED = {
     "ttt_flash.reference": "ttt_flash.attention.reference",
     "ttt_flash.context_parallel": "ttt_flash.distributed.context_parallel",
     "ttt_flash.hessian": "ttt_flash.second_order",
-    "ttt_flash.hessian_recompute": "ttt_flash.second_order.recompute",
+    "ttt_flash.hessian_recompute": "ttt_flash.second_order.recomputation",
     "ttt_flash.optim": "ttt_flash.second_order.optim",
 }
 

@@ -15,7 +15,7 @@ PyTorch's own machinery (:class:`torch.cuda.CUDAGraph`, :class:`torch.cuda.graph
 * :class:`StepGraphs`: one :class:`CapturedStep` per input shape (a small cache), with an
   eager fallback and one warning when the cache is full or a step cannot be captured.
 * :func:`graph_safe_generator`: a CUDA generator whose draws advance on every replay (the
-  Hutchinson / Sophia-H probes of :mod:`ttt_flash.hessian` take it as ``generator``).
+  Hutchinson / Sophia-H probes of :mod:`ttt_flash.second_order` take it as ``generator``).
 
 What cannot be captured raises :class:`GraphCaptureError` naming the operation: a host
 synchronisation (``.item()``, ``.tolist()``, ``.cpu()``, ``torch.cuda.synchronize()``, a

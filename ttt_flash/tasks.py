@@ -32,7 +32,7 @@ The byte corpus (``ByteTextDataModule``'s data, no Lightning here):
 download), :func:`expand_paths`, :func:`read_corpus` and :class:`ByteWindows` (next-byte
 windows as a ``torch.utils.data.Dataset``).
 
-Floor 1 (docs/architecture.md): imports torch and numpy only.
+Imports torch and numpy only.
 """
 
 from __future__ import annotations

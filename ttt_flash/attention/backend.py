@@ -79,5 +79,5 @@ def resolve_backend(backend: str, q: Tensor) -> str:
 
 def backend_module(backend: str):
     """The module whose ``attn_fwd``, ``attn_bwd``, ``attn_bob``, ``attn_tangent`` and ``attn_jvp``
-    run a resolved backend: :mod:`ttt_flash.reference` or the Triton kernels."""
+    run a resolved backend: :mod:`ttt_flash.attention.reference` or the Triton kernels."""
     return reference if backend == "reference" else _triton_module()

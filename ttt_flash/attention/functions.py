@@ -51,7 +51,7 @@ _functorch_active = torch._C._are_functorch_transforms_active
 
 def _apply(q, k, v, spec: "_Spec", cu_q, cu_k, with_lse: bool = False):
     """Eager: the autograd.Functions (differentiable twice, vmap rules). While
-    ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.ops` (first order).
+    ``torch.compile`` traces: the custom operators of :mod:`ttt_flash.attention.ops` (first order).
     ``with_lse`` (``return_lse=True``): ``(o, lse)``, the row log-sum-exp made differentiable
     by ``_LogSumExp``; under ``torch.compile`` that call runs eagerly (the compiled operator
     returns the output only)."""
@@ -190,7 +190,7 @@ _FORWARD_MODES = (
     "ttt_flash attention supports torch.func.jvp / jacfwd / torch.autograd.forward_ad of the "
     "attention output, reverse mode through a jvp (backward through the tangent output), and "
     "forward-over-reverse (a jvp of the gradient: torch.func.hessian, jacfwd(jacrev), "
-    "ttt_flash.hessian with mode='fwd_rev'); "
+    "ttt_flash.second_order with mode='fwd_rev'); "
 )
 
 

@@ -111,7 +111,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, *, impl: str, causal: bool = True,
     Example::
 
         >>> import torch
-        >>> from ttt_flash.impls import attend
+        >>> from ttt_flash.attention.registry import attend
         >>> q = k = v = torch.randn(1, 2, 5, 8)
         >>> attend(q, k, v, impl="math", causal=True).shape
         torch.Size([1, 2, 5, 8])

@@ -2,7 +2,7 @@
 ``cp.py``, ``graph.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
 row, the JSON file, and the attention chain forward → backward → backward-over-backward.
 
-Floor 4 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
+Imports torch (triton.testing on CUDA, tqdm if present);
 the benchmark modules import it, never each other (``chain.py`` dispatches to the others
 from its ``main`` only).
 """
@@ -15,11 +15,14 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from dataclasses import asdict
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "attention_chain",
@@ -31,6 +34,7 @@ __all__ = [
     "progress_bar",
     "measure",
     "write_json",
+    "LiveBytes",
 ]
 
 
@@ -151,3 +155,54 @@ def flop_unit(rows: Sequence[dict]) -> tuple:
     1 TFLOP/s (GPUs), else GFLOP/s (the CPU), so that no column reads 0.0."""
     rates = [r["tflops"] for r in rows if "tflops" in r]
     return ("TFLOP/s", 1.0) if rates and max(rates) >= 1.0 else ("GFLOP/s", 1e-3)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of live tensor storages created while the mode is active (the CPU stand-in
+    for ``torch.cuda.max_memory_allocated``): each op's outputs are counted once per storage and
+    uncounted when the storage is freed. Tensors created before entering (weights) are not
+    counted; views share their base's storage.
+
+    Example::
+
+        >>> import torch
+        >>> with LiveBytes() as m:
+        ...     a = torch.zeros(1000)          # 4000 bytes
+        ...     b = a * 2                      # 4000 more
+        ...     del b
+        ...     c = a + 1                      # 4000: peak still 8000
+        >>> m.peak, m.current
+        (8000, 8000)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._live = {}
+
+    def _track(self, t) -> None:
+        try:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # storage-less tensors (meta, functorch wrappers)
+            return
+        n = storage.nbytes()
+        if n == 0 or key in self._live:
+            return
+        self._live[key] = n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key) -> None:
+        n = self._live.pop(key, None)
+        if n is not None:
+            self.current -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        return out

@@ -27,7 +27,7 @@ pass and no dŌ; docs/forward-mode.md).
 
 With ``--hvp``: one Hessian-vector product of a GPT-2-small-shaped model (12 layers,
 d_model 768, 12 heads; ``--hvp-seq-len`` 2048, ``--hvp-batch`` 8 on CUDA), forward over
-reverse (``ttt_flash.hessian``, ``mode="fwd_rev"``) against reverse over reverse: time and
+reverse (``ttt_flash.second_order``, ``mode="fwd_rev"``) against reverse over reverse: time and
 peak memory above the weights and the direction (CUDA), and the relative difference of the
 two products.
 
@@ -53,15 +53,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-import weakref
-
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..attention import backend_module, resolve_backend, flash_attention
-from .common import HelpFormatter, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
+from .common import HelpFormatter, LiveBytes, attended_pairs, error_text, flop_unit, measure, median_ms, new_result, write_json
 from ..attention.reference import naive_attention
 
 __all__ = ["JvpBenchConfig", "run_jvp_bench", "format_jvp_table", "main", "FLOPS_PER_PAIR_PER_D"]
@@ -271,57 +267,6 @@ def check_correctness(cfg: JvpBenchConfig, n: int = 256) -> dict:
 # --------------------------------------------------------------------------- GPT HVP memory
 
 
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages created while the mode is active (the CPU stand-in
-    for ``torch.cuda.max_memory_allocated``): each op's outputs are counted once per storage and
-    uncounted when the storage is freed. Tensors created before entering (weights) are not
-    counted; views share their base's storage.
-
-    Example::
-
-        >>> import torch
-        >>> with LiveBytes() as m:
-        ...     a = torch.zeros(1000)          # 4000 bytes
-        ...     b = a * 2                      # 4000 more
-        ...     del b
-        ...     c = a + 1                      # 4000: peak still 8000
-        >>> m.peak, m.current
-        (8000, 8000)
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._live = {}
-
-    def _track(self, t) -> None:
-        try:
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # storage-less tensors (meta, functorch wrappers)
-            return
-        n = storage.nbytes()
-        if n == 0 or key in self._live:
-            return
-        self._live[key] = n
-        self.current += n
-        self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key) -> None:
-        n = self._live.pop(key, None)
-        if n is not None:
-            self.current -= n
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
-        return out
-
-
 #: The GPT HVP rows: (provider, mode, recompute units + chunked head).
 HVP_ROWS = (
     ("gpt_hvp_rev_rev", "rev_rev", False),
@@ -333,7 +278,7 @@ HVP_ROWS = (
 
 def chunked_lm_loss(model, x, y, chunk: int):
     """``model.loss(x, y)`` with the vocabulary head (final logits, fp32 cross-entropy) computed
-    and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.hessian.recompute`): the same
+    and recomputed in chunks of ``chunk`` tokens (:func:`ttt_flash.second_order.recomputation`): the same
     mean cross-entropy, without a (tokens × vocabulary) fp32 tensor of the whole batch."""
     from ..second_order import recompute
     from ..models.gpt import lm_loss
@@ -351,7 +296,7 @@ def chunked_lm_loss(model, x, y, chunk: int):
 def hvp_memory(cfg: JvpBenchConfig) -> List[dict]:
     """One HVP of a GPT (bf16/fp16 weights as ``cfg.dtype``; float32 loss) in four ways
     (:data:`HVP_ROWS`): reverse over reverse (one product: ``create_graph`` gradient, then a
-    reverse pass that frees its graph) and forward over reverse (``ttt_flash.hessian.hvp``),
+    reverse pass that frees its graph) and forward over reverse (``ttt_flash.second_order.hvp``),
     each without and with recomputation (the transformer blocks as units, the vocabulary head in ``cfg.hvp_chunk``-
     token chunks). Time, peak memory above weights + direction (the CUDA allocator's peak; on
     the CPU the peak of live tensor storages, :class:`LiveBytes`), and each product's relative

@@ -6,12 +6,12 @@ One step is ``loss = model.loss(x, y); loss.backward()`` (gradients of every par
 * ``eager``: the module as is.
 * ``compiled``: ``torch.compile(step, fullgraph=True, backend=...)`` of the loss computation;
   the backward is the one AOTAutograd compiles with it. ``flash_attention`` enters the graph
-  as the custom operators of :mod:`ttt_flash.ops`.
+  as the custom operators of :mod:`ttt_flash.attention.ops`.
 
 Before timing, the compiled step's loss and gradients are compared with the eager step's
 (relative max error per parameter, the worst one reported) and the first call's time
 (compilation included) is recorded. Only first-order steps can be compiled: PyTorch does not
-differentiate compiled backward graphs a second time (:mod:`ttt_flash.ops`).
+differentiate compiled backward graphs a second time (:mod:`ttt_flash.attention.ops`).
 
 Usage::
 

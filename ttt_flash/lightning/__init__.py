@@ -5,9 +5,8 @@ Public names:
 * :class:`MAML`: MAML / FOMAML / Meta-SGD / ANIL meta-training (manual optimization).
 * :class:`SinusoidDataModule`, :class:`InContextRegressionDataModule`: tasks generated on
   the fly (:mod:`ttt_flash.tasks`), seedable.
-* :class:`NetConfig`, :class:`SinusoidMLP`, :class:`TinyTransformer`, :class:`GPTRegressor`:
-  the networks MAML meta-trains, re-exported from :mod:`ttt_flash.models` (where they live).
-* :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`: GPT language
+* :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`
+  (``hessian_refresh.py``): GPT language
   modelling with Sophia-H / AdaHessian / AdamW on byte-level text (stdlib sources by default).
 * :class:`GradMemKV`, :class:`TTTE2EMQAR`, :class:`MemoryLayerMQAR`,
   :class:`AssociativeRecallDataModule`: gradient-written memory, fast-weight test-time
@@ -18,20 +17,16 @@ Public names:
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
-from .lm import ByteTextDataModule, HessianRefresh, LanguageModel
+from .hessian_refresh import HessianRefresh
+from .lm import ByteTextDataModule, LanguageModel
 from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
-from ..models import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer  # moved; re-exported
 from .resume import ResumableCheckpoint, ResumableCSVLogger
 
 __all__ = [
     "MAML",
     "SinusoidDataModule",
     "InContextRegressionDataModule",
-    "NetConfig",
-    "SinusoidMLP",
-    "TinyTransformer",
-    "GPTRegressor",
     "LanguageModel",
     "ByteTextDataModule",
     "HessianRefresh",

@@ -37,7 +37,7 @@ One module per mechanism: :mod:`~ttt_flash.memory.gradmem`, :mod:`~ttt_flash.mem
 :mod:`~ttt_flash.memory.attention_layer`, :mod:`~ttt_flash.memory.memory_lm`; every inner loop
 takes its steps through :func:`ttt_flash.memory._common.inner_step`.
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls`, :mod:`ttt_flash.models`
+Imports torch, :mod:`ttt_flash.attention.registry`, :mod:`ttt_flash.models`
 and :mod:`ttt_flash.second_order`; never Lightning.
 """
 

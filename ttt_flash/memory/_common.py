@@ -2,8 +2,8 @@
 and :func:`inner_step`, the one gradient step every inner loop takes; and what their
 context-parallel paths share (:func:`context_parallel_of`, :func:`masked_lm_loss_part`).
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.second_order` and
-:mod:`ttt_flash.context_parallel` only.
+Imports torch, :mod:`ttt_flash.second_order` and
+:mod:`ttt_flash.distributed.context_parallel` only.
 """
 
 from __future__ import annotations

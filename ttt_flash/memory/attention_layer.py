@@ -1,7 +1,7 @@
 """GradientMemoryAttention: an attention layer that reads memory slots plus the current chunk
 and writes each chunk into the slots by gradient steps through softmax attention.
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and
+Imports torch, :mod:`ttt_flash.attention.registry` and
 :mod:`ttt_flash.memory._common`; never Lightning.
 """
 
@@ -23,7 +23,7 @@ from ._common import inner_grad_mode, log_lr_parameter, inner_step
 __all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "GradientMemoryAttention"]
 
 #: Accepted values of the ``attention`` argument of :class:`GradientMemoryAttention`: the
-#: implementations of :mod:`ttt_flash.impls` with a double backward on every device (SDPA's
+#: implementations of :mod:`ttt_flash.attention.registry` with a double backward on every device (SDPA's
 #: fused CUDA kernels have none, and the write differentiates through attention).
 MEMORY_ATTENTION_IMPLS = ("ttt_flash", "math")
 

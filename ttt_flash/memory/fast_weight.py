@@ -1,6 +1,6 @@
 """FastWeightTTT: end-to-end test-time training of chosen MLP sublayers of a GPT.
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and
+Imports torch, :mod:`ttt_flash.models` and
 :mod:`ttt_flash.memory._common`; never Lightning.
 """
 

@@ -1,6 +1,6 @@
 """GradMem: memory tokens written by gradient steps on the context's LM loss.
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and
+Imports torch, :mod:`ttt_flash.models` and
 :mod:`ttt_flash.memory._common`; never Lightning.
 """
 

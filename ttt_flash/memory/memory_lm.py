@@ -1,6 +1,6 @@
 """MemoryLM: a small language model whose token mixer is GradientMemoryAttention.
 
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and the memory layer;
+Imports torch, :mod:`ttt_flash.models` and the memory layer;
 never Lightning.
 """
 

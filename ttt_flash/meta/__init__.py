@@ -20,7 +20,7 @@ number of inner steps:
 
 * :func:`imaml_meta_gradient`: implicit MAML. A graph-free inner loop
   (:func:`proximal_inner_loop`) on ``L_task + (λ/2)‖φ − θ‖²``, then the meta-gradient by
-  :func:`conjugate_gradient` on exact Hessian-vector products (:mod:`ttt_flash.hessian`).
+  :func:`conjugate_gradient` on exact Hessian-vector products (:mod:`ttt_flash.second_order`).
 * :func:`reptile_meta_gradient`: Reptile, ``θ − φ``.
 
 Both return the adapted parameters as a dict that :func:`functional_loss` evaluates on

@@ -24,7 +24,7 @@ from ._common import (INNER_OPTIMIZERS, Adapt, LossFn, _check_lr, _check_model, 
 # without a graph. At its minimiser φ*, ∇L_task(φ*) + λ(φ* − θ) = 0, so (implicit function
 # theorem) dφ*/dθ = (I + H/λ)⁻¹ with H = ∇²L_task(φ*), symmetric: the meta-gradient is
 # g = (I + H/λ)⁻¹ ∇_φ L_query(φ*), solved by conjugate gradient on exact Hessian-vector
-# products (ttt_flash.hessian). Memory does not grow with the number of inner steps.
+# products (ttt_flash.second_order). Memory does not grow with the number of inner steps.
 # Reptile (Nichol et al., 2018) uses θ − φ (φ: the weights after the inner steps) as the
 # meta-gradient: first order, one graph-free inner loop per task.
 
@@ -272,7 +272,7 @@ class _TaskLoss(nn.Module):
                                (self._inputs, target))
 
     def hvp(self, vecs: List[Tensor]) -> List[Tensor]:
-        """H v for the weights (forward over reverse, :class:`ttt_flash.hessian.HessianOperator`)."""
+        """H v for the weights (forward over reverse, :class:`ttt_flash.second_order.HessianOperator`)."""
         from ..second_order.hessian import HessianOperator
 
         op = HessianOperator(lambda: self(), self, mode="fwd_rev")
@@ -284,6 +284,46 @@ def _check_hessian_mode(mode) -> str:
     if mode not in HESSIAN_MODES:
         raise ValueError(f"hessian_mode must be one of {HESSIAN_MODES}, got {mode!r}")
     return mode
+
+
+def _task_hessian(model, loss_fn, support_batch, phi: Dict[str, Tensor], w: Dict[str, Tensor], hessian_mode: str):
+    """``(hess, grads_phi)``: ``hess(vecs)``, the product with the Hessian of L_task at φ w.r.t. the
+    adapted weights ``phi`` (the shared weights ``w`` held), and the gradient graph it uses
+    (``"rev_rev"``; None for ``"fwd_rev"``, which recomputes per product)."""
+    grads_phi = None
+    if hessian_mode == "rev_rev":
+        from ..second_order.hessian import HessianOperator  # imported where it is used
+
+        loss_s = functional_loss(model, {**w, **phi}, loss_fn, support_batch)
+        grads_phi = second_order_grad(loss_s, list(phi.values()), create_graph=True,
+                                      allow_unused=True)
+        if any(g is not None and g.requires_grad for g in grads_phi):
+            op = HessianOperator.from_grads(list(grads_phi), phi)
+            hess = op.mv
+        else:  # L_task linear in φ (or independent of it): H = 0
+            hess = lambda vecs: [torch.zeros_like(t) for t in vecs]  # noqa: E731
+    else:
+        task = _TaskLoss(model, loss_fn, support_batch, phi, {n: t.detach() for n, t in w.items()})
+        hess = task.hvp
+    return hess, grads_phi
+
+
+def _mixed_term(model, loss_fn, support_batch, phi: Dict[str, Tensor], w: Dict[str, Tensor], g: List[Tensor],
+                grads_phi, hessian_mode: str) -> List[Tensor]:
+    """∂_w⟨∇_φ L_task, g⟩: the mixed second derivative for the shared weights ``w``."""
+    if hessian_mode == "rev_rev":
+        live = [i for i, t in enumerate(grads_phi) if t is not None and t.requires_grad]
+        mixed = (
+            torch.autograd.grad([grads_phi[i] for i in live], list(w.values()),
+                                grad_outputs=[g[i] for i in live], allow_unused=True,
+                                materialize_grads=True)
+            if live else [torch.zeros_like(t) for t in w.values()]
+        )
+    else:
+        both = _TaskLoss(model, loss_fn, support_batch, {**phi, **w}, {})
+        full = both.hvp([*g, *(torch.zeros_like(t) for t in w.values())])
+        mixed = full[len(phi):]
+    return mixed
 
 
 def imaml_meta_gradient(
@@ -313,7 +353,7 @@ def imaml_meta_gradient(
     2. ``v = ∇_φ L_query(φ)`` on ``query_batch``.
     3. ``g`` solves ``(I + H/λ) g = v`` by :func:`conjugate_gradient` (``cg_steps``
        products, stop at relative residual ``cg_tol``), ``H = ∇²_φ L_task(φ)`` applied by
-       exact Hessian-vector products (:class:`ttt_flash.hessian.HessianOperator`: through
+       exact Hessian-vector products (:class:`ttt_flash.second_order.HessianOperator`: through
        ``flash_attention`` these are exact double backward).
 
     ``g`` is dφ*/dθᵀ ∇L_query at the minimiser φ* of the proximal loss; it is exact when the
@@ -363,21 +403,7 @@ def imaml_meta_gradient(
                                  materialize_grads=True)
         v, gw = list(gq[: len(names)]), list(gq[len(names):])
         # the Hessian of L_task at φ, w.r.t. the adapted weights
-        grads_phi = None
-        if hessian_mode == "rev_rev":
-            from ..second_order.hessian import HessianOperator  # imported where it is used
-
-            loss_s = functional_loss(model, {**w, **phi}, loss_fn, support_batch)
-            grads_phi = second_order_grad(loss_s, list(phi.values()), create_graph=True,
-                                          allow_unused=True)
-            if any(g is not None and g.requires_grad for g in grads_phi):
-                op = HessianOperator.from_grads(list(grads_phi), phi)
-                hess = op.mv
-            else:  # L_task linear in φ (or independent of it): H = 0
-                hess = lambda vecs: [torch.zeros_like(t) for t in vecs]  # noqa: E731
-        else:
-            task = _TaskLoss(model, loss_fn, support_batch, phi, {n: t.detach() for n, t in w.items()})
-            hess = task.hvp
+        hess, grads_phi = _task_hessian(model, loss_fn, support_batch, phi, w, hessian_mode)
 
         def mv(vecs: List[Tensor]) -> List[Tensor]:
             return [x + h / lam for x, h in zip(vecs, hess(vecs))]
@@ -385,19 +411,7 @@ def imaml_meta_gradient(
         g, report = conjugate_gradient(mv, v, cg_steps, cg_tol)
         out = dict(zip(names, g))
         if others:
-            # ∂_w⟨∇_φ L_task, g⟩: the mixed second derivative of the shared weights
-            if hessian_mode == "rev_rev":
-                live = [i for i, t in enumerate(grads_phi) if t is not None and t.requires_grad]
-                mixed = (
-                    torch.autograd.grad([grads_phi[i] for i in live], list(w.values()),
-                                        grad_outputs=[g[i] for i in live], allow_unused=True,
-                                        materialize_grads=True)
-                    if live else [torch.zeros_like(t) for t in w.values()]
-                )
-            else:
-                both = _TaskLoss(model, loss_fn, support_batch, {**phi, **w}, {})
-                full = both.hvp([*g, *(torch.zeros_like(t) for t in w.values())])
-                mixed = full[len(names):]
+            mixed = _mixed_term(model, loss_fn, support_batch, phi, w, g, grads_phi, hessian_mode)
             for n, a, m in zip(others, gw, mixed):
                 out[n] = (a - m / lam).detach()
     if warn and not report.converged:

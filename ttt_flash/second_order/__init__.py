@@ -3,7 +3,7 @@ gradients of gradients with a clear refusal where PyTorch cannot take them.
 
 The modules: ``grad.py`` (:func:`second_order_grad`), ``hessian.py`` (:class:`HessianOperator`,
 parameter selection, probes), ``estimators.py`` (:func:`hvp`, Hutchinson, power iteration),
-``recompute.py`` (recomputation units for forward-over-reverse products) and ``optim.py``
+``recomputation.py`` (recomputation units for forward-over-reverse products) and ``optim.py``
 (Sophia-H, AdaHessian: :mod:`ttt_flash.second_order.optim`, imported by name, as it averages
 across processes with :mod:`ttt_flash.distributed`). This package exports the names of the
 first four.
@@ -27,7 +27,7 @@ Hessian-vector product ``H v = ∇²L(θ) v`` is computed in one of two :data:`M
   backward ops of the loss (``silu_backward``, e.g., has none: pass ``module=``).
 
   ``recompute`` (either mode; needs a module and a loss callable) names submodules, e.g.
-  ``"blocks"``, whose calls are recomputation units (:mod:`ttt_flash.second_order.recompute`). Under
+  ``"blocks"``, whose calls are recomputation units (:mod:`ttt_flash.second_order.recomputation`). Under
   ``"fwd_rev"`` each unit keeps only its inputs and their tangents and is recomputed in the
   backward pass, so the peak memory is that of the unit inputs plus one unit, well below reverse
   over reverse, which must keep the ``create_graph`` graph of every unit (with ``recompute`` its
@@ -51,7 +51,7 @@ Public names:
 * :func:`select_params`: ``{name: parameter}`` of a module, by names, prefixes or a predicate.
 * :func:`probe_like`: one random probe (Rademacher ±1 or Gaussian) per parameter.
 * :data:`PROBES`: accepted probe distributions; :data:`MODES`: accepted ``mode`` values.
-* :func:`recompute`, :func:`recomputed`: recomputation units (:mod:`ttt_flash.second_order.recompute`).
+* :func:`recompute`, :func:`recomputed`: recomputation units (:mod:`ttt_flash.second_order.recomputation`).
 
 Parameters (the ``params`` argument everywhere) may be an ``nn.Module`` (its parameters
 that require grad), one tensor, a sequence of tensors or a ``{name: tensor}`` mapping
@@ -86,7 +86,7 @@ the model.
 from .estimators import Eigen, exact_diagonal, hutchinson_diagonal, hutchinson_trace, hvp, top_eigenvalue
 from .grad import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
 from .hessian import MODES, PROBES, HessianOperator, probe_like, select_params
-from .recompute import forward_over_reverse, recompute, recomputed, unit_modules
+from .recomputation import forward_over_reverse, recompute, recomputed, unit_modules
 
 __all__ = [
     "second_order_grad",

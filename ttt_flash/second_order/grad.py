@@ -1,14 +1,14 @@
 """Gradients of gradients, and a clear refusal where PyTorch cannot take them.
 
 :func:`second_order_grad` is ``torch.autograd.grad`` for the library's second-order entry
-points (:mod:`ttt_flash.meta`, :mod:`ttt_flash.hessian`, :mod:`ttt_flash.memory`): PyTorch's
+points (:mod:`ttt_flash.meta`, :mod:`ttt_flash.second_order`, :mod:`ttt_flash.memory`): PyTorch's
 AOTAutograd compiles backward graphs as once-differentiable and refuses ``create_graph=True``
 through a ``torch.compile``'d graph (with an error about donated buffers, or "does not
 currently support double backward"); this function says what to do instead: run the
 second-order step eagerly, where the exact FlashBoB path works, and compile first-order
 steps only.
 
-Floor 0 (docs/architecture.md): imports torch only.
+Imports torch only.
 """
 
 from __future__ import annotations

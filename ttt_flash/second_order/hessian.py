@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 
 from .._select import Selector, preview as _preview, select_names
-from .recompute import forward_over_reverse, recomputed, unit_modules
+from .recomputation import forward_over_reverse, recomputed, unit_modules
 from .grad import second_order_grad
 
 __all__ = ["HessianOperator", "select_params", "probe_like", "PROBES", "MODES"]
@@ -207,7 +207,7 @@ class HessianOperator:
         return owner, recompute
 
     def _units_context(self):
-        """The :func:`~ttt_flash.hessian_recompute.recomputed` context of the operator's units
+        """The :func:`~ttt_flash.second_order.recomputation.recomputed` context of the operator's units
         (a no-op context without ``recompute``)."""
         if self._units is None:
             return contextlib.nullcontext()

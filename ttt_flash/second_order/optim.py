@@ -94,7 +94,7 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     Subclasses define :meth:`_absorb_hessian` (fold one diagonal estimate into the state)
     and :meth:`_update` (one parameter's step). Every param group has ``k`` (refresh every
-    k steps) and ``probe`` (:data:`ttt_flash.hessian.PROBES`).
+    k steps) and ``probe`` (:data:`ttt_flash.second_order.PROBES`).
     """
 
     _hessian_state_key = "hessian"
@@ -161,13 +161,13 @@ class HessianOptimizer(torch.optim.Optimizer):
                 weights: the estimate of the global-batch loss. Ignored in one process.
             mode: ``"rev_rev"`` (default: the products go through a ``create_graph`` graph)
                 or ``"fwd_rev"`` (forward over reverse, no such graph: ``loss`` must be a
-                zero-argument callable, re-run for each probe; :mod:`ttt_flash.hessian`).
+                zero-argument callable, re-run for each probe; :mod:`ttt_flash.second_order`).
             module: ``"fwd_rev"``: the module owning the parameters (products through
-                ``torch.func``; see :class:`ttt_flash.hessian.HessianOperator`).
+                ``torch.func``; see :class:`ttt_flash.second_order.HessianOperator`).
             recompute: ``"fwd_rev"`` only: submodule names of ``module`` (e.g.
                 ``"blocks"``) whose calls are recomputation units: each keeps only its inputs
                 and their tangents and is recomputed in the backward pass, so the peak memory
-                of a product is a few blocks' activations (:mod:`ttt_flash.hessian_recompute`).
+                of a product is a few blocks' activations (:mod:`ttt_flash.second_order.recomputation`).
 
         Only parameters the loss reaches are refreshed. Runs regardless of
         :attr:`hessian_due` (you decide when); does not count as a step.
@@ -279,7 +279,7 @@ class HessianOptimizer(torch.optim.Optimizer):
                         f"{type(self).__name__}.step(): a parameter of shape {tuple(p.shape)} has no "
                         "Hessian estimate yet. Refresh it before the first step: "
                         "loss.backward(create_graph=True) then step() (refreshed when hessian_due), "
-                        "or optimizer.update_hessian() / update_hessian(loss) (see ttt_flash.optim)"
+                        "or optimizer.update_hessian() / update_hessian(loss) (see ttt_flash.second_order.optim)"
                     )
                 state["step"] += 1
                 self._update(group, p, p.grad, state)

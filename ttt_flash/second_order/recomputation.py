@@ -1,7 +1,7 @@
 """Recomputation units for Hessian-vector products: a forward over reverse product that keeps
 only each unit's inputs (primal and tangent) instead of every activation of the model.
 
-Forward over reverse (``mode="fwd_rev"`` in :mod:`ttt_flash.hessian`) takes the tangent, in
+Forward over reverse (``mode="fwd_rev"`` in :mod:`ttt_flash.second_order`) takes the tangent, in
 direction v, of a plain gradient. Its memory advantage over reverse over reverse is that the
 reverse pass builds no ``create_graph`` graph, so a part of the model can be recomputed in the
 backward pass (activation checkpointing) and its intermediates freed block by block; reverse
@@ -13,7 +13,7 @@ Public names:
 * :func:`recompute`: ``fn(*args)`` as one recomputation unit.
 * :func:`recomputed`: a context in which named submodules of a module are recomputation units.
 * :func:`forward_over_reverse`: the context in which units recompute under forward mode (entered
-  by :class:`ttt_flash.hessian.HessianOperator` for each ``fwd_rev`` product).
+  by :class:`ttt_flash.second_order.HessianOperator` for each ``fwd_rev`` product).
 
 What a unit does depends on where it runs:
 
@@ -39,7 +39,7 @@ A unit's function must be pure in its arguments: every tensor it reads that requ
 a tangent must be one of ``args`` (a closure over a parameter would drop that parameter's
 gradient; the backward checks it and raises).
 
-Floor 1 (docs/architecture.md): imports torch only.
+Imports torch only.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _fwd_rev_depth() -> int:
 def forward_over_reverse() -> Iterator[None]:
     """Declare that inside the current ``forward_ad`` level only gradients and their tangents
     are taken (never a gradient of a tangent): :func:`recompute` units then recompute under
-    forward mode. :class:`ttt_flash.hessian.HessianOperator` enters it for every ``fwd_rev``
+    forward mode. :class:`ttt_flash.second_order.HessianOperator` enters it for every ``fwd_rev``
     product with ``recompute``; enter it yourself around a hand-written forward over reverse
     product (``forward_ad.dual_level()``, the loss, ``torch.autograd.grad``).
 
@@ -184,7 +184,7 @@ def recompute(fn: Callable[..., Tensor], *args) -> Tensor:
 
         >>> import torch
         >>> import torch.nn.functional as F
-        >>> from ttt_flash.hessian_recompute import recompute
+        >>> from ttt_flash.second_order.recomputation import recompute
         >>> h = torch.randn(6, 4, requires_grad=True)      # (tokens, d_model) hidden states
         >>> w = torch.randn(10, 4, requires_grad=True)     # (vocab, d_model) head
         >>> y = torch.randint(0, 10, (6,))

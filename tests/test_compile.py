@@ -17,7 +17,7 @@ from ttt_flash.bench import main as bench_main
 from ttt_flash.second_order import HessianOperator
 from ttt_flash.meta import inner_loop
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.attention.ops import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
+from ttt_flash.second_order import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
 
 DT = torch.float64
 

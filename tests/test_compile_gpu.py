@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from ttt_flash.models import GPT, GPTConfig  # noqa: E402
-from ttt_flash.attention.ops import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad  # noqa: E402
+from ttt_flash.second_order import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad  # noqa: E402
 
 
 def _run(fn, model, x, y):

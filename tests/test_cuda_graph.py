@@ -138,7 +138,8 @@ def test_varlen_with_max_seqlen_still_checks_cu_seqlens_on_cpu():
 def _maml_fit(cuda_graph: bool, accelerator: str, steps: int, tmp_path, net=None):
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.lightning import MAML
+    from ttt_flash.models import NetConfig
     from ttt_flash.lightning.data import InContextRegressionDataModule
 
     class Losses(pl.Callback):

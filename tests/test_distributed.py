@@ -18,7 +18,8 @@ from lightning.pytorch import Callback, Trainer
 from torch.utils.data import DataLoader
 
 from ttt_flash.distributed import all_reduce_mean_, average_gradients, is_distributed, world_size
-from ttt_flash.lightning import MAML, GradMemKV, LanguageModel, NetConfig
+from ttt_flash.lightning import MAML, GradMemKV, LanguageModel
+from ttt_flash.models import NetConfig
 from ttt_flash.models import GPTConfig
 from ttt_flash.tasks import AssociativeRecallTasks, SinusoidTasks
 

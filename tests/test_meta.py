@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ttt_flash.lightning import MAML, InContextRegressionDataModule, NetConfig, SinusoidDataModule
+from ttt_flash.lightning import MAML, InContextRegressionDataModule, SinusoidDataModule
+from ttt_flash.models import NetConfig
 from ttt_flash.models import SinusoidMLP
 from ttt_flash.meta import functional_loss, higher_inner_loop, inner_loop, meta_sgd_lrs, select_adapted
 from ttt_flash.tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks, incontext_mse

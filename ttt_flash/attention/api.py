@@ -1,18 +1,18 @@
 """The public attention functions: :func:`flash_attention` on (B, H, N, D) tensors and
 :func:`flash_attention_varlen` on packed sequences. Each validates its arguments
-(:mod:`ttt_flash.attention.checks`), resolves the backend and hands the call to the one
-dispatch, :func:`ttt_flash.attention.functions._apply`."""
+and resolves its backend in one call (:func:`ttt_flash.attention.checks.check_dense` /
+:func:`~ttt_flash.attention.checks.check_varlen`) and hands it to the one dispatch,
+``ttt_flash.attention.functions._apply``, which runs the same composers eagerly and under
+``torch.compile``."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional, Tuple, Union
 
 from torch import Tensor
 
-from .backend import resolve_backend
-from .checks import (_check_common, _check_cu_seqlens, _check_heads, _check_heads_bhnd, _check_layout, _flag)
-from .functions import _apply, _Spec
+from . import checks
+from .functions import _apply
 
 __all__ = ["flash_attention", "flash_attention_varlen"]
 
@@ -106,37 +106,14 @@ def flash_attention(
         >>> [tuple(h.shape) for h in hvp]
         [(1, 2, 16, 8), (1, 2, 16, 8), (1, 2, 16, 8)]
     """
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
-    layout_given = layout is not None
-    layout = _check_layout(layout, q, k)
-    axes = "(batch, seq_len, heads, head_dim)" if layout == "bnhd" else "(batch, heads, seq_len, head_dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
-                f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    if layout == "bnhd":  # views: the kernels and the reference take strides
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    _check_heads_bhnd(q, k, layout_given)
-    backend = resolve_backend(backend, q)
-    if q.numel() == 0 or k.shape[2] == 0:
-        backend = "reference"  # nothing for a kernel to do; the reference handles empties
-    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
-                 precise_bob=bool(precise_bob), deterministic=bool(deterministic))
-    if return_lse is not False and _flag("return_lse", return_lse):
+    q, k, v, spec, bnhd, with_lse = checks.check_dense(
+        q, k, v, causal=causal, scale=scale, window=window, backend=backend, precise_bob=precise_bob,
+        deterministic=deterministic, layout=layout, return_lse=return_lse)
+    if with_lse:
         o, lse = _apply(q, k, v, spec, None, None, with_lse=True)
-        return (o.transpose(1, 2) if layout == "bnhd" else o), lse
+        return (o.transpose(1, 2) if bnhd else o), lse
     o = _apply(q, k, v, spec, None, None)
-    return o.transpose(1, 2) if layout == "bnhd" else o
+    return o.transpose(1, 2) if bnhd else o
 
 
 def flash_attention_varlen(
@@ -189,50 +166,7 @@ def flash_attention_varlen(
         >>> flash_attention_varlen(q, k, v, cu, cu, 5, 5, causal=True).shape
         torch.Size([8, 2, 4])
     """
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(
-                f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
-                f"attention, got shape {tuple(x.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
-    _check_heads(q.shape[1], k.shape[1])
-    read = max_seqlen_q is None or max_seqlen_k is None  # both given on a GPU: no host read-back
-    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, read)
-    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, read)
-    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
-            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
-        )
-    longest_q = None if cq is None else max(b - a for a, b in zip(cq, cq[1:]))
-    longest_k = None if ck is None else max(b - a for a, b in zip(ck, ck[1:]))
-    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
-        if given is None:
-            continue
-        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
-            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
-        if longest is not None and given < longest:
-            raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
-    backend = resolve_backend(backend, q)
-    if q.numel() == 0 or k.shape[0] == 0:
-        backend = "reference"
-    spec = _Spec(
-        scale=scale,
-        causal=causal,
-        window=None if window is None else int(window),
-        backend=backend,
-        max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
-        max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
-        precise_bob=bool(precise_bob),
-        deterministic=bool(deterministic),
-    )
-    if return_lse is not False and _flag("return_lse", return_lse):
-        return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k, with_lse=True)
-    return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k)
+    spec, with_lse = checks.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, scale=scale, window=window,
+        backend=backend, precise_bob=precise_bob, deterministic=deterministic, return_lse=return_lse)
+    return _apply(q, k, v, spec, cu_seqlens_q, cu_seqlens_k, with_lse=with_lse)

@@ -1,6 +1,8 @@
-"""Validation of the public attention calls: every argument of :func:`flash_attention` and
-:func:`flash_attention_varlen` is checked here, once, before either route (eager Functions or
-the compiled custom operators) runs. The composers do not check again."""
+"""Validation of the public attention calls: every argument of
+:func:`~ttt_flash.attention.api.flash_attention` and
+:func:`~ttt_flash.attention.api.flash_attention_varlen` is checked here, once
+(:func:`check_dense`, :func:`check_varlen`), before either route (the autograd Functions
+eagerly, the custom operators under ``torch.compile``) runs. The composers do not check again."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from .backend import resolve_backend
+from .functions import _Spec
+
+__all__ = ["check_dense", "check_varlen", "LAYOUTS"]
 
 def _check_tensor(name: str, x) -> None:
     if not isinstance(x, Tensor):
@@ -148,3 +155,93 @@ def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
                 "(FlashAttention's layout), pass layout='bnhd'"
             ) from None
         raise
+
+
+def check_dense(q, k, v, *, causal, scale, window, backend, precise_bob, deterministic, layout, return_lse):
+    """Validate a :func:`~ttt_flash.attention.api.flash_attention` call and resolve its backend.
+
+    Returns:
+        ``(q, k, v, spec, bnhd, with_lse)``: q, k, v as (B, H, N, D) views (transposed, not
+        copied, for ``layout="bnhd"``), the call's ``_Spec``, whether the output goes back to
+        (B, N, H, D), and whether the log-sum-exp is returned.
+    """
+    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
+                                                                  ("deterministic", deterministic)))
+    scale = _check_common(q, k, v, scale, window, causal)
+    layout_given = layout is not None
+    layout = _check_layout(layout, q, k)
+    axes = "(batch, seq_len, heads, head_dim)" if layout == "bnhd" else "(batch, heads, seq_len, head_dim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
+                f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    if layout == "bnhd":  # views: the kernels and the reference take strides
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    _check_heads_bhnd(q, k, layout_given)
+    backend = resolve_backend(backend, q)
+    if q.numel() == 0 or k.shape[2] == 0:
+        backend = "reference"  # nothing for a kernel to do; the reference handles empties
+    spec = _Spec(scale=scale, causal=causal, window=None if window is None else int(window), backend=backend,
+                 precise_bob=bool(precise_bob), deterministic=bool(deterministic))
+    with_lse = return_lse is not False and _flag("return_lse", return_lse)
+    return q, k, v, spec, layout == "bnhd", with_lse
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale, window, backend,
+                 precise_bob, deterministic, return_lse):
+    """Validate a :func:`~ttt_flash.attention.api.flash_attention_varlen` call and resolve its
+    backend: ``(spec, with_lse)``, the call's ``_Spec`` (with the longest sequences) and whether
+    the log-sum-exp is returned."""
+    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
+                                                                  ("deterministic", deterministic)))
+    scale = _check_common(q, k, v, scale, window, causal)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
+                f"attention, got shape {tuple(x.shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    _check_heads(q.shape[1], k.shape[1])
+    read = max_seqlen_q is None or max_seqlen_k is None  # both given on a GPU: no host read-back
+    cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, read)
+    ck = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device, read)
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{cu_seqlens_q.numel() - 1} and {cu_seqlens_k.numel() - 1}"
+        )
+    longest_q = None if cq is None else max(b - a for a, b in zip(cq, cq[1:]))
+    longest_k = None if ck is None else max(b - a for a, b in zip(ck, ck[1:]))
+    for name, given, longest in (("max_seqlen_q", max_seqlen_q, longest_q), ("max_seqlen_k", max_seqlen_k, longest_k)):
+        if given is None:
+            continue
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral):
+            raise TypeError(f"{name} must be an int or None, got {type(given).__name__}")
+        if longest is not None and given < longest:
+            raise ValueError(f"{name} ({given}) is smaller than the longest sequence ({longest})")
+    backend = resolve_backend(backend, q)
+    if q.numel() == 0 or k.shape[0] == 0:
+        backend = "reference"
+    spec = _Spec(
+        scale=scale,
+        causal=causal,
+        window=None if window is None else int(window),
+        backend=backend,
+        max_seqlen_q=int(longest_q if max_seqlen_q is None else max_seqlen_q),
+        max_seqlen_k=int(longest_k if max_seqlen_k is None else max_seqlen_k),
+        precise_bob=bool(precise_bob),
+        deterministic=bool(deterministic),
+    )
+    return spec, return_lse is not False and _flag("return_lse", return_lse)

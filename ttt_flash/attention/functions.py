@@ -44,7 +44,7 @@ from torch.autograd import forward_ad as _forward_ad
 
 from . import ops
 from .reference import recompute
-from .backend import backend_module
+from . import backend as backends
 
 _functorch_active = torch._C._are_functorch_transforms_active
 
@@ -225,7 +225,7 @@ class _Attention(_Function):
 
     @staticmethod
     def forward(q, k, v, spec: _Spec, cu_q, cu_k):
-        return backend_module(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
+        return backends.backend_module(spec.backend).attn_fwd(q, k, v, **spec.kwargs(cu_q, cu_k))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -273,7 +273,7 @@ class _AttentionBackward(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, do, spec: _Spec, cu_q, cu_k):
-        dq, dk, dv, delta = backend_module(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
+        dq, dk, dv, delta = backends.backend_module(spec.backend).attn_bwd(q, k, v, o, lse, do, **spec.kwargs(cu_q, cu_k),
                                                           **spec.kernel_kwargs())
         return dq, dk, dv, delta
 
@@ -339,7 +339,7 @@ class _AttentionBoB(_Function):
     def forward(q, k, v, o, lse, do, delta, uq, uk, uv, alpha, ee, rho, spec: _Spec, cu_q, cu_k,
                 needs):
         stats = None if alpha is None else (alpha, ee, rho)
-        out = backend_module(spec.backend).attn_bob(
+        out = backends.backend_module(spec.backend).attn_bob(
             q, k, v, o, lse, do, delta, uq, uk, uv, needs=needs, precise=spec.precise_bob,
             stats=stats, **spec.kwargs(cu_q, cu_k), **spec.kernel_kwargs(),
         )
@@ -412,7 +412,7 @@ class _AttentionTangent(_Function):
 
     @staticmethod
     def forward(q, k, v, o, lse, qd, kd, vd, spec: _Spec, cu_q, cu_k):
-        od, lsed, rho = backend_module(spec.backend).attn_tangent(q, k, v, o, lse, qd, kd, vd,
+        od, lsed, rho = backends.backend_module(spec.backend).attn_tangent(q, k, v, o, lse, qd, kd, vd,
                                                           **spec.kwargs(cu_q, cu_k))
         return od, lsed, rho
 
@@ -509,7 +509,7 @@ class _LogSumExp(_Function):
         # L̄ broadcast over the head dim of q: (B, H, N, 1); varlen (T, H, 1)
         w = (glse.transpose(0, 1) if cu_q is not None else glse).unsqueeze(-1)
         if _no_graph():
-            composers = backend_module(spec.backend)
+            composers = backends.backend_module(spec.backend)
             pk, lse = composers.attn_fwd(q, k, k, **spec.kwargs(cu_q, cu_k))
             pq = composers.attn_bwd(q, k, k, pk, lse, (w * q).to(q.dtype), **spec.kwargs(cu_q, cu_k),
                                     **spec.kernel_kwargs())[2]

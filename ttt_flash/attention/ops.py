@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..second_order.grad import COMPILE_DOUBLE_BACKWARD_MESSAGE
-from .backend import backend_module
+from . import backend as backends
 
 __all__ = ["compiled_attention"]
 
@@ -54,7 +54,8 @@ def _attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor],
     scale: float, causal: bool, window: int, max_q: int, max_k: int, backend: str,
 ) -> Tuple[Tensor, Tensor]:
-    o, lse = backend_module(backend).attn_fwd(q, k, v, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
+    composers = backends.backend_module(backend)
+    o, lse = composers.attn_fwd(q, k, v, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
     return o.contiguous(), lse.to(_row_dtype(q, backend)).contiguous()
 
 
@@ -71,7 +72,7 @@ def _attention_bwd(
     cu_q: Optional[Tensor], cu_k: Optional[Tensor],
     scale: float, causal: bool, window: int, max_q: int, max_k: int, backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv, _ = backend_module(backend).attn_bwd(
+    dq, dk, dv, _ = backends.backend_module(backend).attn_bwd(
         q, k, v, o, lse, do, **_kwargs(cu_q, cu_k, scale, causal, window, max_q, max_k))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

@@ -3,7 +3,7 @@
 No autotuning at call time: ``plan.py`` looks a call's tiles up here once per call shape (a
 safe default for unknown GPUs, small tiles for the Triton interpreter). How each entry was
 chosen (offline ptxas spill checks, ``python -m ttt_flash.kernels.tune`` sweeps and
-``scripts/tile_check.py`` chain timings on an H200) is recorded in docs/benchmarks.md.
+``scripts/kernels/tile_check.py`` chain timings on an H200) is recorded in docs/benchmarks.md.
 
 Kernel kinds and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N keys):
 
@@ -207,7 +207,7 @@ FUSED_ROW_MAX_KEYS = 8192
 # --------------------------------------------------------------------------- Gluon (sm_90)
 
 #: Gluon passes on sm_90, keyed by (kind, head dim): the best tiles of the H200 sweeps
-#: (``scripts/gluon_pass_sweep.py``, ``scripts/gluon_chain_ab.py``; docs/benchmarks.md).
+#: (``scripts/kernels/gluon_pass_sweep.py``, ``scripts/kernels/gluon_chain_ab.py``; docs/benchmarks.md).
 #: The row passes (forward, dQ at d = 128, the BoB statistics and direct passes) run as two
 #: 4-warp consumer partitions of 64 queries each that share one ring of key tiles filled by a
 #: one-warp TMA producer (``consumers=2``): the forward with 128-key tiles, the statistics

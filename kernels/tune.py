@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     best_path = os.path.splitext(a.out)[0] + ".best.json"
     with open(best_path, "w") as f:
         json.dump(best, f)
-    print(f"wrote {a.out} and {best_path} (try it: python scripts/tile_check.py --variant best=@{best_path})")
+    print(f"wrote {a.out} and {best_path} (try it: python scripts/kernels/tile_check.py --variant best=@{best_path})")
     return 0
 
 

@@ -145,7 +145,7 @@ def stage_host(out: str) -> None:
     """Host (Python) cost of a chain at N=1024, where the GPU work is ~0.2 ms: host time per
     phase, kernels launched per chain, their GPU time and the cProfile of 50 chains
     (``host_phases.py``, its B=1, N=1024 row; the profile in OUT/b1_n1024_full.txt)."""
-    import host_phases  # scripts/host_phases.py, beside this script
+    import host_phases  # scripts/kernels/host_phases.py, beside this script
 
     r = host_phases.phases(1024, False, 1, 50, out)
     text = (f"N=1024 chain: {r['total_ms']:.2f} ms host per chain (forward {r['forward_ms']:.2f}, backward "

@@ -12,8 +12,9 @@ installed copy), so the trees never share a module. The trees alternate over ``-
 rounds (old, new, old, new, ...), so drifts of the machine hit both.
 
 Per shape, the chain of ``ttt_flash.bench`` (forward, ``autograd.grad(..., create_graph=True)``,
-backward-over-backward of ``flash_attention``, bf16) is timed with CUDA events: ``--warmup``
-chains, then ``--reps`` timed ones; a tree's figure is the median over all its rounds. Shapes:
+backward-over-backward of ``flash_attention``, bf16) is timed with CUDA events
+(``attention_chain`` and ``event_times`` of this checkout's ``ttt_flash/bench/common.py``, the
+same code for every tree): ``--warmup`` chains, then ``--reps`` timed ones; a tree's figure is the median over all its rounds. Shapes:
 N = 4,096, 16,384, 65,536 with B = 1, H = 12, d = 64, and at N = 16,384 d = 128 with H = 8 and
 GQA 32 / 8 at d = 128, each non-causal and causal. Prints one line per (tree, round), then a
 table (median ms per tree, ratio last tree / first tree) as the last lines; writes
@@ -80,6 +81,18 @@ def install_shim(tree: str) -> None:
 # --------------------------------------------------------------------------- worker
 
 
+def _bench_common():
+    """This checkout's ttt_flash/bench/common.py (the chain and its CUDA-event timing), loaded by
+    path under its own name: every tree is timed by the same code, whatever the tree holds."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ttt_flash", "bench", "common.py")
+    spec = importlib.util.spec_from_file_location("house_ab_bench_common", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _worker(spec: dict) -> dict:
     """In a fresh process: import the tree, time every shape, return {shape: [ms, ...]}."""
     install_shim(spec["tree"])
@@ -88,6 +101,8 @@ def _worker(spec: dict) -> dict:
     import torch
 
     from ttt_flash import flash_attention
+
+    bench = _bench_common()
 
     if spec.get("dry_run"):
         names = ["ttt_flash", "ttt_flash.attention", "ttt_flash.kernels", "ttt_flash.kernels.bob",
@@ -103,24 +118,11 @@ def _worker(spec: dict) -> dict:
         q, k, v, do = (t.requires_grad_() for t in x[:4])
         u = x[4:]
 
-        def chain():  # as scripts/gpu_suite.py: Q̄, K̄, V̄ and dŌ
-            o = flash_attention(q, k, v, causal=causal)
-            gr = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-            inner = sum((a * w).sum() for a, w in zip(gr, u))
-            return torch.autograd.grad(inner, (q, k, v, do))
+        def chain():  # forward, first backward with its graph, Q̄, K̄, V̄ and dŌ
+            return bench.attention_chain(lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal),
+                                         q, k, v, do, u)
 
-        for _ in range(spec["warmup"]):
-            chain()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(spec["reps"]):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            chain()
-            e.record()
-            torch.cuda.synchronize()
-            times.append(s.elapsed_time(e))
-        out[name] = times
+        out[name] = bench.event_times(chain, reps=spec["reps"], warmup=spec["warmup"], cuda=True)
         del q, k, v, do, u, x
         torch.cuda.empty_cache()
     return out

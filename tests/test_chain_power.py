@@ -1,4 +1,4 @@
-"""scripts/chain_power.py on the CPU: its shape parser, the sampler's CSV reader, the
+"""scripts/kernels/chain_power.py on the CPU: its shape parser, the sampler's CSV reader, the
 per-window statistics and the power-cap flag (the GPU run itself is in docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _load():
     spec = importlib.util.spec_from_file_location(
-        "chain_power", os.path.join(HERE, "..", "scripts", "chain_power.py"))
+        "chain_power", os.path.join(HERE, "..", "scripts", "kernels", "chain_power.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

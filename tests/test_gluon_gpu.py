@@ -712,7 +712,7 @@ def test_gluon_key_tile_passes_reject_bad_consumers():
 # of 64 query rows each sharing the ring of key tiles, with the TMA producer)
 
 #: (block_m, block_n, stages) of the two-consumer variants per head dim and kind (no ptxas
-#: spills: scripts/gluon_compile_sm90.py)
+#: spills: scripts/kernels/gluon_compile_sm90.py)
 ROW_2C = {64: {"bob_stats": [(128, 64, 2), (128, 32, 3)],
                "bob_direct": [(128, 64, 2), (128, 32, 3)]},
           128: {"bob_stats": [(128, 64, 2), (128, 32, 2)],

@@ -223,7 +223,7 @@ def _load_script(name):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -240,7 +240,7 @@ def test_forward_variants_are_launchable():
     sweep = _load_script("gluon_pass_sweep")
     # the compile script stubs the CUDA driver and unsets TRITON_INTERPRET when imported:
     # read its list without running it
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "gluon_compile_sm90.py"
     compile_variants = next(
         ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "FWD_VARIANTS")
@@ -263,12 +263,12 @@ def test_forward_variants_are_launchable():
 
 
 def _compile_list(name):
-    """A variant list of scripts/gluon_compile_sm90.py, read without running the script (its
+    """A variant list of scripts/kernels/gluon_compile_sm90.py, read without running the script (its
     import stubs the CUDA driver and unsets TRITON_INTERPRET)."""
     import ast
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "gluon_compile_sm90.py"
     return next(
         ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == name)
@@ -321,7 +321,7 @@ def test_key_tile_variants_are_launchable():
 
 
 def test_key_tile_smem_model_matches_the_compiled_kernels():
-    """The shared-memory model above against scripts/gluon_compile_sm90.py's sm_90 builds
+    """The shared-memory model above against scripts/kernels/gluon_compile_sm90.py's sm_90 builds
     (triton 3.9, bf16; the column pass with 4 row vectors, so 4 float32 rows per slot less
     than the model's 8): within 1 KiB."""
     compiled = {("bob_col", 64, 128, 64, 2, 2): 114.4, ("bob_col", 64, 128, 32, 3, 2): 102.0,
@@ -422,7 +422,7 @@ def test_dq_variants_are_launchable():
     import pathlib
 
     sweep = _load_script("gluon_pass_sweep")
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "gluon_compile_sm90.py"
     compile_variants = next(
         ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "DQ_VARIANTS")
@@ -877,7 +877,7 @@ def test_call_site_keeps_the_triton_dq_where_it_must(monkeypatch, one_thread, ca
 
 
 def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
-    """scripts/gluon_chain_ab.py end to end on the CPU (no Gluon there: 0 launches)."""
+    """scripts/kernels/gluon_chain_ab.py end to end on the CPU (no Gluon there: 0 launches)."""
     import importlib.util
     import json
     import pathlib
@@ -891,7 +891,7 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
     monkeypatch.setattr(bob_col, "launch_bob_col", bob_col.launch_bob_col)
     monkeypatch.setattr(bob_row, "launch_bob_row", bob_row.launch_bob_row)
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_chain_ab.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "gluon_chain_ab.py"
     spec = importlib.util.spec_from_file_location("gluon_chain_ab", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -909,7 +909,7 @@ def test_chain_ab_script_runs_on_cpu(tmp_path, capsys, monkeypatch, one_thread):
 
 
 def test_pass_sweep_times_the_triton_forward_and_refuses_wrong_variants(monkeypatch, one_thread):
-    """scripts/gluon_pass_sweep.py's forward rows on the CPU (the Triton forward under the
+    """scripts/kernels/gluon_pass_sweep.py's forward rows on the CPU (the Triton forward under the
     interpreter, a float64 stand-in for the Gluon one that is wrong for one variant): the
     baseline row first, a speed for each variant that agrees with it, none for the other."""
     import triton.testing
@@ -982,7 +982,7 @@ def test_row_pass_variants_are_launchable(row_launches):
     import pathlib
 
     sweep = _load_script("gluon_pass_sweep")
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gluon_compile_sm90.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "kernels" / "gluon_compile_sm90.py"
     compile_variants = next(
         ast.literal_eval(node.value) for node in ast.parse(path.read_text()).body
         if isinstance(node, ast.Assign)
@@ -1074,7 +1074,7 @@ def test_call_sites_hand_the_row_passes_their_consumers(monkeypatch, one_thread)
 
 
 def test_pass_sweep_checks_the_gluon_dq_against_triton(monkeypatch, one_thread):
-    """scripts/gluon_pass_sweep.py's dQ rows on the CPU (the Triton dQ pass under the
+    """scripts/kernels/gluon_pass_sweep.py's dQ rows on the CPU (the Triton dQ pass under the
     interpreter as the reference, its time stood in for; a float64 stand-in for the Gluon
     pass that is wrong in dQ for one variant and in D for another): the baseline row first,
     a speed for each variant that agrees with it, none for the others."""

@@ -704,7 +704,7 @@ def test_fp32_large_logits(seed, qk_scale, causal, deterministic):
     """float32 at max |logit| up to ~2,600 (N=24, d=8, q and k scaled): the relative error
     (max |error| / max |reference|) of each of o, dq, dk, dv, Q̄, K̄, V̄, dŌ against float64
     autograd on the same inputs is within max(4x the worst error of PyTorch's own float32 math
-    chain, 1e-5); the inputs are those of ``scripts/large_logit_sweep.py --seeds``. Without
+    chain, 1e-5); the inputs are those of ``scripts/kernels/large_logit_sweep.py --seeds``. Without
     the row-sum correction ρ the worst error reached 1.0e-3 (V̄, seed 0) against the math
     chain's 3.9e-5; without the dominant-key shift and P in natural units, 7.7e-2 (dk, seed
     7) against 3.3e-3 (docs/benchmarks.md)."""

@@ -1,5 +1,6 @@
-"""scripts/ holds what a user or a maintainer reruns, each listed with its purpose in
-scripts/README.md, and every script a doc or test names exists."""
+"""scripts/ holds what a user reruns (the runners) and scripts/kernels/ what a maintainer of the
+kernels reruns, each listed with its purpose in scripts/README.md; every script a doc or test
+names exists; no script writes its own timing loop (ttt_flash.bench has it)."""
 
 import re
 import subprocess
@@ -16,8 +17,14 @@ def _listed():
     return set(re.findall(r"^\| `([^`]+)` \| \S", (SCRIPTS / "README.md").read_text(), flags=re.M))
 
 
+def _present():
+    return {str(p.relative_to(SCRIPTS)) for folder in (SCRIPTS, SCRIPTS / "kernels") for p in folder.iterdir()
+            if p.suffix in (".py", ".sh")}
+
+
 def test_every_script_is_listed_with_a_purpose():
-    present = {p.name for p in SCRIPTS.iterdir() if p.suffix in (".py", ".sh")}
+    present = _present()
+    assert "kernels/chain_ab.py" in present and "house_ab.py" in present
     listed = _listed()
     assert present - listed == set(), f"scripts without a line in scripts/README.md: {sorted(present - listed)}"
     assert listed - present == set(), f"scripts/README.md lists missing scripts: {sorted(listed - present)}"
@@ -36,7 +43,7 @@ def test_every_named_script_exists():
     for path in paths:
         if path in NOT_CHECKED or path == Path(__file__):
             continue
-        for name in re.findall(r"scripts/(\w+\.(?:py|sh))", path.read_text(errors="replace")):
+        for name in re.findall(r"scripts/((?:kernels/)?\w+\.(?:py|sh))", path.read_text(errors="replace")):
             if not (SCRIPTS / name).exists():
                 missing.append(f"{path.relative_to(ROOT)} names scripts/{name}")
     assert not missing, "\n".join(missing)
@@ -45,8 +52,8 @@ def test_every_named_script_exists():
 @pytest.mark.parametrize("script, args, message", [
     ("graph_bench.py", ["OUT", "--parts", "lm_module", "--lm-shapes", "1x"], "--lm-shapes: BATCHxSEQ_LEN pairs"),
     ("graph_bench.py", ["OUT", "--lm-shapes", "8x2048x3"], "--lm-shapes: BATCHxSEQ_LEN pairs"),
-    ("host_phases.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
-    ("host_phases.py", ["--out", "OUT", "--shapes", "0x1024c"], "--shapes takes BxN items"),
+    ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
+    ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "0x1024c"], "--shapes takes BxN items"),
 ])
 def test_shape_arguments_refuse_bad_values_before_any_work(script, args, message, tmp_path):
     # checked before the GPU is asked for, with the argument named and an example of the form
@@ -55,3 +62,10 @@ def test_shape_arguments_refuse_bad_values_before_any_work(script, args, message
                          timeout=120, cwd=ROOT)
     assert out.returncode != 0
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+def test_no_script_writes_its_own_timing_loop():
+    # CUDA events and the chain's timing live in ttt_flash/bench/common.py (event_times, burst_ms)
+    bad = [str(p.relative_to(ROOT)) for p in sorted(SCRIPTS.rglob("*.py"))
+           if "Event(enable_timing" in p.read_text()]
+    assert not bad, f"scripts timing with their own CUDA events (use ttt_flash.bench.common): {bad}"

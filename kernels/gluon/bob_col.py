@@ -421,7 +421,7 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, rho, scale, causal,
              block_m, num_warps, stages, out=None, consumers=1):
     """Kernel arguments, meta-parameters and the (kb, vb) outputs (flat (B·H_kv·N, d);
     ``out``: contiguous (kb, vb) to write into) of one launch; no checks, any device
-    (scripts/gluon_compile_sm90.py builds CPU ones). ``block_n`` / ``num_warps``: the keys /
+    (scripts/kernels/gluon_compile_sm90.py builds CPU ones). ``block_n`` / ``num_warps``: the keys /
     consumer warps of a program (each of the ``consumers`` partitions gets
     block_n / consumers keys and num_warps / consumers warps)."""
     b, h, n, d = q.shape

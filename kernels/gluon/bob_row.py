@@ -405,7 +405,7 @@ if HAVE_GLUON:
 def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stats, block_n,
              block_m, num_warps, stages, out=None, consumers=1):
     """Kernel arguments, meta-parameters and the outputs of one launch, no checks, any
-    device (scripts/gluon_compile_sm90.py builds CPU ones). Direct: outputs (qb, dob), flat
+    device (scripts/kernels/gluon_compile_sm90.py builds CPU ones). Direct: outputs (qb, dob), flat
     (B·H_q·N, d), written into ``out`` if given; ``alpha``, ``ee`` are read. Stats: outputs
     (alpha, ee), (B·H_q·N,) float32, written into ``alpha``, ``ee`` (allocated if None).
     ``num_warps``: all consumer warps (each of the ``consumers`` partitions gets
@@ -436,7 +436,7 @@ def _prepare(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, scale, causal, stat
     args = (*tiles, *vecs, n, h // k.shape[1], scale, scale * LOG2E)
     # two consumer partitions have 240 registers per thread each (CONSUMER_REGS): enough
     # for the direct pass's usual schedule at d = 64 with 32-key steps only
-    # (scripts/gluon_compile_sm90.py: no spills with LOW_REGS elsewhere)
+    # (scripts/kernels/gluon_compile_sm90.py: no spills with LOW_REGS elsewhere)
     low_regs = consumers == 2 and block_n + d > 96
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, CAUSAL=bool(causal),
                 STATS=bool(stats), STAGES=stages, CONSUMERS=consumers, LOW_REGS=low_regs,

@@ -323,7 +323,7 @@ if HAVE_GLUON:
 def _prepare(q, k, v, do, lse, delta, scale, causal, block_n, block_m, num_warps, out,
              consumers=1):
     """Kernel arguments and meta-parameters of one launch, no checks, any device
-    (scripts/gluon_compile_sm90.py builds CPU ones): contiguous (B, H, N, d) inputs, ``out``
+    (scripts/kernels/gluon_compile_sm90.py builds CPU ones): contiguous (B, H, N, d) inputs, ``out``
     the contiguous (dk, dv) to write into. ``block_n`` / ``num_warps``: the keys / consumer
     warps of a program (each of the ``consumers`` partitions gets block_n / consumers keys
     and num_warps / consumers warps)."""

@@ -303,7 +303,7 @@ def _prepare(q, k, v, o, do, lse, scale, causal, block_n, block_m, num_warps, st
              consumers=1, out=None):
     """Kernel arguments, meta-parameters and the outputs (dq flat (B·H_q·N, d), delta flat
     (B·H_q·N,) float32; written into ``out`` = (dq, delta) if given) of one launch, no
-    checks, any device (scripts/gluon_compile_sm90.py builds CPU ones). ``num_warps``: all
+    checks, any device (scripts/kernels/gluon_compile_sm90.py builds CPU ones). ``num_warps``: all
     consumer warps (each of the ``consumers`` partitions gets num_warps / consumers)."""
     b, h, n, d = q.shape
     q2, k2, v2, o2, do2 = flat(q), flat(k), flat(v), flat(o), flat(do)

@@ -322,7 +322,7 @@ def _prepare(q, k, v, scale, causal, block_n, block_m, num_warps, stages, consum
              out=None):
     """Kernel arguments, meta-parameters and the outputs (o flat (B·H_q·N, d), lse flat
     (B·H_q·N,) float32; written into ``out`` = (o, lse) if given) of one launch, no checks,
-    any device (scripts/gluon_compile_sm90.py builds CPU ones). ``num_warps``: all consumer
+    any device (scripts/kernels/gluon_compile_sm90.py builds CPU ones). ``num_warps``: all consumer
     warps (each of the ``consumers`` partitions gets num_warps / consumers)."""
     b, h, n, d = q.shape
     q2, k2, v2 = flat(q), flat(k), flat(v)

@@ -17,7 +17,7 @@ import statistics
 import time
 import weakref
 from dataclasses import asdict
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -28,6 +28,8 @@ __all__ = [
     "attention_chain",
     "attended_pairs",
     "median_ms",
+    "event_times",
+    "burst_ms",
     "is_oom",
     "error_text",
     "new_result",
@@ -75,6 +77,44 @@ def median_ms(cfg, fn: Callable) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def event_times(fn: Callable, reps: int, warmup: int = 1, cuda: Optional[bool] = None) -> List[float]:
+    """Milliseconds of each of ``reps`` calls of ``fn``, after ``warmup`` untimed ones: CUDA
+    events around each call, synchronised after it, on a GPU (``cuda`` None: when CUDA is
+    available); a wall clock on the CPU. The A/B scripts take medians and minima of these."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def burst_ms(fn: Callable, calls: int) -> float:
+    """Mean milliseconds per call of ``calls`` back-to-back calls of ``fn`` on the GPU, timed by
+    one pair of CUDA events around all of them (the sustained rate, launch gaps hidden)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def is_oom(e: BaseException) -> bool:

@@ -2,11 +2,11 @@
 candidates, compiled offline for sm_90 (no GPU needed): how the ``jvp`` rows of configs.py
 were chosen.
 
-    python scripts/jvp_tiles_ptxas.py --dtype bf16 --head-dim 128 --tiles 64x64x8x2,64x32x8x2
+    python scripts/kernels/jvp_tiles_ptxas.py --dtype bf16 --head-dim 128 --tiles 64x64x8x2,64x32x8x2
 
 Each candidate is BLOCK_MxBLOCK_NxWARPSxSTAGES; both kernels (``attn_jvp``, ``attn_tangent``)
 are compiled with causal masking and every tangent present (the most registers) by
-scripts/compile_sm90.py with the candidate as the ``jvp`` tile override.
+scripts/kernels/compile_sm90.py with the candidate as the ``jvp`` tile override.
 """
 
 from __future__ import annotations

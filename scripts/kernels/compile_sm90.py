@@ -3,12 +3,12 @@ print registers / spills / shared memory per kernel (ptxas via ``cuobjdump -res-
 
 The composers run on CPU tensors with each kernel replaced by a recorder (no launch); each
 recorded launch is then compiled for sm_90 by ``JITFunction.warmup`` under a stub driver
-(scripts/gluon_compile_sm90.py), with the tiles of the sm_90 table (``plan.capability`` told
+(scripts/kernels/gluon_compile_sm90.py), with the tiles of the sm_90 table (``plan.capability`` told
 (9, 0); no Gluon pass) and the launcher's own argument specialisation, so the numbers are
 close to the GPU's (the triton installed here, not the GPU machine's). Catches compile errors
 before device time is spent::
 
-    python scripts/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal] [--dump DIR]
+    python scripts/kernels/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal] [--dump DIR]
 
 ``--dump DIR`` writes each compiled kernel's PTX (kernel name and constexprs in the file
 name, the ``.version`` / ``.target`` header and comments dropped), so that two source trees'
@@ -46,7 +46,7 @@ class Recorder:
 
 
 def _stub_driver():
-    """The sm_90 stub driver of scripts/gluon_compile_sm90.py: ``JITFunction.warmup``
+    """The sm_90 stub driver of scripts/kernels/gluon_compile_sm90.py: ``JITFunction.warmup``
     compiles for sm_90 without a GPU, with the launcher's own specialisation."""
     import importlib.util
 

@@ -1,7 +1,7 @@
 """Chain time (forward, create_graph backward, BoB) and per-kernel CUDA time of the installed
 ttt_flash, per variant, in one process: the input to the cost of the row-sum correction.
 
-    python scripts/chain_ab.py --n 4096,16384,65536 [--causal] --variants det,rho --tag new
+    python scripts/kernels/chain_ab.py --n 4096,16384,65536 [--causal] --variants det,rho --tag new
 
 Variants: ``det`` deterministic=True; ``rho`` det with the row-sum correction forced on for
 16-bit inputs; ``default`` the call as users make it. Prints one line per (N, variant) and, with --profile,
@@ -46,6 +46,7 @@ def main() -> int:
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     from ttt_flash import flash_attention
+    from ttt_flash.bench.common import attention_chain, event_times
 
     has_det = "deterministic" in inspect.signature(flash_attention).parameters
     names = [v for v in a.variants.split(",") if v]
@@ -62,24 +63,12 @@ def main() -> int:
             kw = {} if name == "default" else {"deterministic": True}
 
             def chain():
-                o = flash_attention(q, k, v, causal=a.causal, **kw)
-                g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-                inner = sum((s * w).sum() for s, w in zip(g, u))
-                return torch.autograd.grad(inner, (q, k, v, do))
+                return attention_chain(lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=a.causal, **kw),
+                                       q, k, v, do, u)
 
             try:
                 with variant(name):
-                    chain()
-                    torch.cuda.synchronize()
-                    reps = 10 if n < 32768 else 3
-                    ts = []
-                    for _ in range(reps):
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        s.record()
-                        chain()
-                        e.record()
-                        torch.cuda.synchronize()
-                        ts.append(s.elapsed_time(e))
+                    ts = event_times(chain, reps=10 if n < 32768 else 3)
                     print(f"AB {a.tag:<5} N={n:<6} causal={int(a.causal)} {name:<9} median {statistics.median(ts):9.3f} ms"
                           f"  min {min(ts):9.3f} ms", flush=True)
                     if a.profile and n == int(a.n.split(",")[0]):

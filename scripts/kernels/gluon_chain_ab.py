@@ -1,6 +1,6 @@
 """Chain time with the Gluon passes on and off, against first-order SDPA flash, in one process.
 
-    python scripts/gluon_chain_ab.py --seq-lens 4096,16384,65536 --causal both --out DIR
+    python scripts/kernels/gluon_chain_ab.py --seq-lens 4096,16384,65536 --causal both --out DIR
 
 Per (N, causal): the chain of ``ttt_flash.bench`` (forward, ``autograd.grad(...,
 create_graph=True)``, backward-over-backward) of ``flash_attention`` with the Gluon passes on
@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -56,20 +55,11 @@ def _counter():
 
 
 def _timer(device):
-    if device.startswith("cuda"):
-        def run(fn):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            return s.elapsed_time(e)
-    else:
-        def run(fn):
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-    return run
+    """ms of one call of a warmed-up function (``ttt_flash.bench.common.event_times``)."""
+    from ttt_flash.bench.common import event_times
+
+    cuda = device.startswith("cuda")
+    return lambda fn: event_times(fn, reps=1, warmup=0, cuda=cuda)[0]
 
 
 def parse_variant(text):

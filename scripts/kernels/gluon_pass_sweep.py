@@ -1,6 +1,6 @@
 """Time each Gluon pass (kernels/gluon/) alone over a list of tile variants, at one shape.
 
-    python scripts/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
+    python scripts/kernels/gluon_pass_sweep.py --heads 8 --kv-heads 8 --head-dim 128 --n 16384 \
         [--causal] [--kinds fwd,bwd_dq,bwd_dkdv,bob_stats,bob_direct,bob_col] [--out DIR]
 
 Per pass kind and variant: ``triton.testing.do_bench`` median (ms) of the Gluon function on
@@ -16,7 +16,7 @@ time). The dQ pass's rows (``bwd_dq``) likewise start with the Triton dQ kernel
 compared with that call's (``dq_maxdiff`` in bf16 units of max |dQ|, ``delta_maxdiff``
 relative to max |D|; beyond 4 units or 1e-4: failed). The other Triton passes' times at the
 same shape come from
-``scripts/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A short table
+``scripts/kernels/gluon_chain_ab.py --profile`` (the chain with the Gluon passes off). A short table
 of every row is printed last. A variant that
 fails to compile or run prints its error and the sweep goes on. Writes
 ``gluon_pass_sweep.json`` into ``--out``.
@@ -55,7 +55,7 @@ FIELDS = {
     "bob_direct": ("block_m", "block_n", "num_warps", "stages", "warp_specialize", "maxnreg"),
 }
 
-#: d = 128 candidates without ptxas spills (or with the fewest; scripts/gluon_compile_sm90.py)
+#: d = 128 candidates without ptxas spills (or with the fewest; scripts/kernels/gluon_compile_sm90.py)
 #: (the row passes' candidates are per head dim: ROW_DEFAULTS)
 DEFAULTS = {
     "bwd_dkdv": [(64, 64, 4, 0), (64, 32, 4, 0), (128, 32, 8, 0)],
@@ -63,7 +63,7 @@ DEFAULTS = {
                 (128, 32, 8, 2, 0, 0)],
 }
 
-#: forward candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel fwd)
+#: forward candidates per head dim (no ptxas spills; scripts/kernels/gluon_compile_sm90.py --kernel fwd)
 #: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
 #: same taking turns, ``pingpong=True``; those last, so that the rows before them are kept
 #: whatever happens to them)
@@ -78,7 +78,7 @@ FWD_DEFAULTS = {
           (128, 64, 8, 3, 3, 0)],
 }
 
-#: key-tile pass candidates per head dim (scripts/gluon_compile_sm90.py --kernel bob_col /
+#: key-tile pass candidates per head dim (scripts/kernels/gluon_compile_sm90.py --kernel bob_col /
 #: dkdv); they replace DEFAULTS' lists of these kinds. The table's tiles come first: the
 #: other variants' outputs are compared with the first one's. bob_col's warp_specialize: 0
 #: single partition, 1 TMA producer, 2 producer + deferred K̄ waits, 3 producer and two
@@ -107,7 +107,7 @@ KEY_TILE_TOL_UNITS = 4.0
 
 #: BoB row-pass candidates per head dim, the table's tiles (configs.GLUON) first
 #: (warp_specialize 2: the TMA producer and two 4-warp consumer partitions sharing the ring of
-#: key tiles, ``consumers=2``; scripts/gluon_compile_sm90.py --kernel bob_stats / bob_direct)
+#: key tiles, ``consumers=2``; scripts/kernels/gluon_compile_sm90.py --kernel bob_stats / bob_direct)
 ROW_DEFAULTS = {
     64: {
         "bob_stats": [(64, 64, 4, 2, 0, 0), (128, 64, 8, 2, 1, 168), (128, 64, 8, 2, 2, 0),
@@ -125,7 +125,7 @@ ROW_DEFAULTS = {
     },
 }
 
-#: dQ candidates per head dim (no ptxas spills; scripts/gluon_compile_sm90.py --kernel dq)
+#: dQ candidates per head dim (no ptxas spills; scripts/kernels/gluon_compile_sm90.py --kernel dq)
 #: (warp_specialize 2: the TMA producer and two consumer partitions, ``consumers=2``; 3: the
 #: same with deferred dS K waits, ``defer=True``; 4: the producer and one consumer partition
 #: with deferred waits; the deferred ones last)

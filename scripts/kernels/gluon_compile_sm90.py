@@ -6,7 +6,7 @@ compiled with ``warmup`` on CPU tensors (descriptors are built the way the wrapp
 them), then ptxas (-v, sm_90a) reads the PTX. Works with triton 3.6 (the H200 machine's) and
 3.9; run it with each interpreter to catch API drift before device time is spent::
 
-    python scripts/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats|fwd|dq]
+    python scripts/kernels/gluon_compile_sm90.py [--kernel bob_col|dkdv|bob_direct|bob_stats|fwd|dq]
         [--head-dim 64] [--causal] [--groups 1]
 
 (``--groups G``: GQA inputs, G query heads per kv head.)
@@ -72,7 +72,7 @@ def load_module(name):
     pkg = "_gluon_kernels"
     if pkg not in sys.modules:
         package = types.ModuleType(pkg)
-        package.__path__ = [os.path.join(HERE, "..", "kernels")]
+        package.__path__ = [os.path.join(HERE, "..", "..", "kernels")]
         sys.modules[pkg] = package
     return importlib.import_module(f"{pkg}.gluon.{name}")
 

@@ -7,10 +7,10 @@ max|ours − f64| / max|f64| is within max(4 × the worst error of the math chai
 float32 the last table gives each (mask, seed, scale) row's worst output, the tolerance and
 PASS / FAIL; the exit status is 1 when a row fails.
 
-    python scripts/large_logit_sweep.py                     # CPU: Triton interpreter, N=24, d=8
-    python scripts/large_logit_sweep.py --seeds 0-7 --scales 8,16,20,24 --masks full,causal
-    python scripts/large_logit_sweep.py --n 512 --d 64 --heads 2 --dtype float32,bfloat16 --causal
-    python scripts/large_logit_sweep.py --seeds 0-7 --masks full,causal --out OUT   # JSON in OUT
+    python scripts/kernels/large_logit_sweep.py                     # CPU: Triton interpreter, N=24, d=8
+    python scripts/kernels/large_logit_sweep.py --seeds 0-7 --scales 8,16,20,24 --masks full,causal
+    python scripts/kernels/large_logit_sweep.py --n 512 --d 64 --heads 2 --dtype float32,bfloat16 --causal
+    python scripts/kernels/large_logit_sweep.py --seeds 0-7 --masks full,causal --out OUT   # JSON in OUT
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ with ``create_graph``, the chain's inner product <U, grad> and the backward-over
 time (profiler); and a
 cProfile of 50 chains (by own time and by cumulative time) in OUT/<shape>.txt.
 
-    python3 scripts/host_phases.py --out OUT                     # the four shapes of docs/benchmarks.md
-    python3 scripts/host_phases.py --out OUT --shapes 1x1024,1x1024c
+    python3 scripts/kernels/host_phases.py --out OUT                     # the four shapes of docs/benchmarks.md
+    python3 scripts/kernels/host_phases.py --out OUT --shapes 1x1024,1x1024c
 
 Writes OUT/host_phases.json and prints a table last (one H200, bf16, H = 12, d = 64).
 """

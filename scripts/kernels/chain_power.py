@@ -1,7 +1,7 @@
 """Chain against first-order SDPA flash under sustained load, with the GPU's SM clock and
 board power sampled during each, and the per-pass CUDA time of one chain.
 
-    python3 scripts/chain_power.py --shapes 16384:12:12:64,65536:12:12:64 --causal both \
+    python3 scripts/kernels/chain_power.py --shapes 16384:12:12:64,65536:12:12:64 --causal both \
         --out DIR
 
 A shape is ``N:H_q:H_kv:d`` (batch 1, bf16). Per (shape, causal): the chain of
@@ -89,16 +89,13 @@ def power_capped(reasons) -> bool:
 
 
 def burst(fn, calls: int) -> tuple:
-    """Mean ms per call of ``calls`` back-to-back calls, and the wall window."""
+    """Mean ms per call of ``calls`` back-to-back calls (``ttt_flash.bench.common.burst_ms``),
+    and the wall window."""
+    from ttt_flash.bench.common import burst_ms
+
     torch.cuda.synchronize()
     t0 = time.time()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / calls, (t0, time.time())
+    return burst_ms(fn, calls), (t0, time.time())
 
 
 def profile_chain(fn) -> list:

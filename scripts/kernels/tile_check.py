@@ -1,9 +1,9 @@
 """Chain time per tile variant, measured in one process: every variant is a set of
 ``configs.tile_overrides`` on top of the table; the table itself is timed first and last.
 
-    python scripts/tile_check.py --n 16384,65536 \
+    python scripts/kernels/tile_check.py --n 16384,65536 \
         --variant 'direct128={"bob_direct": [128, 64, 8, 2]}' --variant '...'
-    python scripts/tile_check.py --variant best=@tune.best.json   # a tune.py result file
+    python scripts/kernels/tile_check.py --variant best=@tune.best.json   # a tune.py result file
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ def main() -> int:
                    help="flash_attention(deterministic=...) for every variant")
     a = p.parse_args()
     from ttt_flash import flash_attention
+    from ttt_flash.bench.common import attention_chain
     from ttt_flash.kernels import configs
 
     variants = [("table", {})]
@@ -45,10 +46,9 @@ def main() -> int:
         u = x[4:]
 
         def chain():
-            o = flash_attention(q, k, v, causal=a.causal, deterministic=a.deterministic)
-            g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-            inner = sum((s * w).sum() for s, w in zip(g, u))
-            return torch.autograd.grad(inner, (q, k, v, do))
+            return attention_chain(
+                lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=a.causal, deterministic=a.deterministic),
+                q, k, v, do, u)
 
         reps = a.reps or (10 if n < 32768 else 3)
         for name, ov in variants:
@@ -62,17 +62,10 @@ def main() -> int:
 
 
 def _time(chain, reps):
-    """(median, min) ms of ``reps`` chains after one warm-up."""
-    chain()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        chain()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
+    """(median, min) ms of ``reps`` chains after one warm-up (``ttt_flash.bench.common.event_times``)."""
+    from ttt_flash.bench.common import event_times
+
+    ts = event_times(chain, reps)
     return statistics.median(ts), min(ts)
 
 

@@ -5,7 +5,7 @@ as one pass (``attn_jvp``, O, L, Ȯ, L̇) against the tangent of the computed fo
 rowsum(Ō̇∘Ȯ), the step now), without dŌ (the step's choice: Triton direct pass) and with dŌ
 (which the Gluon direct pass serves). Medians of ``triton.testing.do_bench``.
 
-    python scripts/jvp_bwd_ab.py --seq-lens 16384,65536 --out ab.json
+    python scripts/kernels/jvp_bwd_ab.py --seq-lens 16384,65536 --out ab.json
 """
 
 from __future__ import annotations

@@ -531,3 +531,15 @@ def test_no_floor_numbers_in_the_library():
     bad = [f"{_where(m)}:{n}: {line.strip()}" for m in MODULES
            for n, line in enumerate(MODULES[m].read_text().splitlines(), 1) if pattern.search(line)]
     assert not bad, "\n".join(bad)
+
+
+def test_the_gluon_pass_header_is_written_once():
+    # every Gluon pass module takes its header (Gluon's guarded names, LOG2E) from gluon/common.py
+    passes = [m for m in MODULES if m.startswith("ttt_flash.kernels.gluon.")
+              and m.rpartition(".")[2] not in ("common", "scope")]
+    assert len(passes) == 5
+    for module in passes:
+        text = MODULES[module].read_text()
+        assert "from .common import *" in text, module
+        assert "triton.experimental" not in text.split('"""', 2)[-1], f"{module} imports Gluon itself"
+        assert "if _gc.HAVE_GLUON:" not in text and "LOG2E = " not in text, f"{module} repeats the header"

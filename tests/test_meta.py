@@ -388,3 +388,14 @@ def test_maml_module_checks_its_arguments_and_data(tmp_path):
     model = MAML(net=NetConfig(kind="transformer", in_dim=5, d_model=8, n_heads=2))
     with pytest.raises(ValueError, match="net.in_dim"):
         _fit(model, InContextRegressionDataModule(dim=2, seq_len=4, meta_batch_size=1), tmp_path)
+
+
+def test_lightning_maml_takes_an_injected_network():
+    # `net:` with class_path in a recipe: the module uses the network as given, its weights are
+    # saved with the module and it is no hyperparameter
+    from ttt_flash.models import SinusoidMLP
+
+    net = SinusoidMLP(hidden=4)
+    module = MAML(net=net, inner_steps=1)
+    assert module.net is net and module.net_config is None and "net" not in module.hparams
+    assert {n for n, _ in module.named_parameters()} == {f"net.{n}" for n, _ in net.named_parameters()}

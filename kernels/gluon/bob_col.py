@@ -61,40 +61,19 @@ from __future__ import annotations
 import torch
 
 from . import common as _gc
+from .common import *  # noqa: F401,F403 - the pass header: Gluon's names for the kernels, LOG2E
 from .common import (CONSUMER_REGS, PRODUCER_REGS, check_args, flat, lse_log2,
                      tile_descriptors)
 
-if _gc.HAVE_GLUON:
-    from .common import (  # noqa: F401 - names the kernels below resolve
-        gluon,
-        gl,
-        fence_async_shared,
-        mbarrier,
-        query_pos,
-        query_range,
-        query_row,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_init,
-        warpgroup_mma_wait,
-        TensorDescriptor,
-    )
-    from .common import tma_load as _tma_load
-    from .common import tma_store as _tma_store
-
 #: Gluon's Hopper ops and its list-form ``warp_specialize`` import (common.py)
-HAVE_GLUON = _gc.HAVE_GLUON and _gc.HAVE_WARP_SPECIALIZE
+HAVE_GLUON = _gc.HAVE_PASSES
 
-LOG2E = _gc.LOG2E
 BLOCK_N = 64
 BLOCK_M = 64
 NUM_WARPS = 4
 STAGES = 2
 
-
-def available(device=None) -> bool:
-    """True where Gluon's Hopper ops import and the CUDA device is sm_90 (Hopper)."""
-    return HAVE_GLUON and _gc.hopper_device(device)
+available = _gc.available
 
 
 if HAVE_GLUON:

@@ -44,14 +44,20 @@ try:
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_GLUON = HAVE_WARP_SPECIALIZE = False
 
-__all__ = ["HAVE_GLUON", "HAVE_WARP_SPECIALIZE", "LOG2E", "PRODUCER_REGS", "CONSUMER_REGS",
-           "hopper_device", "check_args", "tile_descriptors", "lse_log2"]
+#: Gluon's Hopper ops and the list-form ``warp_specialize`` (what the warp-specialised passes need)
+HAVE_PASSES = HAVE_GLUON and HAVE_WARP_SPECIALIZE
 
 #: registers per thread of a warp-specialised kernel's one-warp TMA producer partition
 PRODUCER_REGS = 24
 #: registers per thread of the second consumer partition (``consumers=2``): what an SM's 64K
 #: registers leave beside the producer and the first 4-warp consumer
 CONSUMER_REGS = 240
+
+
+def available(device=None, warp_specialize: bool = True) -> bool:
+    """True where Gluon's Hopper ops import (and, with ``warp_specialize``, the list-form
+    ``warp_specialize``) and the CUDA device is sm_90 (Hopper): a pass module's ``available``."""
+    return HAVE_GLUON and (HAVE_WARP_SPECIALIZE or not warp_specialize) and hopper_device(device)
 
 
 def hopper_device(device=None) -> bool:
@@ -205,3 +211,14 @@ if HAVE_GLUON:
         else:
             n_tiles = N // BLOCK_N
         return n_tiles
+
+
+#: The header of every pass module (``from .common import *``): the Gluon names its kernels
+#: resolve (where Gluon imports; ``_tma_load`` / ``_tma_store`` are the installed triton's TMA
+#: copies, the tile helpers above) and ``LOG2E``. Everything else is imported by name.
+__all__ = ["LOG2E"]
+if HAVE_GLUON:
+    _tma_load, _tma_store = tma_load, tma_store
+    __all__ += ["gluon", "gl", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_init",
+                "warpgroup_mma_wait", "TensorDescriptor", "_tma_load", "_tma_store", "key_tiles", "row_tile",
+                "query_range", "query_row"]

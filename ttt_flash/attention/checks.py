@@ -157,6 +157,25 @@ def _check_heads_bhnd(q: Tensor, k: Tensor, layout_given: bool) -> None:
         raise
 
 
+def _check_flags(q, k, v, scale, window, causal, precise_bob, deterministic):
+    """The flags as bools and the scale as a float, after :func:`_check_common`."""
+    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
+                                                                  ("deterministic", deterministic)))
+    return causal, precise_bob, deterministic, _check_common(q, k, v, scale, window, causal)
+
+
+def _check_shapes(q, k, v, ndim: int, rank_message: str) -> None:
+    """q, k, v of ``ndim`` dimensions (else ``rank_message`` with ``{name}`` and ``{shape}``),
+    k and v of one shape, q and k of one head dim."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != ndim:
+            raise ValueError(rank_message.format(name=name, shape=tuple(x.shape)))
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+
+
 def check_dense(q, k, v, *, causal, scale, window, backend, precise_bob, deterministic, layout, return_lse):
     """Validate a :func:`~ttt_flash.attention.api.flash_attention` call and resolve its backend.
 
@@ -165,24 +184,15 @@ def check_dense(q, k, v, *, causal, scale, window, backend, precise_bob, determi
         copied, for ``layout="bnhd"``), the call's ``_Spec``, whether the output goes back to
         (B, N, H, D), and whether the log-sum-exp is returned.
     """
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
+    causal, precise_bob, deterministic, scale = _check_flags(q, k, v, scale, window, causal, precise_bob,
+                                                              deterministic)
     layout_given = layout is not None
     layout = _check_layout(layout, q, k)
     axes = "(batch, seq_len, heads, head_dim)" if layout == "bnhd" else "(batch, heads, seq_len, head_dim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(
-                f"{name} must have 4 dimensions {axes} (layout={layout!r}), got shape "
-                f"{tuple(x.shape)}; for packed sequences use flash_attention_varlen"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    _check_shapes(q, k, v, 4, f"{{name}} must have 4 dimensions {axes} (layout={layout!r}), got shape "
+                              "{shape}; for packed sequences use flash_attention_varlen")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
     if layout == "bnhd":  # views: the kernels and the reference take strides
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     _check_heads_bhnd(q, k, layout_given)
@@ -200,19 +210,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     """Validate a :func:`~ttt_flash.attention.api.flash_attention_varlen` call and resolve its
     backend: ``(spec, with_lse)``, the call's ``_Spec`` (with the longest sequences) and whether
     the log-sum-exp is returned."""
-    causal, precise_bob, deterministic = (_flag(n, x) for n, x in (("causal", causal), ("precise_bob", precise_bob),
-                                                                  ("deterministic", deterministic)))
-    scale = _check_common(q, k, v, scale, window, causal)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 3:
-            raise ValueError(
-                f"{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
-                f"attention, got shape {tuple(x.shape)}"
-            )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
+    causal, precise_bob, deterministic, scale = _check_flags(q, k, v, scale, window, causal, precise_bob,
+                                                              deterministic)
+    _check_shapes(q, k, v, 3, "{name} must have 3 dimensions (total_tokens, heads, head_dim) for varlen "
+                              "attention, got shape {shape}")
     _check_heads(q.shape[1], k.shape[1])
     read = max_seqlen_q is None or max_seqlen_k is None  # both given on a GPU: no host read-back
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, read)

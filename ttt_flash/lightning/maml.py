@@ -29,7 +29,7 @@ sequence length: a data ``curriculum`` grows it) and, on CUDA,
 
 from __future__ import annotations
 
-from typing import Dict, List, Literal, Mapping, Optional
+from typing import Dict, List, Literal, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +96,11 @@ class MAML(LightningModule):
     """MAML / FOMAML / Meta-SGD / ANIL meta-training of a small network.
 
     Args:
-        net: the network (:class:`ttt_flash.models.NetConfig`: an MLP or a transformer
-            whose attention is ``ttt_flash.flash_attention``).
+        net: the network: an ``nn.Module`` (in a recipe ``net: {class_path:
+            ttt_flash.models.SinusoidMLP, init_args: ...}``, any network the inner loop can
+            differentiate through), or a :class:`ttt_flash.models.NetConfig` that builds one of
+            the library's (an MLP or a transformer whose attention is
+            ``ttt_flash.flash_attention``).
         inner_steps: inner (adaptation) steps per task during training.
         inner_lr: inner step size (initial value of the Meta-SGD step sizes with ``meta_sgd``).
         first_order: first-order MAML (no second derivatives in the meta-gradient).
@@ -134,7 +137,7 @@ class MAML(LightningModule):
 
     def __init__(
         self,
-        net: NetConfig = NetConfig(),
+        net: Union[NetConfig, nn.Module] = NetConfig(),
         inner_steps: int = 1,
         inner_lr: float = 0.01,
         first_order: bool = False,
@@ -160,8 +163,8 @@ class MAML(LightningModule):
                              "eagerly); set cuda_graph: false")
         if isinstance(net, Mapping):  # hparams of a checkpoint written through LightningCLI
             net = NetConfig(**net)
-        if not isinstance(net, NetConfig):
-            raise TypeError(f"net must be a NetConfig, got {type(net).__name__}")
+        if not isinstance(net, (NetConfig, nn.Module)):
+            raise TypeError(f"net must be an nn.Module or a NetConfig, got {type(net).__name__}")
         for name, value in (("inner_steps", inner_steps), ("eval_inner_steps", eval_inner_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -174,13 +177,14 @@ class MAML(LightningModule):
             raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
-        self.save_hyperparameters()
+        # an injected network is saved with the weights, not as a hyperparameter
+        self.save_hyperparameters(ignore=["net"] if isinstance(net, nn.Module) else None)
         self._cg_warned = False
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
-        self.net_config = net
-        self.net = net.build()
+        self.net_config = net if isinstance(net, NetConfig) else None
+        self.net = net.build() if isinstance(net, NetConfig) else net
         self.adapted_names = select_adapted([n for n, _ in self.net.named_parameters()], adapt)
         self.loss_fn = LOSSES[loss]
         self.inner_lrs: Optional[nn.ParameterDict] = None
@@ -272,8 +276,8 @@ class MAML(LightningModule):
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, MetaBatch):
             raise TypeError(f"MAML expects ttt_flash.tasks.MetaBatch batches, got {type(batch).__name__}")
-        want = self.net_config.in_dim
-        if batch.support_inputs.shape[-1] != want:
+        want = None if self.net_config is None else self.net_config.in_dim
+        if want is not None and batch.support_inputs.shape[-1] != want:
             raise ValueError(
                 f"the data's inputs have width {batch.support_inputs.shape[-1]} but net.in_dim is "
                 f"{want}; for in-context regression set net.in_dim to the data's dim + 2"

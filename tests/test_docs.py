@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ttt_flash.attention
+import ttt_flash.attention.api
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -24,7 +24,7 @@ KNOWN_FRAGMENTS: dict = {}
 
 
 def test_attention_docstring_examples():
-    result = doctest.testmod(ttt_flash.attention)
+    result = doctest.testmod(ttt_flash.attention.api)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from ttt_flash import attention, flash_attention
+from ttt_flash import flash_attention
+from ttt_flash.attention import api
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,13 +54,13 @@ def test_bnhd_matches_bhnd_through_double_backward(backend, dtype, shape, hkv, c
 
 def test_bnhd_passes_views_not_copies(monkeypatch):
     seen = []
-    real = attention._apply
+    real = api._apply
 
     def spy(q, k, v, *rest):
         seen.extend((q, k, v))
         return real(q, k, v, *rest)
 
-    monkeypatch.setattr(attention, "_apply", spy)
+    monkeypatch.setattr(api, "_apply", spy)
     q, k, v = (torch.randn(2, 11, 3, 8, dtype=torch.float64) for _ in range(3))
     o = flash_attention(q, k, v, layout="bnhd")
     for given, passed in zip((q, k, v), seen):

@@ -365,8 +365,8 @@ def test_lightning_accumulates_the_mean_task_meta_gradient(algorithm):
 def test_lightning_trains_and_logs(algorithm, extra, tmp_path):
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning import MAML
-    from ttt_flash.models import NetConfig, SinusoidDataModule
+    from ttt_flash.lightning import MAML, SinusoidDataModule
+    from ttt_flash.models import NetConfig
 
     module = MAML(NetConfig(kind="mlp", hidden=8, depth=1), inner_steps=3, inner_lr=0.05,
                   algorithm=algorithm, eval_inner_steps=3, **extra)

@@ -185,9 +185,9 @@ def test_recompute_errors_name_the_fix():
 def test_docstring_examples():
     import doctest
 
-    import ttt_flash.bench.jvp
+    import ttt_flash.bench.common
     import ttt_flash.second_order.recomputation
 
-    for module in (ttt_flash.second_order.recomputation, ttt_flash.bench.jvp):
+    for module in (ttt_flash.second_order.recomputation, ttt_flash.bench.common):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

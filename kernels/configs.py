@@ -10,7 +10,7 @@ Kernel kinds and the meaning of BLOCK_M / BLOCK_N (M always counts queries, N ke
 - ``fwd``        forward, one program per query tile (BLOCK_M) looping over key tiles.
 - ``bwd_dq``     first backward dQ, D = rowsum(dO∘O) and ρ, per query tile.
 - ``bwd_dkdv``   first backward dK/dV, per key tile (BLOCK_N) looping over query tiles.
-- ``bob_row``    ``precise=False`` only: the affine BoB row pass (six tile x d accumulators).
+- ``bob_affine`` ``precise=False`` only: the affine BoB row pass (six tile x d accumulators).
 - ``bob_col``    BoB column pass (two accumulators, four key-side tiles held).
 - ``bob_stats``  BoB row statistics α, E + αD, ρ (no tile accumulators).
 - ``bob_direct`` BoB row pass with α, E + αD known (two accumulators). For keys up to
@@ -32,7 +32,7 @@ from typing import Iterator, Mapping, Optional
 
 import torch
 
-KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bob_row", "bob_col", "bob_stats", "bob_direct", "jvp")
+KINDS = ("fwd", "bwd_dq", "bwd_dkdv", "bob_affine", "bob_col", "bob_stats", "bob_direct", "jvp")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ INTERPRETER = {
     "fwd": _T(32, 16, 4, 1),
     "bwd_dq": _T(32, 16, 4, 1),
     "bwd_dkdv": _T(16, 32, 4, 1, True),
-    "bob_row": _T(32, 16, 4, 1),
+    "bob_affine": _T(32, 16, 4, 1),
     "bob_col": _T(16, 32, 4, 1, True),
     "bob_stats": _T(16, 16, 4, 1),  # = bob_direct: one launch (statistics sweep first)
     "bob_direct": _T(16, 16, 4, 1),
@@ -91,13 +91,13 @@ INTERPRETER = {
 }
 
 # Hopper / Blackwell datacenter (capability 9, 10), 16-bit inputs, keyed by BLOCK_D.
-# Chosen without ptxas spills except bob_row at d = 256 (docs/benchmarks.md).
+# Chosen without ptxas spills except bob_affine at d = 256 (docs/benchmarks.md).
 SM90_HALF = {
     64: {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(128, 64, 4, 2, True),
-        "bob_row": _T(32, 64, 8, 2),
+        "bob_affine": _T(32, 64, 8, 2),
         "bob_col": _T(64, 64, 4, 2, True),
         "bob_stats": _T(128, 64, 8, 3),
         "bob_direct": _T(128, 64, 8, 3),
@@ -107,7 +107,7 @@ SM90_HALF = {
         "fwd": _T(128, 64, 8, 3),
         "bwd_dq": _T(128, 64, 8, 3),
         "bwd_dkdv": _T(64, 64, 4, 2, True),
-        "bob_row": _T(16, 32, 8, 2),
+        "bob_affine": _T(16, 32, 8, 2),
         "bob_col": _T(32, 128, 8, 3),
         "bob_stats": _T(128, 64, 8, 2),
         "bob_direct": _T(128, 32, 8, 3),
@@ -117,7 +117,7 @@ SM90_HALF = {
         "fwd": _T(64, 32, 8, 2),
         "bwd_dq": _T(32, 32, 4, 2),
         "bwd_dkdv": _T(32, 32, 8, 2),
-        "bob_row": _T(16, 16, 8, 1),
+        "bob_affine": _T(16, 16, 8, 1),
         "bob_col": _T(16, 16, 8, 1),
         "bob_stats": _T(16, 16, 8, 1),
         "bob_direct": _T(16, 16, 8, 1),
@@ -125,8 +125,8 @@ SM90_HALF = {
     },
 }
 # d <= 32: the d = 64 tiles, except the BoB passes (the d = 64 BoB tiles spill there)
-SM90_HALF[32] = dict(SM90_HALF[64], bob_row=_T(64, 32, 8, 2), bob_col=_T(64, 64, 8, 2))
-SM90_HALF[16] = dict(SM90_HALF[64], bob_row=_T(64, 32, 8, 2), bob_col=_T(64, 32, 8, 2))
+SM90_HALF[32] = dict(SM90_HALF[64], bob_affine=_T(64, 32, 8, 2), bob_col=_T(64, 64, 8, 2))
+SM90_HALF[16] = dict(SM90_HALF[64], bob_affine=_T(64, 32, 8, 2), bob_col=_T(64, 32, 8, 2))
 
 # float32 inputs with IEEE dots run on FMA units, not tensor cores: small tiles. The BoB and
 # jvp passes spill at every tile size tried (sm_90); these spill least.
@@ -135,7 +135,7 @@ FP32 = {
         "fwd": _T(64, 32, 4, 2),
         "bwd_dq": _T(64, 32, 8, 2),
         "bwd_dkdv": _T(32, 32, 8, 1),
-        "bob_row": _T(16, 32, 8, 1),
+        "bob_affine": _T(16, 32, 8, 1),
         "bob_col": _T(32, 16, 8, 1),
         "jvp": _T(32, 32, 8, 1),
     },
@@ -143,7 +143,7 @@ FP32 = {
         "fwd": _T(32, 32, 4, 2),
         "bwd_dq": _T(32, 32, 4, 2),
         "bwd_dkdv": _T(16, 32, 8, 1),
-        "bob_row": _T(16, 16, 8, 1),
+        "bob_affine": _T(16, 16, 8, 1),
         "bob_col": _T(16, 16, 8, 1),
         "jvp": _T(16, 32, 8, 1),
     },
@@ -151,13 +151,13 @@ FP32 = {
         "fwd": _T(32, 32, 4, 1),
         "bwd_dq": _T(16, 32, 4, 1),
         "bwd_dkdv": _T(16, 16, 8, 1),
-        "bob_row": _T(16, 16, 8, 1),
+        "bob_affine": _T(16, 16, 8, 1),
         "bob_col": _T(16, 16, 8, 1),
         "jvp": _T(16, 16, 8, 1),
     },
 }
 for _t in FP32.values():
-    _t["bob_stats"] = _t["bob_direct"] = _t["bob_row"]
+    _t["bob_stats"] = _t["bob_direct"] = _t["bob_affine"]
 FP32[32] = FP32[16] = FP32[64]
 
 # Ampere / Ada (capability 8): same tiles, at most 2 stages (99 KiB shared memory on

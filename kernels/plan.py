@@ -188,7 +188,7 @@ def _bob(lay, dtype, device, window, has_u, needs, precise, known, split_row, sp
     direct_wanted = need_qb or need_dob
     if not precise:
         if rows_work and (direct_wanted or run_col):
-            affine = Pass("bob_row", tiles("bob_row", bd, dtype, device))
+            affine = Pass("bob_affine", tiles("bob_affine", bd, dtype, device))
             write_stats = run_col
     else:
         stats_pass = triton_or_gluon("bob_stats", scope.bob_stats_reason(

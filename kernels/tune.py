@@ -37,7 +37,7 @@ KIND_COMPOSER = {
     "fwd": ("fwd", {}),
     "bwd_dq": ("bwd", {}),
     "bwd_dkdv": ("bwd", {}),
-    "bob_row": ("bob", {"precise": False}),
+    "bob_affine": ("bob", {"precise": False}),
     "bob_stats": ("bob", {"precise": True}),
     "bob_direct": ("bob", {"precise": True}),
     "bob_col": ("bob", {"precise": True}),

@@ -156,3 +156,16 @@ def test_language_model_bad_arguments():
         LanguageModel(gpt="tiny")
     with pytest.raises(ValueError, match="every_k"):
         HessianRefresh(every_k=0)
+
+
+def test_language_model_takes_an_injected_gpt(tmp_path):
+    # `gpt:` with class_path ttt_flash.models.GPT: the module trains the given model, and its
+    # checkpoint still rebuilds it from the config (the config is the hyperparameter)
+    from ttt_flash.models import GPT
+
+    gpt = GPT(_gpt(n_kv_head=1))
+    model = LanguageModel(gpt, optimizer="adamw")
+    assert model.model is gpt and model.gpt_config is gpt.config
+    assert model.hparams["gpt"]["n_kv_head"] == 1
+    with pytest.raises(TypeError, match="gpt must be a GPT or a GPTConfig"):
+        LanguageModel(torch.nn.Linear(2, 2))

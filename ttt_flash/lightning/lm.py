@@ -39,7 +39,7 @@ import math
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
@@ -82,7 +82,9 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
     only, not to norm gains or biases.
 
     Args:
-        gpt: the model's :class:`~ttt_flash.models.GPTConfig` (default: ``GPTConfig.tiny()``).
+        gpt: the model: a :class:`~ttt_flash.models.GPT` (in a recipe ``gpt: {class_path:
+            ttt_flash.models.GPT, init_args: {config: ...}}``) or its
+            :class:`~ttt_flash.models.GPTConfig` (default: ``GPTConfig.tiny()``).
             ``attention="ttt_flash"`` makes every Hessian-vector product exact with O(N)
             memory; ``"math"`` materialises attention (exact, O(N²) memory).
         optimizer: ``"sophiah"``, ``"adamw"`` or ``"adahessian"``.
@@ -126,7 +128,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
 
     def __init__(
         self,
-        gpt: GPTConfig = GPTConfig.tiny(),
+        gpt: Union[GPTConfig, GPT] = GPTConfig.tiny(),
         optimizer: Literal["sophiah", "adamw", "adahessian"] = "sophiah",
         lr: float = 1e-3,
         betas: Optional[Tuple[float, float]] = None,
@@ -146,8 +148,10 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         super().__init__()
         if isinstance(gpt, Mapping):  # hparams of a checkpoint written through LightningCLI
             gpt = GPTConfig(**gpt)
+        model = gpt if isinstance(gpt, GPT) else None
+        gpt = gpt.config if model is not None else gpt
         if not isinstance(gpt, GPTConfig):
-            raise TypeError(f"gpt must be a GPTConfig, got {type(gpt).__name__}")
+            raise TypeError(f"gpt must be a GPT or a GPTConfig, got {type(gpt).__name__}")
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
         if hessian_mode not in HESSIAN_MODES:
@@ -172,7 +176,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         self.save_hyperparameters(ignore=["gpt"])
         self.hparams["gpt"] = asdict(gpt)
         self.gpt_config = gpt
-        self.model = GPT(gpt)
+        self.model = GPT(gpt) if model is None else model
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False

@@ -23,22 +23,13 @@ from .context_parallel import (
     sequence_offset,
     shard_sequence,
 )
-from .data_parallel import all_reduce_mean_, average_gradients, broadcast_, disable_gradient_sync, is_distributed, world_size
+from .data_parallel import (all_reduce_mean_, average_gradients, broadcast_, disable_gradient_sync, is_distributed,
+                            world_size)
 
 __all__ = [
-    "context_parallel_attention",
-    "context_parallel_attention_varlen",
-    "context_parallel_groups",
-    "reduce_gradients",
-    "all_reduce_sum",
-    "shard_sequence",
-    "block_bounds",
-    "sequence_offset",
-    "head_plan",
-    "world_size",
-    "is_distributed",
-    "disable_gradient_sync",
-    "all_reduce_mean_",
-    "average_gradients",
-    "broadcast_",
+    # context parallelism
+    "context_parallel_attention", "context_parallel_attention_varlen", "context_parallel_groups",
+    "reduce_gradients", "all_reduce_sum", "shard_sequence", "block_bounds", "sequence_offset", "head_plan",
+    # data parallelism
+    "world_size", "is_distributed", "disable_gradient_sync", "all_reduce_mean_", "average_gradients", "broadcast_",
 ]

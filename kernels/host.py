@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 import triton
 
-from .common import MAX_HEAD_DIM
 
 #: Test hook: when True, every output is allocated filled with NaN, so that an element a
 #: kernel forgets to write fails loudly.
@@ -58,24 +57,11 @@ def on_input_device(fn):
     return wrapper
 
 
-def check_inputs(q: torch.Tensor) -> None:
-    """Raise for dtypes / head dims the kernels do not handle (float64 goes to the reference)."""
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(
-            f"ttt_flash.kernels supports float16, bfloat16 and float32 inputs, got {q.dtype}"
-            " (float64 runs on ttt_flash.attention.reference)"
-        )
-    d = q.shape[-1]
-    if d > MAX_HEAD_DIM or d < 1:
-        raise ValueError(f"head dim {d} is not supported by the Triton kernels (1..{MAX_HEAD_DIM})")
-
-
 def _max_len(cu: torch.Tensor) -> int:
     return int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
 
 
 def layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Layout:
-    check_inputs(q)
     if cu_seqlens_q is not None:
         batch = cu_seqlens_q.numel() - 1
         if max_seqlen_q is None:  # host sync: pass max_seqlen_* to avoid it

@@ -302,6 +302,12 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
     val_metric = ("val/loss", "min")
 
+    @property
+    def schedule_spans_run(self) -> bool:
+        """Whether the learning-rate schedule depends on the run's length (cosine decay over
+        ``trainer.estimated_stepping_batches``): a resumed run must keep ``trainer.max_steps``."""
+        return self.hparams.schedule == "cosine"
+
     def __init__(
         self,
         gpt: GPTConfig = GPTConfig.tiny(),

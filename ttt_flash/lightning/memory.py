@@ -177,6 +177,8 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
     val_metric = ("val/loss_post", "min")
+    #: the learning-rate schedule (a linear warmup) does not depend on the run's length
+    schedule_spans_run = False
 
     net: nn.Module
 

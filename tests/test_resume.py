@@ -296,3 +296,56 @@ def test_chained_resumes_equal_a_straight_run(chain, tmp_path, monkeypatch):
     assert resumed[[k for k in resumed if k.endswith("DataModule")][0]] == \
         reference[[k for k in reference if k.endswith("DataModule")][0]]
     assert _rows(folder / "metrics.csv") == reference_rows
+
+
+def test_resume_from_a_best_checkpoint_is_exact(tmp_path, monkeypatch, caplog):
+    """``--ckpt_path runs/NAME/checkpoints/best-step=S.ckpt`` (written after a validation by
+    ttt-flash fit) continues as the uninterrupted run from step S: the same weights, epoch and
+    data order; the rows logged after S move, with a warning, to metrics.from-step-S+1.csv;
+    no last-v1.ckpt."""
+    recipe, overrides = CASES["maml"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.log_every_n_steps=1",
+            "--trainer.enable_model_summary=false", "--trainer.enable_progress_bar=false"]
+    folder = tmp_path / "runs" / recipe
+    assert main(argv) == 0
+    reference = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_rows = _rows(folder / "metrics.csv")
+    shutil.copy(folder / "checkpoints" / "best-step=4.ckpt", tmp_path / "best.ckpt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--ckpt_path", str(folder / "checkpoints" / "best-step=4.ckpt")]) == 0
+    resumed = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    _assert_same_state(reference, resumed)
+    assert resumed["epoch"] == reference["epoch"]
+    assert resumed["SinusoidDataModule"] == reference["SinusoidDataModule"]
+    assert _rows(folder / "metrics.csv") == reference_rows
+    moved = folder / "metrics.from-step-4.csv"
+    assert moved.is_file() and str(moved) in caplog.text
+    assert not [p.name for p in (folder / "checkpoints").iterdir() if "-v" in p.name]
+
+
+def _state_key(ckpt):
+    return next(k for k in ckpt["callbacks"] if k.startswith("ResumableCheckpoint"))
+
+
+def test_resume_warns_about_another_process_count_or_run_length(tmp_path, monkeypatch, caplog):
+    """A resume that cannot equal the uninterrupted run says so: a checkpoint of 2 processes
+    resumed by 1, and a cosine schedule resumed with another trainer.max_steps."""
+    recipe, overrides = CASES["lm"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.enable_model_summary=false",
+            "--trainer.enable_progress_bar=false", "--model.init_args.schedule=cosine"]
+    last = tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt"
+    assert main([*argv, "--trainer.max_steps=2"]) == 0
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--trainer.max_steps=3", "--ckpt_path", "last"]) == 0
+    assert "2 steps long, this one is 3" in caplog.text and "trainer.max_steps" in caplog.text
+    caplog.clear()
+    ckpt = torch.load(last, weights_only=True)
+    ckpt["callbacks"][_state_key(ckpt)]["world_size"] = 2
+    torch.save(ckpt, tmp_path / "two.ckpt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--trainer.max_steps=4", "--model.init_args.schedule=constant", "--ckpt_path",
+                     str(tmp_path / "two.ckpt")]) == 0
+    assert "written by 2 processes, this run has 1" in caplog.text and "replays" in caplog.text
+    assert "steps long" not in caplog.text  # a schedule that does not span the run: no warning

@@ -579,13 +579,13 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         _, loss, _, b = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=b, on_epoch=True)
-        self.log("val/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
+        self.log("val/loss", loss, prog_bar=True, batch_size=b, on_epoch=True, sync_dist=True)
+        self.log("val/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
         _, loss, _, b = self._loss(batch)
-        self.log("test/loss", loss, batch_size=b, on_epoch=True)
-        self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
+        self.log("test/loss", loss, batch_size=b, on_epoch=True, sync_dist=True)
+        self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True, sync_dist=True)
 
 
 # --------------------------------------------------------------------------- data

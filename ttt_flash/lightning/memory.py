@@ -220,7 +220,8 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
     def _log_all(self, stage: str, metrics: Dict[str, Tensor], batch_size: int, **kw) -> None:
         for name, value in metrics.items():
             self.log(f"{stage}/{name}", value.detach() if name == "loss_post" else value,
-                     batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"), **kw)
+                     batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"),
+                     sync_dist=stage != "train", **kw)  # val/test: the mean of every process
 
     # ---------------------------------------------------------------- distributed (docs/distributed.md)
 

@@ -404,6 +404,10 @@ class ResumableCheckpoint(AtomicCheckpointWrites, ModelCheckpoint):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer_ref = trainer
         super().setup(trainer, pl_module, stage)
+        if stage != "fit":  # validate / test add their rows to the run's metrics.csv
+            for lg in trainer.loggers:
+                if isinstance(lg, ResumableCSVLogger) and isinstance(lg.experiment, _ContinuingWriter):
+                    lg.experiment._fresh = False
         self._remove_partial_files(trainer)
 
     def _remove_partial_files(self, trainer) -> None:

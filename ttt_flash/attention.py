@@ -733,7 +733,7 @@ def _check_layout(layout: Optional[str], q: Tensor, k: Tensor) -> str:
                 f"FlashAttention's flash_attn_func), got {layout!r}"
             )
         return layout
-    if q.dim() == 4 and k.dim() == 4 and q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]:
+    if (q.dim() == 4 and k.dim() == 4 and 0 < q.shape[2] < q.shape[1] and 0 < k.shape[2] < k.shape[1]):
         warnings.warn(
             f"flash_attention reads q {tuple(q.shape)} and k {tuple(k.shape)} as (batch, heads, "
             f"seq_len, head_dim): {q.shape[1]} heads over {q.shape[2]} queries and "
@@ -876,6 +876,12 @@ def flash_attention(
     if layout == "bnhd":  # views: the kernels and the reference take strides
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     _check_heads_bhnd(q, k, layout_given)
+    if "meta" in (q.device.type, k.device.type, v.device.type):  # shapes only (model tooling on the meta device)
+        o = q.new_empty(*q.shape[:3], v.shape[-1], device="meta")
+        if return_lse is not False and _flag("return_lse", return_lse):
+            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return (o.transpose(1, 2) if layout == "bnhd" else o), o.new_empty(q.shape[:3], dtype=lse_dtype)
+        return o.transpose(1, 2) if layout == "bnhd" else o
     backend = resolve_backend(backend, q)
     if q.numel() == 0 or k.shape[2] == 0:
         backend = "reference"  # nothing for a kernel to do; the reference handles empties

@@ -100,6 +100,11 @@ def _split_batch(batch, what: str) -> Tuple[tuple, object]:
         )
     inputs, target = batch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if what != "batch":  # a support / query set without examples would make a step a silent no-op
+        for x in (*args, target):
+            if isinstance(x, Tensor) and x.numel() == 0:
+                raise ValueError(f"{what} is empty (a tensor of shape {tuple(x.shape)}): give it at least one "
+                                 "example (an inner step or a meta-gradient on no data changes nothing)")
     return args, target
 
 
@@ -558,6 +563,10 @@ class Learner:
                 "with gradients enabled (not under torch.no_grad() or torch.inference_mode(); wrap "
                 "validation in torch.enable_grad())"
             )
+        lr = self.maml.lr
+        if isinstance(lr, Tensor) and _bad_values(lr, allow_negative=True):  # a learned step size gone bad
+            raise ValueError(f"MAML.lr is {lr.detach().item()}: the learned inner step size is no longer finite "
+                             "(lower the outer learning rate, or clip the meta-gradient)")
         names = self.maml.adapted
         with torch.enable_grad():
             grads = _inner_grads(loss.reshape(()), [self.params[n] for n in names], first_order)

@@ -15,9 +15,12 @@ for unknown recipe keys, and one CPU thread by default.
 * ``trainer.enable_progress_bar: true`` (every shipped recipe) shows Lightning's
   ``RichProgressBar`` (steps, speed, logged metrics) unless the recipe names its own progress
   bar callback; the CSV logs are unchanged.
-* One writer per run folder: ``fit``, ``validate`` and ``test`` hold
-  :class:`~ttt_flash.lightning.resume.RunFolderLock` on the logger's folder while they run (a
-  second run on the same folder stops at start with an error naming the running process).
+* One run per run folder: ``fit``, ``validate`` and ``test`` hold
+  :class:`~ttt_flash.lightning.checkpoint_io.RunFolderLock` on the logger's folder while they
+  run (a second run on the same folder, by whatever path, stops at start with an error naming
+  the running process), and ``fit`` without ``--ckpt_path`` into a folder that holds an
+  earlier run stops with a one-line error. ``config.yaml`` is written once training starts
+  (:class:`~ttt_flash.lightning.checkpoint_io.SaveConfigOnStart`).
 * On a machine without CUDA, unless ``OMP_NUM_THREADS`` is set, torch runs one thread:
   the recipes' steps are small, and several threads spinning on a few cores make a MAML
   step many times slower (README, "Speed on the CPU").

@@ -9,18 +9,23 @@ callback that saves what Lightning does not.
   resumed at an epoch boundary starts the next epoch rather than replaying epoch 0.
 * :class:`ResumableCheckpoint`: a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that
 
-  - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
-    a process killed while writing leaves the previous complete checkpoint; a failed write,
-    e.g. on a full disk, removes its temporary file, and a run removes those that killed
-    processes left in its checkpoint folder when it starts),
+  - writes ``last.ckpt`` by default, atomically (:mod:`ttt_flash.lightning.checkpoint_io`:
+    a temporary file flushed to the disk and renamed over the old one; a run removes the
+    temporary files that killed processes left in its checkpoint folder when it starts),
   - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``; of every
     process under DDP) and puts them back just before the first resumed step,
   - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
     a :class:`ResumableCSVLogger` with a fixed ``version`` continue the same ``metrics.csv``
-    (rows the interrupted run wrote after the checkpoint are dropped),
-  - on SIGTERM or SIGINT finishes the current training step, writes ``last.ckpt`` and stops;
-    ``ttt-flash fit`` then exits with status ``128 + signal`` (143 for SIGTERM, 130 for
-    SIGINT), as a shell reports a process killed by that signal. A second SIGINT aborts at once.
+    (rows the interrupted run wrote after the checkpoint move to ``metrics.from-step-S.csv``),
+  - resumes from checkpoints written at the end of training (an epoch end or mid-epoch) as
+    from any other, any number of times in a row, and warns when the resumed run cannot
+    equal the uninterrupted one (another number of DDP processes, another run length under
+    a schedule that spans the run),
+  - on SIGTERM or SIGINT finishes the current training step (and a validation under way),
+    writes ``last.ckpt`` and stops; under DDP a signal to one process stops all of them at
+    the same step. ``ttt-flash fit`` then exits with status ``128 + signal`` (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. A second
+    SIGINT aborts at once.
 
 Resume with ``ttt-flash fit --config recipes/NAME.yaml --ckpt_path last``: the recipes log to
 ``runs/NAME/`` and checkpoint to ``runs/NAME/checkpoints/last.ckpt``.

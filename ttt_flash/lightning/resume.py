@@ -310,8 +310,20 @@ def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
                         and epochs[p]["ready"] <= epochs[p]["processed"] for p in ("total", "current"))
                     and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
                     and len({*batches["total"].values()}) == 1)
+        # a checkpoint written after the epoch's last batch, before the epoch closed (at the
+        # validation that follows it: the best-step=S.ckpt files): Lightning would restart the
+        # epoch's loader once more, skipping an epoch of data; as at the batch's end it does not
+        after_last = (not finished and batches.get("is_last_batch") is True
+                      and all(epochs[p]["ready"] == epochs[p]["started"] == epochs[p]["processed"] + 1
+                              and epochs[p]["processed"] == epochs[p]["completed"] for p in ("total", "current"))
+                      and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
+                      and len({*batches["total"].values()}) == 1)
     except (KeyError, TypeError, AttributeError):
         return False
+    if after_last:
+        for part in ("total", "current"):
+            batches[part]["completed"] -= 1
+        return True
     if not finished:
         return False
     for part in ("total", "current"):

@@ -256,8 +256,9 @@ class _ContinuingWriter(ExperimentWriter):
         if later:
             moved = os.path.join(self.log_dir, f"metrics.from-step-{step}.csv")
             _write_rows(moved, later)
-            log.warning(f"ttt-flash: warning: this run continues from step {step - 1}: the {len(later)} rows "
-                        f"metrics.csv held for steps from {step} on (logged after that checkpoint) moved to {moved}")
+            log.warning(f"ttt-flash: warning: {len(later)} rows of metrics.csv (steps {step} on) were logged after "
+                        f"the checkpoint this run continues from; they moved to {moved}, and this run logs those "
+                        "steps again")
         self.metrics_keys = _write_rows(self.metrics_file_path, kept)
 
     def save(self) -> None:

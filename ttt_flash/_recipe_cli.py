@@ -357,7 +357,7 @@ def run_folder(trainer) -> Optional[str]:
 
 
 #: the checkpoints whose differing settings this process listed (in a warning)
-_SETTINGS_LISTED: List[str] = []
+SETTINGS_LISTED: List[str] = []
 
 
 def _last_checkpoint(trainer, folder: str) -> Optional[str]:
@@ -469,7 +469,7 @@ def recipe_cli(argv: Sequence[str]):
             plain = {g: _plain(config.get(g)) for g in ("model", "data")}
             differences = checkpoint_settings(path, read_checkpoint(path), plain)
             if differences:
-                _SETTINGS_LISTED.append(path)
+                SETTINGS_LISTED.append(path)
                 sys.stderr.write(
                     f"ttt-flash: warning: --ckpt_path {path} was written with other settings; this run keeps its "
                     "own (the recipe and the command line decide, as with --ckpt_path last) and loads the "

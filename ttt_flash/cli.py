@@ -41,12 +41,12 @@ def _lightning(argv: Sequence[str]) -> int:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from ._recipe_cli import _SETTINGS_LISTED, recipe_cli
+    from ._recipe_cli import SETTINGS_LISTED, recipe_cli
     from .lightning.checkpoint_io import CheckpointWriteError
     from .lightning.resume import check_ckpt_path, interrupt_exit_code
 
     check_ckpt_path(argv)
-    _SETTINGS_LISTED.clear()
+    SETTINGS_LISTED.clear()
     try:
         # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
         _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
@@ -58,7 +58,7 @@ def _lightning(argv: Sequence[str]) -> int:
         if "Error(s) in loading state_dict" not in str(e):
             raise
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        why = "the settings that differ are listed above" if _SETTINGS_LISTED else "was the model changed?"
+        why = "the settings that differ are listed above" if SETTINGS_LISTED else "was the model changed?"
         raise SystemExit(f"ttt-flash: error: the checkpoint's weights do not fit this run's model ({why}):\n  "
                          + "\n  ".join(lines[:3])
                          + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None

@@ -88,3 +88,43 @@ def test_resume_under_ddp_is_bitwise(tmp_path):
             for k, v in state.items():
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb["state"][key][k])), (key, k)
     assert _rows(folder / "metrics.csv") == reference_rows
+
+
+def test_sigterm_to_rank_0_stops_every_process_with_a_checkpoint(tmp_path):
+    """``kill PID`` (SIGTERM to the process started, rank 0, only; what a container stop sends
+    it): both processes stop at the same step, ``last.ckpt`` holds that step, the run exits
+    143, and ``--ckpt_path last`` continues it."""
+    import time
+
+    import torch
+
+    argv = ["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--data.init_args.train_batches=4",
+            "--data.init_args.meta_batch_size=2", "--data.init_args.val_batches=2", "--trainer.max_epochs=1000",
+            "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=ddp",
+            "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false"]
+    exe = shutil.which("ttt-flash") or os.path.join(os.path.dirname(sys.executable), "ttt-flash")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    p = subprocess.Popen([exe, *argv], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+    metrics = tmp_path / "runs" / "maml_sinusoid" / "metrics.csv"
+    try:
+        deadline = time.time() + TIMEOUT_S
+        while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") > 3):
+            time.sleep(0.5)
+        os.kill(p.pid, signal.SIGTERM)  # rank 0 only
+        out, _ = p.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the processes did not stop within 120 s of SIGTERM to rank 0:\n{out[-3000:]}")
+    assert p.returncode == 143, out[-3000:]
+    assert "sync_dist" not in out, out[-3000:]  # validation metrics are averaged over the processes
+    last = torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt", weights_only=True)
+    step = last["global_step"]
+    assert step > 0 and len(last["callbacks"][next(k for k in last["callbacks"] if "Resumable" in k)]["rng_ranks"]) == 2
+    r = run_cli([*argv, f"--trainer.max_steps={step + 2}", "--ckpt_path", "last"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert torch.load(tmp_path / "runs" / "maml_sinusoid" / "checkpoints" / "last.ckpt",
+                      weights_only=True)["global_step"] == step + 2

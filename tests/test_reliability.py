@@ -147,26 +147,39 @@ def test_a_file_that_is_not_a_checkpoint_gets_one_line(tmp_path, monkeypatch, ma
 # --------------------------------------------------------------------------- partial checkpoint files
 
 
-def test_a_failed_checkpoint_write_leaves_no_partial_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("which", ["last", "best"])
+def test_a_full_disk_gives_one_line_and_leaves_no_partial_file(tmp_path, monkeypatch, which):
+    """A checkpoint write that fails for want of space (last.ckpt, or a best-step=S.ckpt that
+    ttt-flash fit adds) leaves the previous files whole, no partial file, and one line naming
+    the file and what was kept."""
+    import errno
+
     import lightning.fabric.plugins.io.torch_io as torch_io
 
-    save, calls = torch_io._atomic_save, [0]
+    save, calls = torch_io._atomic_save, []
 
-    def full_disk(checkpoint, path):  # the second write: half the bytes, then no space left
-        calls[0] += 1
-        if calls[0] == 2:
+    def full_disk(checkpoint, path):  # half the bytes, then no space left
+        calls.append(os.path.basename(str(path)))
+        if len(calls) > 2 and (which == "last") == ("last" in calls[-1]):
             with open(path, "wb") as f:
                 f.write(b"PK\x03\x04" + b"\0" * 100)
-            raise OSError(28, "No space left on device")
+            raise OSError(errno.ENOSPC, "No space left on device")
         save(checkpoint, path)
 
     monkeypatch.setattr(torch_io, "_atomic_save", full_disk)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(OSError, match="No space left"):
-        main(_maml("--trainer.max_steps=2", "--trainer.callbacks.init_args.every_n_train_steps=1"))
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--trainer.max_epochs=4", "--trainer.callbacks.init_args.every_n_train_steps=1"))
+    message = str(e.value.code)
     folder = tmp_path / "runs" / "maml_sinusoid" / "checkpoints"
-    assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt"]
-    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 1  # the previous one
+    names = sorted(p.name for p in folder.iterdir())
+    assert len(message.splitlines()) == 1 and "No space left on device" in message, message
+    assert f"checkpoint runs/maml_sinusoid/checkpoints/{'last.ckpt' if which == 'last' else 'best-step='}" in message
+    assert "kept" in message and "last.ckpt (step " in message
+    assert not [n for n in names if n.startswith(".")], names  # no temporary file
+    for name in names:  # every file left is a whole checkpoint
+        torch.load(folder / name, weights_only=True)
+    assert "last.ckpt" in names
 
 
 def test_partial_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path, monkeypatch):
@@ -178,3 +191,138 @@ def test_partial_files_of_a_killed_run_are_removed_at_the_next_start(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert main(_maml("--trainer.max_steps=1")) == 0
     assert sorted(p.name for p in folder.iterdir()) == ["last.ckpt", "notes.txt"]
+
+
+# --------------------------------------------------------------------------- one folder, one run
+
+
+def _snapshot(folder: Path):
+    """Every file under ``folder`` with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def finished_run(tmp_path, monkeypatch):
+    """A finished tiny MAML run in tmp_path/runs/maml_sinusoid (run from tmp_path)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(_maml()) == 0
+    return tmp_path / "runs" / "maml_sinusoid"
+
+
+@pytest.mark.parametrize("how", ["runs-link", "version-link"])
+def test_a_second_writer_through_a_symbolic_link_is_refused(finished_run, tmp_path, other_process, how):
+    """The lock is the folder's, whatever path reaches it: a run through a linked runs/ folder,
+    or through runs/OTHER linking to the running run's folder, is refused and writes nothing."""
+    _write_lock(finished_run, other_process)
+    if how == "runs-link":
+        (tmp_path / "alias").symlink_to(tmp_path / "runs")
+        extra = ["--trainer.logger.init_args.save_dir=alias"]
+    else:
+        (tmp_path / "runs" / "other").symlink_to(finished_run)
+        extra = ["--trainer.logger.init_args.version=other"]
+    before = _snapshot(finished_run)
+    for more in ([], ["--ckpt_path", "last"]):
+        with pytest.raises(SystemExit) as e:
+            main(_maml(*extra, *more))
+        message = str(e.value.code)
+        assert "in use" in message and f"process {other_process}" in message and str(finished_run) in message
+        assert _snapshot(finished_run) == before
+
+
+def test_a_fresh_run_into_a_used_folder_is_refused(finished_run):
+    before = _snapshot(finished_run)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--trainer.max_epochs=2"))
+    message = str(e.value.code)
+    assert len(message.splitlines()) == 1 and "--ckpt_path last" in message and "runs/maml_sinusoid" in message
+    assert "checkpoints/last.ckpt" in message
+    assert _snapshot(finished_run) == before
+
+
+def test_failed_runs_leave_the_folder_as_it_was(finished_run, capsys):
+    """A --ckpt_path that does not exist, and a --ckpt_path last whose weights do not fit
+    the changed model, stop with a short error and change nothing in the run folder
+    (config.yaml included)."""
+    before = _snapshot(finished_run)
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--ckpt_path", "nosuch.ckpt"))
+    assert len(str(e.value.code).splitlines()) == 1 and "nosuch.ckpt" in str(e.value.code)
+    assert _snapshot(finished_run) == before
+    with pytest.raises(SystemExit) as e:
+        main(_maml("--trainer.max_epochs=2", "--ckpt_path", "last", "--model.init_args.net.hidden=80"))
+    err = capsys.readouterr().err
+    assert "model.init_args.net.hidden: checkpoint 40, this run 80" in err  # the warning the error points to
+    assert "listed above" in str(e.value.code) and "size mismatch" in str(e.value.code)
+    assert _snapshot(finished_run) == before
+
+
+def test_test_and_validate_keep_the_run_folder(finished_run):
+    """``ttt-flash test|validate --ckpt_path last`` add their rows to metrics.csv; the
+    training rows and config.yaml stay."""
+    config = (finished_run / "config.yaml").read_bytes()
+    rows = (finished_run / "metrics.csv").read_text().splitlines()
+    for command in ("validate", "test"):
+        argv = _maml("--ckpt_path", "last")
+        argv[0] = command
+        assert main([a for a in argv if a != "--trainer.max_epochs=1"]) == 0
+    assert (finished_run / "config.yaml").read_bytes() == config
+    after = (finished_run / "metrics.csv").read_text().splitlines()
+    assert len(after) > len(rows) and any("test/" in line for line in after[:1])
+
+
+# --------------------------------------------------------------------------- library calls on odd input
+
+
+def test_a_learned_inner_lr_gone_nan_stops_the_step():
+    from ttt_flash.meta import MAML
+
+    net = torch.nn.Linear(2, 1)
+    maml = MAML(net, lr=torch.nn.Parameter(torch.tensor(0.1)))
+    x, y = torch.randn(4, 2), torch.randn(4, 1)
+    learner = maml.clone()
+    learner.adapt(torch.nn.functional.mse_loss(learner(x), y))  # a finite lr: fine
+    with torch.no_grad():
+        maml.lr.fill_(float("nan"))
+    learner = maml.clone()
+    with pytest.raises(ValueError, match=r"MAML\.lr is nan"):
+        learner.adapt(torch.nn.functional.mse_loss(learner(x), y))
+
+
+@pytest.mark.parametrize("empty", ["support", "query"])
+def test_empty_support_or_query_sets_are_refused(empty):
+    from ttt_flash.meta import imaml_meta_gradient, inner_loop
+
+    net = torch.nn.Linear(2, 1)
+    full, none = (torch.randn(4, 2), torch.randn(4, 1)), (torch.randn(0, 2), torch.randn(0, 1))
+    loss = torch.nn.functional.mse_loss
+    if empty == "support":
+        with pytest.raises(ValueError, match=r"support_batch is empty \(a tensor of shape \(0, 2\)\)"):
+            inner_loop(net, None, loss, none, steps=1, lr=0.1)
+    with pytest.raises(ValueError, match=f"{empty}_batch is empty"):
+        imaml_meta_gradient(net, None, loss, none if empty == "support" else full,
+                            none if empty == "query" else full, steps=1, lr=0.1, lam=1.0)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", None])
+def test_flash_attention_on_the_meta_device_gives_meta_outputs(layout):
+    from ttt_flash import flash_attention
+
+    q = torch.empty(2, 4, 16, 8, device="meta")
+    k = v = torch.empty(2, 4 if layout == "bnhd" else 2, 16, 8, device="meta")  # bhnd: grouped-query heads
+    o, lse = flash_attention(q, k, v, causal=True, layout=layout, return_lse=True)
+    assert o.device.type == "meta" and lse.device.type == "meta" and lse.dtype == torch.float32
+    if layout == "bnhd":  # (B, N, H, D): 4 positions, 16 heads
+        assert o.shape == (2, 4, 16, 8) and lse.shape == (2, 16, 4)
+    else:
+        assert o.shape == (2, 4, 16, 8) and lse.shape == (2, 4, 16)
+
+
+def test_flash_attention_on_empty_sequences_does_not_warn_about_the_layout():
+    import warnings
+
+    from ttt_flash import flash_attention
+
+    q = torch.randn(1, 4, 0, 8, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flash_attention(q, q, q).shape == (1, 4, 0, 8)

@@ -208,3 +208,144 @@ def test_resume_from_the_end_of_training_is_exact(case, stop, tmp_path, monkeypa
     _assert_same_state(reference, resumed)
     assert resumed["epoch"] == reference["epoch"]
     assert _rows(folder / "metrics.csv") == reference_rows
+
+
+# --------------------------------------------------------------------------- chains of resumes
+
+CASES["memory_layer"] = ("memory_layer_mqar", [
+    "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.val_batches=1",
+    "--model.init_args.n_layer=1", "--model.init_args.d_model=16", "--model.init_args.heads=2",
+    "--model.init_args.memory_slots=4", "--model.init_args.attention=math", "--model.init_args.warmup_steps=3",
+    "--trainer.max_epochs=3", "--trainer.val_check_interval=2"])
+
+
+def _stop_by_signal(monkeypatch, where: str, step: int):
+    """Send this process SIGTERM during training step ``step`` (``where="train"``) or during
+    the first validation after step ``step`` (``where="val"``)."""
+    from ttt_flash.lightning.resume import ResumableCheckpoint
+
+    def train(self, trainer, pl_module, batch, batch_idx, _step=ResumableCheckpoint.on_train_batch_start):
+        _step(self, trainer, pl_module, batch, batch_idx)
+        if trainer.global_step == step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def val(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking and trainer.global_step == step and batch_idx == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    if where == "train":
+        monkeypatch.setattr(ResumableCheckpoint, "on_train_batch_start", train)
+    else:
+        monkeypatch.setattr(ResumableCheckpoint, "on_validation_batch_start", val, raising=False)
+
+
+def _chain(argv, stops, folder):
+    """Run ``argv`` stopped at each of ``stops`` in turn, each run resumed with ``--ckpt_path
+    last``, then to its end. A stop is ("max_steps", S): the run ends at step S; ("train", S):
+    SIGTERM during step S; ("val", S): SIGTERM during the validation after step S. Each run
+    must end where it was told to."""
+    for i, (kind, step) in enumerate([*stops, (None, None)]):
+        more = ["--ckpt_path", "last"] if i else []
+        with pytest.MonkeyPatch.context() as mp:
+            if kind == "max_steps":
+                more.append(f"--trainer.max_steps={step}")
+            elif kind is not None:
+                _stop_by_signal(mp, kind, step)
+            code = main([*argv, *more])
+        assert code == (143 if kind in ("train", "val") else 0), (kind, step)
+        ckpt = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+        if step is not None:
+            assert ckpt["global_step"] == step, (kind, step, ckpt["global_step"])
+    return ckpt
+
+
+# (recipe case, stops); every case has 4 batches per epoch and 12 steps
+CHAINS = {
+    "maml-epoch-ends": ("maml", [("max_steps", 4), ("max_steps", 8), ("train", 10)]),
+    "maml-validation": ("maml", [("val", 4), ("val", 8), ("train", 9)]),
+    "maml-mid-epoch": ("maml", [("train", 3), ("max_steps", 6), ("train", 11)]),
+    "maml-mixed": ("maml", [("max_steps", 4), ("val", 8), ("train", 10)]),
+    "memory_layer-mixed": ("memory_layer", [("val", 2), ("max_steps", 4), ("train", 7)]),
+    "gradmem-mixed": ("gradmem", [("max_steps", 4), ("val", 6), ("train", 8)]),
+    "lm-mixed": ("lm", [("train", 4), ("val", 6), ("train", 9)]),
+}
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_chained_resumes_equal_a_straight_run(chain, tmp_path, monkeypatch):
+    """Three stops in a row (epoch ends, SIGTERM during a validation, mid-epoch, mixed), each
+    continued with ``--ckpt_path last``: the last run ends bitwise equal to an uninterrupted
+    run, with the same rows in metrics.csv (validation rows included) and the same epoch."""
+    case, stops = CHAINS[chain]
+    recipe, overrides = CASES[case]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.max_steps=12",
+            "--trainer.log_every_n_steps=1", "--trainer.enable_model_summary=false",
+            "--trainer.enable_progress_bar=false"]
+    if case == "lm" and any(kind == "max_steps" for kind, _ in stops):  # the cosine schedule spans max_steps
+        argv.append("--model.init_args.schedule=constant")
+    folder = tmp_path / "runs" / recipe
+    assert main(argv) == 0
+    reference = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_rows = _rows(folder / "metrics.csv")
+    assert reference["global_step"] == 12 and any(k.startswith("val/") for k in reference_rows[0])
+    shutil.rmtree(tmp_path / "runs")
+    resumed = _chain(argv, stops, folder)
+    _assert_same_state(reference, resumed)
+    assert resumed["epoch"] == reference["epoch"]
+    assert resumed[[k for k in resumed if k.endswith("DataModule")][0]] == \
+        reference[[k for k in reference if k.endswith("DataModule")][0]]
+    assert _rows(folder / "metrics.csv") == reference_rows
+
+
+def test_resume_from_a_best_checkpoint_is_exact(tmp_path, monkeypatch, caplog):
+    """``--ckpt_path runs/NAME/checkpoints/best-step=S.ckpt`` (written after a validation by
+    ttt-flash fit) continues as the uninterrupted run from step S: the same weights, epoch and
+    data order; the rows logged after S move, with a warning, to metrics.from-step-S+1.csv;
+    no last-v1.ckpt."""
+    recipe, overrides = CASES["maml"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.log_every_n_steps=1",
+            "--trainer.enable_model_summary=false", "--trainer.enable_progress_bar=false"]
+    folder = tmp_path / "runs" / recipe
+    assert main(argv) == 0
+    reference = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    reference_rows = _rows(folder / "metrics.csv")
+    shutil.copy(folder / "checkpoints" / "best-step=4.ckpt", tmp_path / "best.ckpt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--ckpt_path", str(folder / "checkpoints" / "best-step=4.ckpt")]) == 0
+    resumed = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)
+    _assert_same_state(reference, resumed)
+    assert resumed["epoch"] == reference["epoch"]
+    assert resumed["SinusoidDataModule"] == reference["SinusoidDataModule"]
+    assert _rows(folder / "metrics.csv") == reference_rows
+    moved = folder / "metrics.from-step-4.csv"
+    assert moved.is_file() and "moved to runs/maml_sinusoid/metrics.from-step-4.csv" in caplog.text
+    assert not [p.name for p in (folder / "checkpoints").iterdir() if "-v" in p.name]
+
+
+def _state_key(ckpt):
+    return next(k for k in ckpt["callbacks"] if k.startswith("ResumableCheckpoint"))
+
+
+def test_resume_warns_about_another_process_count_or_run_length(tmp_path, monkeypatch, caplog):
+    """A resume that cannot equal the uninterrupted run says so: a checkpoint of 2 processes
+    resumed by 1, and a cosine schedule resumed with another trainer.max_steps."""
+    recipe, overrides = CASES["lm"]
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), *overrides, "--trainer.enable_model_summary=false",
+            "--trainer.enable_progress_bar=false", "--model.init_args.schedule=cosine"]
+    last = tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt"
+    assert main([*argv, "--trainer.max_steps=2"]) == 0
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--trainer.max_steps=3", "--ckpt_path", "last"]) == 0
+    assert "2 steps long, this one is 3" in caplog.text and "trainer.max_steps" in caplog.text
+    caplog.clear()
+    ckpt = torch.load(last, weights_only=True)
+    ckpt["callbacks"][_state_key(ckpt)]["world_size"] = 2
+    torch.save(ckpt, tmp_path / "two.ckpt")
+    with caplog.at_level("WARNING"):
+        assert main([*argv, "--trainer.max_steps=4", "--model.init_args.schedule=constant", "--ckpt_path",
+                     str(tmp_path / "two.ckpt")]) == 0
+    assert "written by 2 processes, this run has 1" in caplog.text and "replays" in caplog.text
+    assert "steps long" not in caplog.text  # a schedule that does not span the run: no warning

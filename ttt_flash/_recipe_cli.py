@@ -15,9 +15,12 @@ for unknown recipe keys, and one CPU thread by default.
 * ``trainer.enable_progress_bar: true`` (every shipped recipe) shows Lightning's
   ``RichProgressBar`` (steps, speed, logged metrics) unless the recipe names its own progress
   bar callback; the CSV logs are unchanged.
-* One writer per run folder: ``fit``, ``validate`` and ``test`` hold
-  :class:`~ttt_flash.lightning.resume.RunFolderLock` on the logger's folder while they run (a
-  second run on the same folder stops at start with an error naming the running process).
+* One run per run folder: ``fit``, ``validate`` and ``test`` hold
+  :class:`~ttt_flash.lightning.checkpoint_io.RunFolderLock` on the logger's folder while they
+  run (a second run on the same folder, by whatever path, stops at start with an error naming
+  the running process), and ``fit`` without ``--ckpt_path`` into a folder that holds an
+  earlier run stops with a one-line error. ``config.yaml`` is written once training starts
+  (:class:`~ttt_flash.lightning.checkpoint_io.SaveConfigOnStart`).
 * On a machine without CUDA, unless ``OMP_NUM_THREADS`` is set, torch runs one thread:
   the recipes' steps are small, and several threads spinning on a few cores make a MAML
   step many times slower (README, "Speed on the CPU").
@@ -353,6 +356,23 @@ def run_folder(trainer) -> Optional[str]:
     return folder if isinstance(folder, str) and "://" not in folder else None
 
 
+#: the checkpoints whose differing settings this process listed (in a warning)
+SETTINGS_LISTED: List[str] = []
+
+
+def _last_checkpoint(trainer, folder: str) -> Optional[str]:
+    """The ``last.ckpt`` that ``--ckpt_path last`` loads: in a checkpoint callback's folder, or
+    ``<run folder>/checkpoints``; None if there is none."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    folders = [c.dirpath for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+    for place in [*folders, os.path.join(folder, "checkpoints")]:
+        path = os.path.join(str(place), "last.ckpt")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 TENSORBOARD_MISSING = ("--tensorboard needs the tensorboard package, which is not installed: "
                        "pip install 'ttt-flash[tensorboard]'")
 
@@ -436,29 +456,44 @@ def recipe_cli(argv: Sequence[str]):
             # LightningCLI's own version replaces the command line's model settings with the
             # checkpoint's for a --ckpt_path FILE (not for "last"); here the recipe and the
             # command line always decide, and the checkpoint's differing settings are listed.
-            from .lightning.resume import checkpoint_settings, read_checkpoint
-
             if not self.config.get("subcommand"):
                 return
+            path = self.config[self.config.subcommand].get("ckpt_path")
+            if path and os.path.isfile(str(path)):
+                self._report_settings(str(path))
+
+        def _report_settings(self, path: str) -> None:
+            from .lightning.resume import checkpoint_settings, read_checkpoint
+
             config = self.config[self.config.subcommand]
-            path = config.get("ckpt_path")
-            if not path or not os.path.isfile(str(path)):
-                return
             plain = {g: _plain(config.get(g)) for g in ("model", "data")}
-            differences = checkpoint_settings(str(path), read_checkpoint(str(path)), plain)
+            differences = checkpoint_settings(path, read_checkpoint(path), plain)
             if differences:
+                SETTINGS_LISTED.append(path)
                 sys.stderr.write(
                     f"ttt-flash: warning: --ckpt_path {path} was written with other settings; this run keeps its "
                     "own (the recipe and the command line decide, as with --ckpt_path last) and loads the "
                     "checkpoint's weights and training state:\n  " + "\n  ".join(differences) + "\n")
 
         def _run_subcommand(self, subcommand: str) -> None:
-            from .lightning.resume import RunFolderLock
+            from .lightning.checkpoint_io import RunFolderLock, run_in_folder
 
             folder = run_folder(self.trainer)
             if folder is None or not self.trainer.is_global_zero:
                 return super()._run_subcommand(subcommand)
             with RunFolderLock(folder, command=f"ttt-flash {subcommand}"):
+                ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+                if subcommand == "fit" and ckpt_path is None:
+                    used = run_in_folder(folder)
+                    if used:
+                        raise SystemExit(
+                            f"ttt-flash: error: the run folder {folder} holds an earlier run ({', '.join(used[:4])}"
+                            f"{', ...' if len(used) > 4 else ''}); continue it with --ckpt_path last, give this "
+                            "run another folder (--trainer.logger.init_args.version=NAME), or remove the folder")
+                if ckpt_path == "last":
+                    last = _last_checkpoint(self.trainer, folder)
+                    if last is not None:
+                        self._report_settings(last)
                 super()._run_subcommand(subcommand)
 
         def instantiate_trainer(self, **kwargs):

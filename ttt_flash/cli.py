@@ -41,31 +41,39 @@ def _lightning(argv: Sequence[str]) -> int:
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from ._recipe_cli import recipe_cli
+    from ._recipe_cli import SETTINGS_LISTED, recipe_cli
+    from .lightning.checkpoint_io import CheckpointWriteError
     from .lightning.resume import check_ckpt_path, interrupt_exit_code
 
     check_ckpt_path(argv)
+    SETTINGS_LISTED.clear()
     try:
         # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
         _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
     except SIGTERMException:
         return interrupt_exit_code()
+    except CheckpointWriteError as e:  # e.g. a full disk: which file, and what was kept
+        raise SystemExit(f"ttt-flash: error: {e}") from None
     except RuntimeError as e:
         if "Error(s) in loading state_dict" not in str(e):
             raise
         lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
-        raise SystemExit("ttt-flash: error: the checkpoint's weights do not fit this run's model (were its settings "
-                         "changed? see the warning above):\n  " + "\n  ".join(lines[:3])
+        why = "the settings that differ are listed above" if SETTINGS_LISTED else "was the model changed?"
+        raise SystemExit(f"ttt-flash: error: the checkpoint's weights do not fit this run's model ({why}):\n  "
+                         + "\n  ".join(lines[:3])
                          + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None
     return 0
 
 
 def _run_cli(LightningCLI, LightningModule, LightningDataModule) -> None:
+    from .lightning.checkpoint_io import SaveConfigOnStart
+
     LightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=SaveConfigOnStart,  # config.yaml once the run has started (not by a failed run)
         save_config_kwargs={"overwrite": True},
         trainer_defaults={
             "logger": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple, Union
 
+import torch
 from torch import Tensor
 
 from . import checks
@@ -109,6 +110,11 @@ def flash_attention(
     q, k, v, spec, bnhd, with_lse = checks.check_dense(
         q, k, v, causal=causal, scale=scale, window=window, backend=backend, precise_bob=precise_bob,
         deterministic=deterministic, layout=layout, return_lse=return_lse)
+    if "meta" in (q.device.type, k.device.type, v.device.type):  # shapes only (model tooling on the meta device)
+        o = q.new_empty(*q.shape[:3], v.shape[-1], device="meta")
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        o = o.transpose(1, 2) if bnhd else o
+        return (o, o.new_empty(q.shape[:3], dtype=lse_dtype)) if with_lse else o
     if with_lse:
         o, lse = _apply(q, k, v, spec, None, None, with_lse=True)
         return (o.transpose(1, 2) if bnhd else o), lse

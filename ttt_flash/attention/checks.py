@@ -125,7 +125,7 @@ def _check_layout(layout: Optional[str], q: Tensor, k: Tensor) -> str:
                 f"FlashAttention's flash_attn_func), got {layout!r}"
             )
         return layout
-    if q.dim() == 4 and k.dim() == 4 and q.shape[1] > q.shape[2] and k.shape[1] > k.shape[2]:
+    if q.dim() == 4 and k.dim() == 4 and 0 < q.shape[2] < q.shape[1] and 0 < k.shape[2] < k.shape[1]:
         warnings.warn(
             f"flash_attention reads q {tuple(q.shape)} and k {tuple(k.shape)} as (batch, heads, "
             f"seq_len, head_dim): {q.shape[1]} heads over {q.shape[2]} queries and "

@@ -103,6 +103,8 @@ class HessianRefresh(Callback):
         state = {"refreshes": self.refreshes}
         if self._generator is not None:
             state["generator"] = (self._generator.device.type, self._generator.get_state())
+        elif self._generator_state is not None:  # loaded, not yet used: saved again as loaded
+            state["generator"] = self._generator_state
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:

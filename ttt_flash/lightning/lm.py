@@ -126,6 +126,12 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
     val_metric = ("val/loss", "min")
 
+    @property
+    def schedule_spans_run(self) -> bool:
+        """Whether the learning-rate schedule depends on the run's length (cosine decay over
+        ``trainer.estimated_stepping_batches``): a resumed run must keep ``trainer.max_steps``."""
+        return self.hparams.schedule == "cosine"
+
     def __init__(
         self,
         gpt: Union[GPTConfig, GPT] = GPTConfig.tiny(),
@@ -397,13 +403,13 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
 
     def validation_step(self, batch, batch_idx: int) -> None:
         _, loss, _, b = self._loss(batch)
-        self.log("val/loss", loss, prog_bar=True, batch_size=b, on_epoch=True)
-        self.log("val/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
+        self.log("val/loss", loss, prog_bar=True, batch_size=b, on_epoch=True, sync_dist=True)
+        self.log("val/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True, sync_dist=True)
 
     def test_step(self, batch, batch_idx: int) -> None:
         _, loss, _, b = self._loss(batch)
-        self.log("test/loss", loss, batch_size=b, on_epoch=True)
-        self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True)
+        self.log("test/loss", loss, batch_size=b, on_epoch=True, sync_dist=True)
+        self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True, sync_dist=True)
 
 
 # --------------------------------------------------------------------------- data

@@ -270,8 +270,9 @@ class MAML(LightningModule):
 
     def _log(self, stage: str, sums: Dict[str, Tensor], tasks: int, **kw) -> None:
         for name, value in sums.items():
+            # val / test: the mean over every process
             self.log(f"{stage}/{name}", value / tasks, batch_size=tasks,
-                     prog_bar=name == "loss_post", **kw)
+                     prog_bar=name == "loss_post", sync_dist=stage != "train", **kw)
 
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, MetaBatch):

@@ -177,6 +177,8 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
     val_metric = ("val/loss_post", "min")
+    #: the learning-rate schedule (a linear warmup) does not depend on the run's length
+    schedule_spans_run = False
 
     net: nn.Module
 
@@ -218,7 +220,8 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
     def _log_all(self, stage: str, metrics: Dict[str, Tensor], batch_size: int, **kw) -> None:
         for name, value in metrics.items():
             self.log(f"{stage}/{name}", value.detach() if name == "loss_post" else value,
-                     batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"), **kw)
+                     batch_size=batch_size, prog_bar=name in ("loss_post", "acc_post"),
+                     sync_dist=stage != "train", **kw)  # val/test: the mean of every process
 
     # ---------------------------------------------------------------- distributed (docs/distributed.md)
 

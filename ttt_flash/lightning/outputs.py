@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichModelSummary, RichProgressBar
 
+from .checkpoint_io import AtomicCheckpointWrites
 from .curves import PLOT_EXTRA_MESSAGE, Series, plot_curves
 
 __all__ = ["RecipeProgressBar", "RecipeModelSummary", "BestCheckpoints", "ValidationCurves", "val_metric_of"]
@@ -86,9 +87,10 @@ def val_metric_of(module) -> Optional[Tuple[str, str]]:
     return metric, mode
 
 
-class BestCheckpoints(ModelCheckpoint):
+class BestCheckpoints(AtomicCheckpointWrites, ModelCheckpoint):
     """The ``save_top_k`` best checkpoints by ``monitor`` (``best-step=S.ckpt``), saved after
-    each validation; no ``last.ckpt`` (the run's :class:`~ttt_flash.lightning.ResumableCheckpoint`
+    each validation, atomically (:class:`~ttt_flash.lightning.checkpoint_io.AtomicCheckpointWrites`);
+    no ``last.ckpt`` (the run's :class:`~ttt_flash.lightning.ResumableCheckpoint`
     writes that). Its state (the best paths and scores) travels in every checkpoint, so a
     resumed run keeps ranking against the same best."""
 
@@ -97,7 +99,7 @@ class BestCheckpoints(ModelCheckpoint):
             raise ValueError(f"save_top_k must be >= 1 (the number of best checkpoints kept), got {save_top_k}")
         super().__init__(dirpath=dirpath, filename="best-step={step}", monitor=monitor, mode=mode,
                          save_top_k=save_top_k, save_last=False, save_on_train_epoch_end=False,
-                         auto_insert_metric_name=False)
+                         auto_insert_metric_name=False, enable_version_counter=False)
 
 
 class ValidationCurves(Callback):

@@ -9,18 +9,23 @@ callback that saves what Lightning does not.
   resumed at an epoch boundary starts the next epoch rather than replaying epoch 0.
 * :class:`ResumableCheckpoint`: a :class:`~lightning.pytorch.callbacks.ModelCheckpoint` that
 
-  - writes ``last.ckpt`` by default, atomically (a temporary file renamed over the old one:
-    a process killed while writing leaves the previous complete checkpoint; a failed write,
-    e.g. on a full disk, removes its temporary file, and a run removes those that killed
-    processes left in its checkpoint folder when it starts),
+  - writes ``last.ckpt`` by default, atomically (:mod:`ttt_flash.lightning.checkpoint_io`:
+    a temporary file flushed to the disk and renamed over the old one; a run removes the
+    temporary files that killed processes left in its checkpoint folder when it starts),
   - saves the global random states (torch CPU and CUDA, NumPy, Python ``random``; of every
     process under DDP) and puts them back just before the first resumed step,
   - keeps the logged step numbers of a resumed run equal to an uninterrupted run's, and lets
     a :class:`ResumableCSVLogger` with a fixed ``version`` continue the same ``metrics.csv``
-    (rows the interrupted run wrote after the checkpoint are dropped),
-  - on SIGTERM or SIGINT finishes the current training step, writes ``last.ckpt`` and stops;
-    ``ttt-flash fit`` then exits with status ``128 + signal`` (143 for SIGTERM, 130 for
-    SIGINT), as a shell reports a process killed by that signal. A second SIGINT aborts at once.
+    (rows the interrupted run wrote after the checkpoint move to ``metrics.from-step-S.csv``),
+  - resumes from checkpoints written at the end of training (an epoch end or mid-epoch) as
+    from any other, any number of times in a row, and warns when the resumed run cannot
+    equal the uninterrupted one (another number of DDP processes, another run length under
+    a schedule that spans the run),
+  - on SIGTERM or SIGINT finishes the current training step (and a validation under way),
+    writes ``last.ckpt`` and stops; under DDP a signal to one process stops all of them at
+    the same step. ``ttt-flash fit`` then exits with status ``128 + signal`` (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process killed by that signal. A second
+    SIGINT aborts at once.
 
 Resume with ``ttt-flash fit --config recipes/NAME.yaml --ckpt_path last``: the recipes log to
 ``runs/NAME/`` and checkpoint to ``runs/NAME/checkpoints/last.ckpt``.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import logging
 import os
 import random
 import signal
@@ -44,6 +50,12 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from torch.utils.data import DataLoader, DistributedSampler, Sampler
+
+from .checkpoint_io import (  # noqa: F401 - check_ckpt_path ... RunFolderLock: importable here as before
+    AtomicCheckpointWrites, RunFolderLock, check_ckpt_path, checkpoint_settings, read_checkpoint,
+)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EpochSampler", "ResumableLoader", "ResumableCheckpoint", "ResumableCSVLogger", "interrupt_exit_code",
            "check_ckpt_path", "RunFolderLock", "read_checkpoint", "checkpoint_settings"]
@@ -207,185 +219,20 @@ def interrupt_exit_code() -> int:
     return 128 + (_received[-1] if _received else int(signal.SIGTERM))
 
 
-def check_ckpt_path(argv) -> None:
-    """Refuse, before anything is built, a ``--ckpt_path`` that names an empty or unreadable
-    file (``torch.load`` would fail late with a bare ``EOFError``)."""
-    argv = list(argv)
-    path = None
-    for i, arg in enumerate(argv):
-        if arg == "--ckpt_path" and i + 1 < len(argv):
-            path = argv[i + 1]
-        elif arg.startswith("--ckpt_path="):
-            path = arg.split("=", 1)[1]
-    if path is None or path in ("last", "best", "hpc", "registry") or not os.path.exists(path):
-        return
-    if os.path.isdir(path):
-        raise SystemExit(f"ttt-flash: --ckpt_path {path} is a directory; give the checkpoint file, e.g. "
-                         f"{os.path.join(path, 'last.ckpt')}, or --ckpt_path last")
-    if os.path.getsize(path) == 0:
-        raise SystemExit(f"ttt-flash: --ckpt_path {path} is an empty file (0 bytes), not a checkpoint (was its "
-                         "write interrupted?); give another checkpoint, or start without --ckpt_path")
-
-
-def read_checkpoint(path: str) -> Dict[str, Any]:
-    """``torch.load(path, weights_only=True)`` on the CPU, or a one-line ``SystemExit`` naming
-    the file when it is not a readable checkpoint (random bytes, another format, a truncated
-    file, objects that cannot be loaded safely)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} cannot be read ({e.strerror})") from None
-    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch's zip format, or a pickle
-        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a checkpoint (not a PyTorch file); give a "
-                         ".ckpt file written by ttt-flash fit")
-    try:
-        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any failure means the same thing to the user
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a readable checkpoint "
-                         f"({type(e).__name__}: {first})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise SystemExit(f"ttt-flash: error: --ckpt_path {path} is not a Lightning checkpoint (no state_dict); "
-                         "give a .ckpt file written by ttt-flash fit")
-    return checkpoint
-
-
-def _flat(value: Any, prefix: str = "") -> Dict[str, Any]:
-    if isinstance(value, dict):
-        out: Dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: value}
-
-
-def _same_class(a: str, b: str) -> bool:
-    """Whether two class paths name one class (``pkg.Cls`` re-exported from ``pkg.mod.Cls``)."""
-    import importlib
-
-    if a == b:
-        return True
-    try:
-        classes = [getattr(importlib.import_module(c.rpartition(".")[0]), c.rpartition(".")[2]) for c in (a, b)]
-    except (ImportError, AttributeError, ValueError):
-        return a.rpartition(".")[2] == b.rpartition(".")[2]
-    return classes[0] is classes[1]
-
-
-def checkpoint_settings(path: str, checkpoint: Dict[str, Any], config: Dict[str, Any]) -> List[str]:
-    """Check a checkpoint against a run's configuration (``{"model": {"class_path", "init_args"},
-    "data": {...}}`` as plain dicts). A checkpoint of another model or data class is refused
-    (``SystemExit`` naming both classes). Returns, for each setting the checkpoint was written
-    with that differs from this run's (which is kept), a line ``key: checkpoint X, this run Y``."""
-    differences: List[str] = []
-    for group, key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
-        saved = dict(checkpoint.get(key) or {})
-        saved.pop("_instantiator", None)
-        ours = config.get(group) or {}
-        saved_class, our_class = saved.pop("_class_path", None), ours.get("class_path")
-        if saved_class and our_class and not _same_class(saved_class, our_class):
-            what = "model" if group == "model" else "data module"
-            raise SystemExit(
-                f"ttt-flash: error: --ckpt_path {path} holds a {saved_class} {what}, but this recipe's {what} is "
-                f"{our_class}; give a checkpoint of this recipe (or the recipe the checkpoint was written by)")
-        ours_flat = _flat(ours.get("init_args") or {})
-        for name, value in sorted(_flat(saved).items()):
-            if name in ours_flat and _differs(value, ours_flat[name]):
-                differences.append(f"{group}.init_args.{name}: checkpoint {value!r}, this run {ours_flat[name]!r}")
-    return differences
-
-
-def _differs(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return not (torch.is_tensor(a) and torch.is_tensor(b) and torch.equal(a, b))
-    return a != b
-
-
-# --------------------------------------------------------------------------- one writer per run folder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
-
-
-class RunFolderLock:
-    """One writer per run folder: ``.<name>.ttt-flash.lock`` next to the folder ``<name>``
-    (outside it, so the folder's loggers see no foreign file) holds the process id, host and
-    command of the run writing there, from :meth:`acquire` to :meth:`release` (also a context
-    manager).
-
-    A second run on the same folder stops at :meth:`acquire` with a ``SystemExit`` naming the
-    folder and the running process. A lock left by a process that no longer exists (killed,
-    machine restarted) on this host is taken over; a lock of another host is never taken over
-    (its process cannot be checked from here: the message says which file to remove).
-    """
-
-    def __init__(self, folder: str, command: str = "ttt-flash"):
-        self.folder, self.command = os.path.normpath(str(folder)), command
-        parent, name = os.path.split(os.path.abspath(self.folder))
-        self.path = os.path.join(parent, f".{name}.ttt-flash.lock")
-        self.held = False
-
-    def _read(self) -> Dict[str, str]:
-        try:
-            with open(self.path) as f:
-                return dict(line.rstrip("\n").split("=", 1) for line in f if "=" in line)
-        except OSError:
-            return {}
-
-    def acquire(self) -> "RunFolderLock":
-        import socket
-        import time
-
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        host = socket.gethostname()
-        text = f"pid={os.getpid()}\nhost={host}\ncommand={self.command}\nstarted={time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._read()
-                pid = int(owner.get("pid", "0") or 0) if owner.get("pid", "").isdigit() else 0
-                if owner.get("host", host) == host and (pid <= 0 or not _alive(pid)):
-                    with contextlib.suppress(FileNotFoundError):  # a dead run's lock: take it over
-                        os.remove(self.path)
-                    continue
-                where = f"process {pid}" + ("" if owner.get("host", host) == host else f" on host {owner['host']}")
-                raise SystemExit(
-                    f"ttt-flash: error: the run folder {self.folder} is in use by {where} "
-                    f"({owner.get('command', '?')}, started {owner.get('started', '?')}); two runs writing to one "
-                    f"folder mix their logs and checkpoints. Wait for it to end, stop it, or give this run another "
-                    f"folder (e.g. --trainer.logger.init_args.version=NAME). If that process is gone, remove "
-                    f"{self.path}.")
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            self.held = True
-            return self
-        raise SystemExit(f"ttt-flash: error: could not take the lock {self.path} (another run keeps taking it)")
-
-    def release(self) -> None:
-        if self.held and self._read().get("pid") == str(os.getpid()):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
-        self.held = False
-
-    def __enter__(self) -> "RunFolderLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
 # --------------------------------------------------------------------------- logger
+
+
+def _write_rows(path: str, rows: List[Dict[str, str]]) -> List[str]:
+    """Write ``rows`` as a CSV file (columns sorted) by a temporary file renamed over ``path``;
+    returns the columns."""
+    keys = sorted({k for r in rows for k in r})
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
+    with open(tmp, "w", newline="") as f:
+        out = csv.DictWriter(f, fieldnames=keys)
+        out.writeheader()
+        out.writerows(rows)
+    os.replace(tmp, path)
+    return keys
 
 
 class _ContinuingWriter(ExperimentWriter):
@@ -396,18 +243,23 @@ class _ContinuingWriter(ExperimentWriter):
         self._fresh = True  # decided by continue_from() or, failing that, at the first save
 
     def continue_from(self, step: int) -> None:
-        """Keep the rows logged at steps before ``step`` (the first step the resumed run logs)."""
+        """Keep the rows logged at steps before ``step`` (the first step the resumed run logs);
+        rows of later steps (an earlier continuation of the run) move to
+        ``metrics.from-step-STEP.csv`` beside it, with a warning."""
         self._fresh = False
         if not os.path.isfile(self.metrics_file_path):
             return
         with open(self.metrics_file_path, newline="") as f:
-            rows = [r for r in csv.DictReader(f) if r.get("step", "") != "" and int(float(r["step"])) < step]
-        keys = sorted({k for r in rows for k in r})
-        with open(self.metrics_file_path, "w", newline="") as f:
-            out = csv.DictWriter(f, fieldnames=keys)
-            out.writeheader()
-            out.writerows(rows)
-        self.metrics_keys = keys
+            rows = [r for r in csv.DictReader(f) if r.get("step", "") != ""]
+        kept = [r for r in rows if int(float(r["step"])) < step]
+        later = [r for r in rows if int(float(r["step"])) >= step]
+        if later:
+            moved = os.path.join(self.log_dir, f"metrics.from-step-{step}.csv")
+            _write_rows(moved, later)
+            log.warning(f"ttt-flash: warning: {len(later)} rows of metrics.csv (steps {step} on) were logged after "
+                        f"the checkpoint this run continues from; they moved to {moved}, and this run logs those "
+                        "steps again")
+        self.metrics_keys = _write_rows(self.metrics_file_path, kept)
 
     def save(self) -> None:
         if self._fresh and self.metrics and os.path.isfile(self.metrics_file_path):
@@ -453,16 +305,31 @@ def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
     try:
         epochs, batches = fit["epoch_progress"], fit["epoch_loop.batch_progress"]
         steps = fit["epoch_loop.state_dict"]
-        finished = (len({*epochs["total"].values()}) == 1 and epochs["total"]["completed"] > 0
+        # an epoch closed and none started since (ready / started may lag behind in a checkpoint
+        # of older versions, which did not count the first epoch after a restart), its batches done
+        finished = (all(epochs[p]["processed"] == epochs[p]["completed"] > 0
+                        and epochs[p]["ready"] <= epochs[p]["processed"] for p in ("total", "current"))
                     and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
                     and len({*batches["total"].values()}) == 1)
+        # a checkpoint written after the epoch's last batch, before the epoch closed (at the
+        # validation that follows it: the best-step=S.ckpt files): Lightning would restart the
+        # epoch's loader once more, skipping an epoch of data; as at the batch's end it does not
+        after_last = (not finished and batches.get("is_last_batch") is True
+                      and all(epochs[p]["ready"] == epochs[p]["started"] == epochs[p]["processed"] + 1
+                              and epochs[p]["processed"] == epochs[p]["completed"] for p in ("total", "current"))
+                      and len({*batches["current"].values()}) == 1 and batches["current"]["completed"] > 0
+                      and len({*batches["total"].values()}) == 1)
     except (KeyError, TypeError, AttributeError):
         return False
+    if after_last:
+        for part in ("total", "current"):
+            batches[part]["completed"] -= 1
+        return True
     if not finished:
         return False
     for part in ("total", "current"):
-        epochs[part]["processed"] -= 1
-        epochs[part]["completed"] -= 1
+        closed = epochs[part]["completed"]  # the progress at the last batch of epoch `closed - 1`
+        epochs[part].update(ready=closed, started=closed, processed=closed - 1, completed=closed - 1)
         batches[part]["completed"] -= 1
     if isinstance(steps.get("_batches_that_stepped"), int):
         steps["_batches_that_stepped"] -= 1
@@ -475,7 +342,7 @@ def _as_last_batch_end(checkpoint: Dict[str, Any]) -> bool:
 # --------------------------------------------------------------------------- the callback
 
 
-class ResumableCheckpoint(ModelCheckpoint):
+class ResumableCheckpoint(AtomicCheckpointWrites, ModelCheckpoint):
     """:class:`~lightning.pytorch.callbacks.ModelCheckpoint` for exactly resumable runs
     (see the module docstring).
 
@@ -506,30 +373,14 @@ class ResumableCheckpoint(ModelCheckpoint):
     ):
         super().__init__(dirpath=dirpath, filename=filename, monitor=monitor, mode=mode, save_top_k=save_top_k,
                          every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
-                         save_on_train_epoch_end=save_on_train_epoch_end, save_last=save_last)
+                         save_on_train_epoch_end=save_on_train_epoch_end, save_last=save_last,
+                         enable_version_counter=False)  # one last.ckpt, replaced (never last-v1.ckpt)
         self.save_on_signal = save_on_signal
         self._stepped: Optional[int] = None  # logging step after the last finished batch
         self._pending: Optional[Dict[str, Any]] = None  # loaded state, applied at the first resumed batch
         self._handlers: Dict[int, Any] = {}
-
-    # ------------------------------------------------------------------ atomic writes
-
-    def _save_checkpoint(self, trainer, filepath: str) -> None:
-        from fsspec.implementations.local import LocalFileSystem
-
-        if not isinstance(self._fs, LocalFileSystem):
-            return super()._save_checkpoint(trainer, filepath)
-        tmp = os.path.join(os.path.dirname(filepath) or ".", f".{os.path.basename(filepath)}.tmp")
-        try:
-            super()._save_checkpoint(trainer, tmp)
-        except BaseException:  # e.g. a full disk: leave no partial file (the previous checkpoint stays)
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
-        if trainer.is_global_zero:
-            os.replace(tmp, filepath)
-        trainer.strategy.barrier("ResumableCheckpoint")
-        self._last_checkpoint_saved = filepath
+        self._span: Optional[int] = None  # the run's trainer.estimated_stepping_batches (its schedules' span)
+        self._loaded: Dict[str, Any] = {}  # what the checkpoint says of the run that wrote it
 
     # ------------------------------------------------------------------ state
 
@@ -541,6 +392,8 @@ class ResumableCheckpoint(ModelCheckpoint):
             # Manual optimization: the checkpoint holds the weights after the step, as a resume needs.
             warnings.filterwarnings("ignore", message=".*no pre-optimization state was saved")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self.save_on_signal and self._agree_to_stop(trainer):
+            trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
     def state_dict(self) -> Dict[str, Any]:
         state = super().state_dict()
@@ -553,6 +406,9 @@ class ResumableCheckpoint(ModelCheckpoint):
             states: List[Any] = [None] * world
             dist.all_gather_object(states, state["rng"])
             state["rng_ranks"] = states
+        state["world_size"] = world
+        if self._span is not None:
+            state["stepping_batches"] = self._span
         if trainer is not None:
             stepped = self._stepped
             if stepped is None:
@@ -566,6 +422,10 @@ class ResumableCheckpoint(ModelCheckpoint):
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._trainer_ref = trainer
         super().setup(trainer, pl_module, stage)
+        if stage != "fit":  # validate / test add their rows to the run's metrics.csv
+            for lg in trainer.loggers:
+                if isinstance(lg, ResumableCSVLogger) and isinstance(lg.experiment, _ContinuingWriter):
+                    lg.experiment._fresh = False
         self._remove_partial_files(trainer)
 
     def _remove_partial_files(self, trainer) -> None:
@@ -586,6 +446,8 @@ class ResumableCheckpoint(ModelCheckpoint):
         if state is None:
             return
         self._pending = {k: state[k] for k in ("rng", "rng_ranks", "batches_that_stepped") if k in state}
+        self._loaded = {"world_size": state.get("world_size", len(state.get("rng_ranks") or [None])),
+                        "stepping_batches": state.get("stepping_batches")}
         if "batches_that_stepped" in state:
             for lg in trainer.loggers:
                 writer = getattr(lg, "_experiment", None)
@@ -593,8 +455,32 @@ class ResumableCheckpoint(ModelCheckpoint):
                     writer.continue_from(int(state["batches_that_stepped"]))
 
     def on_train_start(self, trainer, pl_module) -> None:
+        fit, epochs = trainer.fit_loop, trainer.fit_loop.epoch_progress.current
+        if fit.restarted_mid_epoch and epochs.processed == epochs.ready:
+            fit.reset_restart_stage()  # the restored epoch is already closed: the next starts afresh
         if self.save_on_signal:
             self._install_handlers(trainer)
+        span = trainer.estimated_stepping_batches
+        self._span = int(span) if span != float("inf") else None
+        if self._loaded and trainer.is_global_zero:
+            self._warn_changed(trainer)
+        self._loaded = {}
+
+    def _warn_changed(self, trainer) -> None:
+        """Warn about a resume that cannot equal the interrupted run: another number of
+        processes, or another length of a run whose learning rate follows a schedule."""
+        world, saved = _rank_and_world()[1], self._loaded.get("world_size")
+        if saved and saved != world:
+            what = "replays items this epoch already gave" if world < saved else "skips items of this epoch"
+            log.warning(f"ttt-flash: warning: the checkpoint was written by {saved} processes, this run has {world}: "
+                        f"the position in an epoch counts items per process, so this run {what}; resume with "
+                        f"{saved} processes for the data order of the uninterrupted run")
+        span = self._loaded.get("stepping_batches")
+        spans = getattr(trainer.lightning_module, "schedule_spans_run", bool(trainer.lr_scheduler_configs))
+        if span is not None and self._span is not None and span != self._span and spans:
+            log.warning(f"ttt-flash: warning: the checkpoint's run was {span} steps long, this one is {self._span} "
+                        "(trainer.max_steps / max_epochs): its learning-rate schedule spans the run, so from here "
+                        "the rates follow neither run's schedule; keep the same trainer.max_steps to resume exactly")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._pending is None:
@@ -609,26 +495,57 @@ class ResumableCheckpoint(ModelCheckpoint):
             _set_rng_state(self._pending["rng"])
         self._pending = None
 
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        # The epoch a resumed run restarted in is over: the next one starts as in an uninterrupted
+        # run (Lightning keeps the restart stage, and would not count the next epoch as started).
+        trainer.fit_loop.reset_restart_stage()
+        trainer.fit_loop.epoch_loop.reset_restart_stage()
+
     # ------------------------------------------------------------------ signals
+    # The handlers only note the signal. All processes agree to stop (an all-reduce of the
+    # notes) at the end of each training batch and of each validation, so under DDP a signal to
+    # one process stops every process at the same step, and a validation under way finishes
+    # (its row is logged) before the run stops.
 
     def _install_handlers(self, trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         _received.clear()
-        connector = trainer._signal_connector
 
-        def handler(signum, frame, previous=None):
+        def handler(signum, frame):
             if signum == signal.SIGINT and _received:
                 raise KeyboardInterrupt  # a second Ctrl-C: stop now
             _received.append(signum)
-            connector.received_sigterm = True  # Lightning stops after the current step
-            if callable(previous):
-                previous(signum, frame)
 
         for sig in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.getsignal(sig) if sig == signal.SIGTERM else None
             self._handlers[sig] = signal.getsignal(sig)
-            signal.signal(sig, lambda s, f, p=previous: handler(s, f, p))
+            signal.signal(sig, handler)
+
+    def _agree_to_stop(self, trainer) -> bool:
+        """Whether any process received a signal (every process calls this at the same point)."""
+        stop = bool(_received)
+        if _rank_and_world()[1] > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([int(stop)], device=trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+            if stop and not _received:
+                _received.append(int(signal.SIGTERM))
+        return stop
+
+    def _fitting(self, trainer) -> bool:
+        return self.save_on_signal and trainer.state.fn == "fit" and not trainer.sanity_checking
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self._fitting(trainer):  # let the validation finish; the run stops after it
+            trainer._signal_connector.received_sigterm = False
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if self._fitting(trainer) and self._agree_to_stop(trainer):
+            trainer._signal_connector.received_sigterm = True  # Lightning stops after this step
 
     def _restore_handlers(self) -> None:
         for sig, h in self._handlers.items():

@@ -34,6 +34,11 @@ def _split_batch(batch, what: str) -> Tuple[tuple, object]:
         )
     inputs, target = batch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    if what != "batch":  # a support / query set without examples would make a step a silent no-op
+        for x in (*args, target):
+            if isinstance(x, Tensor) and x.numel() == 0:
+                raise ValueError(f"{what} is empty (a tensor of shape {tuple(x.shape)}): give it at least one "
+                                 "example (an inner step or a meta-gradient on no data changes nothing)")
     return args, target
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._common import (Adapt, LossFn, _check_lr, _check_model, _check_params, _check_steps, _inner_grads,
+from ._common import (Adapt, LossFn, _bad_values, _check_lr, _check_model, _check_params, _check_steps, _inner_grads,
                       _preview, _safe_sqrt, _split_batch, check_inner_optimizer, functional_loss,
                       select_adapted)
 
@@ -300,6 +300,10 @@ class Learner:
                 "with gradients enabled (not under torch.no_grad() or torch.inference_mode(); wrap "
                 "validation in torch.enable_grad())"
             )
+        lr = self.maml.lr
+        if isinstance(lr, Tensor) and _bad_values(lr, allow_negative=True):  # a learned step size gone bad
+            raise ValueError(f"MAML.lr is {lr.detach().item()}: the learned inner step size is no longer finite "
+                             "(lower the outer learning rate, or clip the meta-gradient)")
         names = self.maml.adapted
         with torch.enable_grad():
             grads = _inner_grads(loss.reshape(()), [self.params[n] for n in names], first_order)

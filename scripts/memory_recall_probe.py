@@ -23,6 +23,62 @@ from ttt_flash.memory import MemoryLM
 from ttt_flash.tasks import AssociativeRecallTasks
 
 
+@torch.no_grad()
+def diagnose(net, batches, args) -> dict:
+    """Where the recall goes wrong: the share of wrong answers that name another pair's value of
+    the same context (the binding of key to value lost, not the value), and per layer how the
+    pairs' value tokens (the tokens that carry key and value after the short convolution)
+    address the slots: the largest address weight, the effective number of slots addressed
+    (1 / Σ a²), the mean cosine between two pairs' address vectors of one sequence, and the
+    number of distinct arg-max slots the pairs hit."""
+    net.eval()
+    captured = {}
+    hooks = [blk.attn.register_forward_pre_hook(lambda m, inp, i=i: captured.__setitem__(i, inp[0]))
+             for i, blk in enumerate(net.blocks)]
+    wrong = other = 0
+    stats = {i: {"max": [], "eff": [], "cos": [], "distinct": []} for i in range(len(net.blocks))}
+    for b in batches:
+        logits = net(torch.cat([b.context, b.query], 1))[:, b.context.shape[1]:]
+        pred = logits.argmax(-1)
+        bad = pred != b.query_targets
+        values = b.context[:, 1::2]
+        in_ctx = (pred.unsqueeze(-1) == values.unsqueeze(1)).any(-1)
+        wrong += int(bad.sum())
+        other += int((bad & in_ctx).sum())
+        pair_pos = (b.context[:, 0::2] < args.keys).nonzero()  # (row, slot index)
+        for i, blk in enumerate(net.blocks):
+            layer = blk.attn
+            x = captured[i][:, : b.context.shape[1]]
+            q, k, v = layer.qkv(x).view(x.shape[0], x.shape[1], 3, layer.heads, layer.head_dim).permute(2, 0, 3, 1, 4)
+            sk = layer.slot_k.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+            _, _, k_addr, sk = layer.addresses(q, k, sk)
+            a = torch.softmax(k_addr @ sk.transpose(-1, -2) * layer.head_dim ** -0.5, -1)  # (B,H,N,S)
+            rows, cols = pair_pos[:, 0], 2 * pair_pos[:, 1] + 1 - int(layer.kv_shift)  # the tokens whose key addresses the value's write
+            ap = a[rows, :, cols].view(x.shape[0], args.pairs, layer.heads, -1).transpose(1, 2)  # (B,H,P,S)
+            stats[i]["max"].append(ap.max(-1).values.mean().item())
+            stats[i]["eff"].append((1 / ap.square().sum(-1)).mean().item())
+            an = torch.nn.functional.normalize(ap, dim=-1)
+            cos = an @ an.transpose(-1, -2)
+            off = ~torch.eye(args.pairs, dtype=torch.bool)
+            stats[i]["cos"].append(cos[..., off].mean().item())
+            arg = ap.argmax(-1)  # (B,H,P)
+            stats[i]["distinct"].append(torch.tensor([[len(set(r.tolist())) for r in h] for h in arg]).float().mean().item())
+    for h in hooks:
+        h.remove()
+    net.train()
+    out = {"wrong": wrong, "wrong_other_pair_value": other, "layers": {}}
+    lines = [f"wrong answers: {wrong}, of them another pair's value of the context: {other} "
+             f"({other / max(wrong, 1):.2f})"]
+    for i, st in stats.items():
+        row = {key: sum(val) / len(val) for key, val in st.items()}
+        out["layers"][i] = row
+        lines.append(f"layer {i}: pair address max weight {row['max']:.3f}, effective slots {row['eff']:.1f} "
+                     f"of {args.slots}, cosine between two pairs' addresses {row['cos']:.3f}, "
+                     f"distinct arg-max slots {row['distinct']:.2f} of {args.pairs}")
+    out["lines"] = lines
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -99,7 +155,10 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.3f} val_acc {acc:.3f} per_pair {[round(x, 2) for x in per]} "
                   f"({time.time() - t0:.0f}s)", flush=True)
     acc, per = evaluate()
-    out = {"rule": args.write_rule, "extra": args.extra, "seed": args.seed, "context": args.context,
+    diag = diagnose(net, val, args)
+    for line in diag["lines"]:
+        print(line)
+    out = {"diagnosis": {k: v for k, v in diag.items() if k != "lines"},"rule": args.write_rule, "extra": args.extra, "seed": args.seed, "context": args.context,
            "pairs": args.pairs, "steps": args.steps, "acc": acc, "per_pair": per, "curve": curve,
            "time_s": round(time.time() - t0, 1)}
     print(json.dumps(out) if args.json else out)

@@ -192,3 +192,117 @@ def test_lightning_modules_log_pre_and_post_under_inference_mode():
         with torch.inference_mode():
             module.validation_step(batch, 0)
         assert {"val/loss_pre", "val/acc_post"} <= set(logged)
+
+
+# --------------------------------------------------------------------------- the memory layer's addressing and parallel write
+
+
+def _layer(parallel: bool, *, qk_norm=True, gate=True, steps=1, first_order=False, attention="math", chunk=4,
+           slots=5, seed=0):
+    torch.manual_seed(seed)
+    layer = GradientMemoryAttention(16, 2, memory_slots=slots, inner_steps=steps, inner_lr=0.8, chunk_size=chunk,
+                                    attention=attention, write_rule="slot_normalized", write_gate=gate,
+                                    qk_norm=qk_norm, qk_scale=3.0, first_order=first_order,
+                                    parallel_write=parallel).to(F64)
+    with torch.no_grad():  # away from the zero initialisation, so every term of the write is exercised
+        layer.slot_v.normal_()
+        if gate:
+            layer.write_gate.weight.normal_()
+            layer.write_gate.bias.normal_()
+    return layer
+
+
+def _outer_derivatives(layer, x):
+    """The outer loss's output, first derivatives (input and every parameter) and a second
+    derivative (of the squared first derivatives, w.r.t. the input)."""
+    out = layer(x)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.square().sum(), [x] + params, create_graph=True)
+    second = torch.autograd.grad(sum(g.square().sum() for g in grads), x)[0]
+    return out, grads, second
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["dot", "qk-norm"])
+@pytest.mark.parametrize("steps,first_order", [(1, False), (2, False), (2, True)],
+                         ids=["1step", "2steps", "2steps-first-order"])
+def test_parallel_write_equals_one_autograd_step_per_chunk(qk_norm, steps, first_order):
+    """The slot_normalized write computed for all chunks at once (parallel_write) gives the
+    stepwise autograd writes' output, first and second derivatives of the outer loss to 1e-10
+    (N = 15: three written chunks and a partial last one)."""
+    x = torch.randn(2, 15, 16, dtype=F64, requires_grad=True)
+    ref = _outer_derivatives(_layer(False, qk_norm=qk_norm, steps=steps, first_order=first_order), x)
+    got = _outer_derivatives(_layer(True, qk_norm=qk_norm, steps=steps, first_order=first_order), x)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-10, rtol=0)
+    for g, r in zip(got[1], ref[1]):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+    torch.testing.assert_close(got[2], ref[2], atol=1e-10, rtol=0)
+    assert got[2].abs().max() > 1e-3  # a second derivative that is there
+
+
+def test_parallel_write_matches_flash_stepwise_writes():
+    """The parallel write with the ttt_flash read equals the stepwise writes through
+    flash_attention (second order through its double backward) in float64."""
+    x = torch.randn(2, 13, 16, dtype=F64, requires_grad=True)
+    ref = _outer_derivatives(_layer(False, attention="ttt_flash"), x)
+    got = _outer_derivatives(_layer(True, attention="ttt_flash"), x)
+    for g, r in zip([got[0], *got[1], got[2]], [ref[0], *ref[1], ref[2]]):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+def test_parallel_write_gradcheck_and_gradgradcheck():
+    layer = _layer(True, steps=2, slots=3, chunk=2)
+    b, h, s, d = 1, 2, 3, 8
+    slot_k = torch.nn.functional.normalize(torch.randn(b, h, s, d, dtype=F64), dim=-1)
+
+    def fn(slot_v, k, v, gate):
+        return layer.parallel_values(slot_k, slot_v, k, v, gate)
+
+    inputs = (torch.randn(b, h, s, d, dtype=F64, requires_grad=True),
+              3 * torch.randn(b, h, 6, d, dtype=F64, requires_grad=True),
+              torch.randn(b, h, 6, d, dtype=F64, requires_grad=True),
+              torch.rand(b, h, 6, 1, dtype=F64, requires_grad=True) * 2)
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+def test_parallel_write_stays_bounded_for_thousands_of_writes():
+    """4,000 writes of large, sharply addressed tokens: every slot stays within the range of the
+    values written (the step is a contraction for any keys, values and number of writes)."""
+    torch.manual_seed(0)
+    layer = GradientMemoryAttention(32, 2, memory_slots=8, chunk_size=8, inner_lr=1.0, attention="math",
+                                    write_rule="slot_normalized", write_gate=True, qk_norm=True, qk_scale=50.0)
+    with torch.no_grad():
+        layer.qkv.weight.mul_(30)
+        layer.write_gate.bias.fill_(3.0)  # β ≈ 1.9: the largest writes
+    x = 3 * torch.randn(2, 4001 * 8, 32)
+    q, k, v = layer.qkv(x).view(2, -1, 3, 2, 16).permute(2, 0, 3, 1, 4)
+    gate = 2 * torch.sigmoid(layer.write_gate(x)).transpose(1, 2).unsqueeze(-1)
+    slot_k = layer.slot_k.unsqueeze(0).expand(2, -1, -1, -1)
+    q, k, k_addr, slot_k = layer.addresses(q, k, slot_k)
+    with torch.no_grad():
+        values = layer.parallel_values(slot_k, layer.slot_v.unsqueeze(0).expand(2, -1, -1, -1),
+                                       k_addr[:, :, :4000 * 8], v[:, :, :4000 * 8], gate[:, :, :4000 * 8])
+    assert values.shape == (2, 2, 4001, 8, 16)
+    assert torch.isfinite(values).all()
+    assert values.abs().max() <= v.abs().max() * (1 + 1e-5)
+
+
+def test_qk_norm_addresses_are_cosines_at_the_learned_temperature():
+    layer = _layer(True, qk_norm=True)
+    q, k = torch.randn(2, 2, 5, 8, dtype=F64), torch.randn(2, 2, 5, 8, dtype=F64)
+    slot_k = layer.slot_k.unsqueeze(0).expand(2, -1, -1, -1)
+    q2, k2, k_addr, sk = layer.addresses(q, k, slot_k)
+    cos = torch.nn.functional.normalize(k, dim=-1) @ torch.nn.functional.normalize(slot_k, dim=-1).transpose(-1, -2)
+    torch.testing.assert_close(k_addr @ sk.transpose(-1, -2) * 8 ** -0.5, 3.0 * cos)
+    torch.testing.assert_close(k2.norm(dim=-1), torch.ones(2, 2, 5, dtype=F64))
+    assert layer.log_qk_scale.shape == (2, 1, 1)
+    layer(torch.randn(2, 9, 16, dtype=F64)).square().sum().backward()
+    assert layer.log_qk_scale.grad.abs().sum() > 0
+
+
+def test_qk_norm_refuses_bad_arguments():
+    with pytest.raises(ValueError, match=r"qk_norm=True needs write_rule='slot_normalized'"):
+        GradientMemoryAttention(16, 2, qk_norm=True)
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match=r"qk_scale must be a finite float > 0"):
+            GradientMemoryAttention(16, 2, write_rule="slot_normalized", qk_norm=True, qk_scale=bad)

@@ -132,6 +132,7 @@ class GradientMemoryAttention(nn.Module):
         qk_norm: bool = False,
         qk_scale: float = 10.0,
         parallel_write: bool = True,
+        kv_shift: bool = False,
     ):
         super().__init__()
         check_int("d_model", d_model, 1)
@@ -163,6 +164,7 @@ class GradientMemoryAttention(nn.Module):
         self.inner_steps, self.chunk_size = inner_steps, chunk_size
         self.attention, self.first_order = attention, bool(first_order)
         self.parallel_write = bool(parallel_write)
+        self.kv_shift = bool(kv_shift)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.slot_k = nn.Parameter(torch.randn(heads, memory_slots, self.head_dim))
@@ -343,6 +345,11 @@ class GradientMemoryAttention(nn.Module):
         slot_k = self.slot_k.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         slot_v = self.slot_v.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         q, k, k_addr, slot_k = self.addresses(q, k, slot_k)
+        if self.kv_shift:  # token t writes its value at token t-1's key; token 0 writes nothing
+            k_addr = torch.cat([torch.zeros_like(k_addr[:, :, :1]), k_addr[:, :, :-1]], dim=2)
+            first = torch.ones(n, 1, dtype=q.dtype, device=q.device)
+            first[0] = 0.0
+            gate = first if gate is None else gate * first
         chunks = -(-n // self.chunk_size)
         writes = chunks - 1 if write else 0  # every chunk but the last is written; all of them are full
         span = writes * self.chunk_size

@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--eval-context", type=int, default=None, help="validation context (default --context)")
+    ap.add_argument("--final-contexts", default="", help="comma-separated longer contexts to validate at the end")
     ap.add_argument("--extra", default="{}", help="JSON of extra MemoryLM keyword arguments")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -155,10 +156,22 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.3f} val_acc {acc:.3f} per_pair {[round(x, 2) for x in per]} "
                   f"({time.time() - t0:.0f}s)", flush=True)
     acc, per = evaluate()
+    longer = {}
+    for length in (int(x) for x in args.final_contexts.split(",") if x):
+        t = AssociativeRecallTasks(num_keys=args.keys, num_values=args.values, num_pairs=args.pairs,
+                                   num_queries=args.pairs, context_len=length)
+        batches = [t.sample(8, generator=torch.Generator().manual_seed(20_000 + i)) for i in range(4)]
+        net.eval()
+        with torch.no_grad():
+            hits = [(net(torch.cat([b.context, b.query], 1))[:, length:].argmax(-1) == b.query_targets).float()
+                    for b in batches]
+        net.train()
+        longer[length] = torch.cat(hits).mean().item()
+        print(f"context {length}: val_acc {longer[length]:.3f}", flush=True)
     diag = diagnose(net, val, args)
     for line in diag["lines"]:
         print(line)
-    out = {"diagnosis": {k: v for k, v in diag.items() if k != "lines"},"rule": args.write_rule, "extra": args.extra, "seed": args.seed, "context": args.context,
+    out = {"longer": longer, "diagnosis": {k: v for k, v in diag.items() if k != "lines"},"rule": args.write_rule, "extra": args.extra, "seed": args.seed, "context": args.context,
            "pairs": args.pairs, "steps": args.steps, "acc": acc, "per_pair": per, "curve": curve,
            "time_s": round(time.time() - t0, 1)}
     print(json.dumps(out) if args.json else out)

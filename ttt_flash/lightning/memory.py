@@ -494,6 +494,8 @@ class MemoryLayerMQAR(_RecallModule):
         parallel_write: ``"slot_normalized"`` writes computed for all chunks at once and
             chained by one matrix product per chunk (the same values as one autograd step
             per chunk, far fewer kernel launches).
+        kv_shift: every memory layer writes token t's value at token t − 1's key, so that a
+            pair's value is stored where its key token addresses the slots.
         cuda_graph: as in :class:`GradMemKV`.
     """
 
@@ -520,6 +522,7 @@ class MemoryLayerMQAR(_RecallModule):
         qk_norm: bool = False,
         qk_scale: float = 10.0,
         parallel_write: bool = True,
+        kv_shift: bool = False,
         cuda_graph: bool = False,
     ):
         super().__init__(cuda_graph)
@@ -535,7 +538,7 @@ class MemoryLayerMQAR(_RecallModule):
         self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
                             attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint,
                             write_gate=write_gate, write_rule=write_rule, qk_norm=qk_norm, qk_scale=qk_scale,
-                            parallel_write=parallel_write)
+                            parallel_write=parallel_write, kv_shift=kv_shift)
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()

@@ -306,3 +306,39 @@ def test_qk_norm_refuses_bad_arguments():
     for bad in (0.0, -1.0, float("inf"), True):
         with pytest.raises(ValueError, match=r"qk_scale must be a finite float > 0"):
             GradientMemoryAttention(16, 2, write_rule="slot_normalized", qk_norm=True, qk_scale=bad)
+
+
+def _lookup_layer(kv_shift: bool, slot_query: str) -> GradientMemoryAttention:
+    """One head, D = 8: k = the first 4 input features, v = the last 4, q = 0, output = o; the
+    4 slot keys are the first 4 unit vectors, compared at temperature 50 (one-hot addresses)."""
+    layer = GradientMemoryAttention(8, 1, memory_slots=4, chunk_size=2, inner_lr=1.0, attention="math",
+                                    write_rule="slot_normalized", qk_norm=True, qk_scale=50.0, kv_shift=kv_shift,
+                                    slot_query=slot_query).to(F64)
+    with torch.no_grad():
+        w = torch.zeros(24, 8, dtype=F64)
+        w[8:12, :4] = torch.eye(4)  # k
+        w[16:20, 4:] = torch.eye(4)  # v: the value features, in the first 4 outputs
+        layer.qkv.weight.copy_(w)
+        layer.proj.weight.copy_(torch.eye(8))
+        layer.slot_k.zero_()
+        layer.slot_k[0, :, :4] = torch.eye(4)
+    return layer
+
+
+@pytest.mark.parametrize("kv_shift,slot_query,finds", [(True, "key", True), (False, "key", False),
+                                                       (True, "query", False)],
+                         ids=["shift-key", "no-shift", "query-read"])
+def test_kv_shift_and_key_read_look_up_the_value_written_after_the_same_key(kv_shift, slot_query, finds):
+    """[key j, value u] then a query chunk [key j]: with kv_shift the value is written at key j's
+    slot, and with slot_query="key" the query token reads that slot: it returns u."""
+    layer = _lookup_layer(kv_shift, slot_query)
+    u = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=F64)
+    key = torch.zeros(8, dtype=F64)
+    key[2] = 1.0
+    value = torch.cat([torch.zeros(4, dtype=F64), u])
+    x = torch.stack([key, value, key]).unsqueeze(0)  # (1, 3, 8): chunk [key, value], then the query chunk
+    with torch.no_grad():
+        read = layer(x)[0, 2, :4]  # v's features land in the first 4 outputs
+    assert torch.allclose(read, u, atol=1e-9) == finds
+    if not finds:
+        assert (read - u).abs().max() > 0.1

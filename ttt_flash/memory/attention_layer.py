@@ -21,7 +21,8 @@ from .._checks import check_int
 from ..impls import attend, check_attention
 from ._common import inner_grad_mode, log_lr_parameter, inner_step
 
-__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "GradientMemoryAttention"]
+__all__ = ["MEMORY_ATTENTION_IMPLS", "MemoryAttentionName", "WRITE_RULES", "WriteRule", "SLOT_QUERIES", "SlotQuery",
+           "GradientMemoryAttention"]
 
 #: Accepted values of the ``attention`` argument of :class:`GradientMemoryAttention`: the
 #: implementations of :mod:`ttt_flash.impls` with a double backward on every device (SDPA's
@@ -33,6 +34,13 @@ MemoryAttentionName = Literal["ttt_flash", "math"]
 
 #: Accepted values of the ``write_rule`` argument of :class:`GradientMemoryAttention`.
 WRITE_RULES = ("gradient", "slot_normalized")
+
+#: The type of the ``slot_query`` argument of :class:`GradientMemoryAttention` (and its recipes).
+SlotQuery = Literal["query", "key"]
+
+#: Accepted values of the ``slot_query`` argument of :class:`GradientMemoryAttention`: what a
+#: token reads the slots with (its query, or the key that addresses its own write).
+SLOT_QUERIES = ("query", "key")
 
 #: The type of the ``write_rule`` argument of :class:`GradientMemoryAttention` (and its recipes).
 WriteRule = Literal["gradient", "slot_normalized"]
@@ -133,6 +141,7 @@ class GradientMemoryAttention(nn.Module):
         qk_scale: float = 10.0,
         parallel_write: bool = True,
         kv_shift: bool = False,
+        slot_query: str = "query",
     ):
         super().__init__()
         check_int("d_model", d_model, 1)
@@ -165,6 +174,9 @@ class GradientMemoryAttention(nn.Module):
         self.attention, self.first_order = attention, bool(first_order)
         self.parallel_write = bool(parallel_write)
         self.kv_shift = bool(kv_shift)
+        if slot_query not in SLOT_QUERIES:
+            raise ValueError(f"slot_query must be one of {SLOT_QUERIES}, got {slot_query!r}")
+        self.slot_query = slot_query
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.slot_k = nn.Parameter(torch.randn(heads, memory_slots, self.head_dim))
@@ -303,11 +315,20 @@ class GradientMemoryAttention(nn.Module):
             out = torch.stack(states, 0).reshape(w + 1, b, h, s, d).permute(1, 2, 0, 3, 4)
         return out
 
-    def read(self, q: Tensor, k: Tensor, v: Tensor, slot_k: Tensor, slot_v: Tensor) -> Tensor:
+    def read(self, q: Tensor, k: Tensor, v: Tensor, slot_k: Tensor, slot_v: Tensor,
+             slot_q: Optional[Tensor] = None) -> Tensor:
         """Every chunk's read in one attention call: q, k, v (B, H, N, D); ``slot_k``,
         ``slot_v`` (B, H, n_chunks, S, D) the slots chunk i reads (i = 0 … ⌈N/C⌉ − 1) →
         (B, H, N, D). The chunks become heads of one causal call with the S slot keys in
-        front of each chunk's keys (the mask aligned bottom-right)."""
+        front of each chunk's keys (the mask aligned bottom-right). ``slot_q`` (B, H, N, D):
+        the tokens score the slots with it instead of q (one softmax all the same: the call
+        runs on the concatenated features [q, slot_q] against [k, 0] and [0, slot keys])."""
+        if slot_q is not None:
+            zeros = torch.zeros_like(slot_k)
+            out = self.read(math.sqrt(2.0) * torch.cat([q, slot_q], dim=-1), torch.cat([k, torch.zeros_like(k)], -1),
+                            torch.cat([v, torch.zeros_like(v)], -1), torch.cat([zeros, slot_k], -1),
+                            torch.cat([slot_v, zeros], -1))
+            return out[..., : q.shape[-1]]
         b, h, n, d = q.shape
         c, s = self.chunk_size, slot_v.shape[3]
         full = n // c
@@ -345,11 +366,12 @@ class GradientMemoryAttention(nn.Module):
         slot_k = self.slot_k.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         slot_v = self.slot_v.unsqueeze(0).expand(batch, -1, -1, -1).to(q.dtype)
         q, k, k_addr, slot_k = self.addresses(q, k, slot_k)
+        k_read = k_addr
         if self.kv_shift:  # token t writes its value at token t-1's key; token 0 writes nothing
             k_addr = torch.cat([torch.zeros_like(k_addr[:, :, :1]), k_addr[:, :, :-1]], dim=2)
             first = torch.ones(n, 1, dtype=q.dtype, device=q.device)
             first[0] = 0.0
-            gate = first if gate is None else gate * first
+            gate = first.expand(batch, self.heads, n, 1) if gate is None else gate * first
         chunks = -(-n // self.chunk_size)
         writes = chunks - 1 if write else 0  # every chunk but the last is written; all of them are full
         span = writes * self.chunk_size
@@ -370,5 +392,5 @@ class GradientMemoryAttention(nn.Module):
         if writes + 1 < chunks:  # write=False: every chunk reads the initial slots
             keys = keys[:, :, :1].expand(-1, -1, chunks, -1, -1)
             values = values[:, :, :1].expand(-1, -1, chunks, -1, -1)
-        out = self.read(q, k, v, keys, values)
+        out = self.read(q, k, v, keys, values, slot_q=k_read if self.slot_query == "key" else None)
         return self.proj(rearrange(out, "b h n d -> b n (h d)"))

@@ -13,7 +13,8 @@ task at each length. Configurations:
 * ``recipe``: the recipe as written;
 * ``stepwise``: the same with ``parallel_write=false`` (one autograd step through ``attend``
   per chunk write, the layer's previous computation);
-* ``old``: ``qk_norm=false``, ``parallel_write=false`` (the previous recipe's layer);
+* ``old``: ``qk_norm=false``, ``kv_shift=false``, ``slot_query=query``, ``conv=2``,
+  ``parallel_write=false`` (the previous recipe's layer);
 * with ``--graph``: ``recipe`` captured once as a CUDA graph and replayed.
 
 Prints one line per (configuration, length): median step time over ``--steps`` timed steps
@@ -66,7 +67,7 @@ def main() -> None:
     data_args = cfg["data"]["init_args"]
     batch_size = args.batch or data_args["batch_size"]
     variants = {"recipe": {}, "stepwise": {"parallel_write": False},
-                "old": {"qk_norm": False, "parallel_write": False}}
+                "old": {"qk_norm": False, "kv_shift": False, "slot_query": "query", "conv": 2, "parallel_write": False}}
     device = torch.device(args.device)
     if device.type == "cpu":
         model_args["attention"] = "math"

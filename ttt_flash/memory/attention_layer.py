@@ -92,6 +92,27 @@ class GradientMemoryAttention(nn.Module):
       written). ∂L_c/∂V goes through the attention implementation with its graph kept, so
       training stays exact second order through every write.
 
+      Because the slot keys are fixed, A_c does not depend on the values and one step is
+      affine in V: V ← M_c V + U_c (:meth:`parallel_values`). With ``parallel_write``
+      (default) every chunk's A_c, M_c, U_c come from a few batched products and only that
+      recurrence runs chunk after chunk, one small matrix product per write; the numbers are
+      those of one autograd step through ``attend`` per chunk (``parallel_write=False``), to
+      rounding, first and second derivatives included.
+
+    Addressing (what makes a pair retrievable; docs/memory.md):
+
+    * ``qk_norm``: q_t, k_t and the slot keys are L2-normalised per head and every score
+      is g_h · cos with a learned temperature g_h (initially ``qk_scale``). Raw projections
+      start small, so softmax(τ k_t K₀ᵀ) is nearly uniform and every token writes every
+      slot: the read then returns the mean of the context's values. Unit vectors at g = 10
+      give distinct keys distinct addresses from the first step.
+    * ``kv_shift``: token t's value is written at token t − 1's key (k_{t−1}, v_t): a
+      value lands where its key token addresses the slots.
+    * ``slot_query="key"``: tokens score the slots with the key-side address that their
+      writes use (g k̂_t) instead of their query (the chunk is still read with q_t, in the
+      same softmax). A later token carrying the same key looks up exactly the slots that the
+      key's pair was written to, before any training.
+
     Output: ``proj(o)``. Each sequence and head has its own slots; no positions are used
     (order enters through the causal mask and the chunk order), so RoPE tables passed by a
     host model (e.g. :class:`~ttt_flash.models.Block` calls ``attn(x, cos, sin)``) are
@@ -112,6 +133,13 @@ class GradientMemoryAttention(nn.Module):
         write_gate: learn the per-token, per-head write gate β_t (above).
         write_rule: ``"gradient"`` or ``"slot_normalized"`` (above). With
             ``"slot_normalized"``, ``inner_lr`` must be <= 1 (the step is min(η, 1)).
+        qk_norm: unit-norm queries, keys and slot keys at a learned per-head temperature
+            (needs ``write_rule="slot_normalized"``).
+        qk_scale: the temperature's initial value (> 0).
+        parallel_write: compute ``"slot_normalized"`` writes for all chunks at once
+            (above; ignored by ``"gradient"``).
+        kv_shift: write each token's value at the previous token's key.
+        slot_query: ``"query"`` or ``"key"``: what a token scores the slots with.
 
     Example::
 
@@ -119,6 +147,10 @@ class GradientMemoryAttention(nn.Module):
         >>> from ttt_flash.memory import GradientMemoryAttention
         >>> layer = GradientMemoryAttention(32, 4, memory_slots=8, inner_steps=1, inner_lr=1.0, chunk_size=16)
         >>> layer(torch.randn(2, 40, 32)).shape
+        torch.Size([2, 40, 32])
+        >>> recall = GradientMemoryAttention(32, 4, memory_slots=64, chunk_size=16, write_rule="slot_normalized",
+        ...                                  qk_norm=True, kv_shift=True, slot_query="key")
+        >>> recall(torch.randn(2, 40, 32)).shape
         torch.Size([2, 40, 32])
     """
 

@@ -489,7 +489,7 @@ class MemoryLayerMQAR(_RecallModule):
             See :class:`ttt_flash.memory.GradientMemoryAttention`.
         qk_norm: every memory layer compares unit-norm queries, keys and slot keys at a
             learned temperature (initially ``qk_scale``): distinct keys address distinct
-            slots from the first step (needs ``write_rule="slot_normalized"``).
+            slots from the first step.
         qk_scale: the initial temperature of ``qk_norm``.
         parallel_write: ``"slot_normalized"`` writes computed for all chunks at once and
             chained by one matrix product per chunk (the same values as one autograd step

@@ -133,8 +133,8 @@ class GradientMemoryAttention(nn.Module):
         write_gate: learn the per-token, per-head write gate β_t (above).
         write_rule: ``"gradient"`` or ``"slot_normalized"`` (above). With
             ``"slot_normalized"``, ``inner_lr`` must be <= 1 (the step is min(η, 1)).
-        qk_norm: unit-norm queries, keys and slot keys at a learned per-head temperature
-            (needs ``write_rule="slot_normalized"``).
+        qk_norm: unit-norm queries, keys and initial slot keys at a learned per-head
+            temperature (``"gradient"`` then writes the slot keys off the unit sphere).
         qk_scale: the temperature's initial value (> 0).
         parallel_write: compute ``"slot_normalized"`` writes for all chunks at once
             (above; ignored by ``"gradient"``).
@@ -195,11 +195,6 @@ class GradientMemoryAttention(nn.Module):
             )
         if isinstance(qk_scale, bool) or not isinstance(qk_scale, numbers.Real) or not (0 < qk_scale < math.inf):
             raise ValueError(f"qk_scale must be a finite float > 0 (the initial temperature of qk_norm), got {qk_scale!r}")
-        if qk_norm and write_rule != "slot_normalized":
-            raise ValueError(
-                f"qk_norm=True needs write_rule='slot_normalized' (the slot keys stay the unit-norm learned keys); "
-                f"got write_rule={write_rule!r}"
-            )
         self.write_rule = write_rule
         self.heads, self.head_dim = heads, d_model // heads
         self.inner_steps, self.chunk_size = inner_steps, chunk_size

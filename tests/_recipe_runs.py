@@ -28,6 +28,14 @@ TINY_OVERRIDES = {
         "--data.init_args.curriculum=[[0,32],[1,64]]",
         "--data.init_args.batch_size=2",
     ],
+    "memory_layer_mqar16": [
+        "--model.init_args.attention=math",
+        "--model.init_args.chunk_size=16",
+        "--model.init_args.memory_slots=8",
+        "--data.init_args.context_len=64",
+        "--data.init_args.curriculum=[[0,32],[1,64]]",
+        "--data.init_args.batch_size=2",
+    ],
     "maml_transformer": [
         "--model.init_args.net.attention=math",
         "--data.init_args.seq_len=32",

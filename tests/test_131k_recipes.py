@@ -18,7 +18,7 @@ RECIPES = ROOT / "recipes"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 _CPU = CPU_FAST_DEV_RUN
-METHODS = ("ttt_e2e_mqar", "gradmem_kv", "memory_layer_mqar", "maml_transformer")
+METHODS = ("ttt_e2e_mqar", "gradmem_kv", "memory_layer_mqar", "memory_layer_mqar16", "maml_transformer")
 TINY = {f"{method}_131k": TINY_OVERRIDES[method] for method in METHODS}
 SHIPPED = sorted(p.stem for p in RECIPES.glob("*_131k.yaml"))
 
@@ -34,7 +34,8 @@ def _seconds(max_time: str) -> int:
 
 def test_the_four_methods_have_a_131k_recipe_with_tiny_overrides():
     assert SHIPPED == sorted(TINY) == sorted(
-        ["ttt_e2e_mqar_131k", "gradmem_kv_131k", "memory_layer_mqar_131k", "maml_transformer_131k"])
+        ["ttt_e2e_mqar_131k", "gradmem_kv_131k", "memory_layer_mqar_131k", "memory_layer_mqar16_131k",
+         "maml_transformer_131k"])
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -56,7 +57,7 @@ def test_131k_recipe_trains_up_to_and_validates_at_131072(name):
     assert data["train_batches"] % trainer["val_check_interval"] == 0
     assert _seconds(trainer["max_time"]) <= 15 * 60  # the budget: at most 15 minutes on one H200
     assert trainer["logger"]["init_args"]["version"] == name  # its own run folder
-    if name == "memory_layer_mqar_131k":  # the queries are a chunk of their own: only the slots reach the pairs
+    if name.startswith("memory_layer_mqar"):  # the queries are a chunk of their own: only the slots reach the pairs
         assert all(n % model["chunk_size"] == 0 for _, n in stages)
     if name == "ttt_e2e_mqar_131k":  # attention sees a sliver of the context: the fast weights must carry it
         assert model["window"] * 1000 < final

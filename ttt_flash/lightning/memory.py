@@ -45,7 +45,7 @@ from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 from ..attention.registry import AttentionName
 from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
-from ..memory.attention_layer import WriteRule
+from ..memory.attention_layer import SlotQuery, WriteRule
 from ..models import GPT, GPTConfig
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
@@ -490,6 +490,18 @@ class MemoryLayerMQAR(_RecallModule):
             η ∇ℓ) or ``"slot_normalized"`` (values only, each slot's step divided by the
             attention mass it receives: stable for any number of writes; ``inner_lr`` <= 1).
             See :class:`ttt_flash.memory.GradientMemoryAttention`.
+        qk_norm: every memory layer compares unit-norm queries, keys and slot keys at a
+            learned temperature (initially ``qk_scale``): distinct keys address distinct
+            slots from the first step.
+        qk_scale: the initial temperature of ``qk_norm``.
+        parallel_write: ``"slot_normalized"`` writes computed for all chunks at once and
+            chained by one matrix product per chunk (the same values as one autograd step
+            per chunk, far fewer kernel launches).
+        kv_shift: every memory layer writes token t's value at token t − 1's key, so that a
+            pair's value is stored where its key token addresses the slots.
+        slot_query: ``"query"`` (tokens score the slots with their query) or ``"key"`` (with
+            the key that addresses their own write: a query token then looks up exactly where
+            the same key token wrote).
         cuda_graph: as in :class:`GradMemKV`.
     """
 
@@ -513,6 +525,11 @@ class MemoryLayerMQAR(_RecallModule):
         context_parallel: int = 1,
         write_gate: bool = False,
         write_rule: WriteRule = "gradient",
+        qk_norm: bool = False,
+        qk_scale: float = 10.0,
+        parallel_write: bool = True,
+        kv_shift: bool = False,
+        slot_query: SlotQuery = "query",
         cuda_graph: bool = False,
     ):
         super().__init__(cuda_graph)
@@ -527,7 +544,8 @@ class MemoryLayerMQAR(_RecallModule):
         self.save_hyperparameters()
         self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
                             attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint,
-                            write_gate=write_gate, write_rule=write_rule)
+                            write_gate=write_gate, write_rule=write_rule, qk_norm=qk_norm, qk_scale=qk_scale,
+                            parallel_write=parallel_write, kv_shift=kv_shift, slot_query=slot_query)
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()

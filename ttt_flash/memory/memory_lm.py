@@ -42,13 +42,16 @@ class _ShortConv(nn.Module):
 class _MemoryBlock(nn.Module):
     def __init__(self, d_model: int, heads: int, memory_slots: int, inner_steps: int, inner_lr: float,
                  chunk_size: int, attention: str, conv: int, first_order: bool, write_gate: bool = False,
-                 write_rule: str = "gradient"):
+                 write_rule: str = "gradient", qk_norm: bool = False, qk_scale: float = 10.0,
+                 parallel_write: bool = True, kv_shift: bool = False, slot_query: str = "query"):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
         self.conv = _ShortConv(d_model, conv) if conv > 1 else nn.Identity()
         self.attn = GradientMemoryAttention(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size,
                                             attention=attention, first_order=first_order, write_gate=write_gate,
-                                            write_rule=write_rule)
+                                            write_rule=write_rule, qk_norm=qk_norm, qk_scale=qk_scale,
+                                            parallel_write=parallel_write, kv_shift=kv_shift,
+                                            slot_query=slot_query)
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, 64 * math.ceil(8 * d_model / 3 / 64))
 
@@ -76,6 +79,7 @@ class MemoryLM(nn.Module):
             (:class:`GradientMemoryAttention`'s ``write_gate``).
         write_rule: every layer's write step, ``"gradient"`` or ``"slot_normalized"``
             (:class:`GradientMemoryAttention`'s ``write_rule``).
+        qk_norm, qk_scale, parallel_write, kv_shift, slot_query: of every :class:`GradientMemoryAttention`.
     """
 
     def __init__(
@@ -95,6 +99,11 @@ class MemoryLM(nn.Module):
         checkpoint: bool = False,
         write_gate: bool = False,
         write_rule: str = "gradient",
+        qk_norm: bool = False,
+        qk_scale: float = 10.0,
+        parallel_write: bool = True,
+        kv_shift: bool = False,
+        slot_query: str = "query",
     ):
         super().__init__()
         check_int("vocab_size", vocab_size, 1)
@@ -104,7 +113,7 @@ class MemoryLM(nn.Module):
         self.tok_emb = nn.Embedding(vocab_size, d_model)
         self.blocks = nn.ModuleList(
             _MemoryBlock(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size, attention, conv, first_order,
-                         write_gate, write_rule)
+                         write_gate, write_rule, qk_norm, qk_scale, parallel_write, kv_shift, slot_query)
             for _ in range(n_layer)
         )
         self.norm = RMSNorm(d_model)

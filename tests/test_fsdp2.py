@@ -1,0 +1,270 @@
+"""Second order under FSDP2 (ttt_flash.fsdp, docs/distributed.md): a GPT whose blocks are
+sharded with ``fully_shard`` over 2 CPU processes (gloo, float64) gives the same
+Hessian-vector product, Sophia-H refresh, Sophia-H run and second-order MAML meta-gradient
+as one unsharded process on the concatenated batch, to 1e-10 (relative to the largest entry).
+
+The shards' batches differ in size (2 and 1 sequences or tasks) where a weight is passed, so
+a dropped weighting fails. One fork of 2 processes runs every case (module-scoped fixture);
+the tests then assert per case. Unsupported combinations (FSDP1 wrappers, CPU offload, nested
+blocks, an optimizer over other tensors) raise errors that name what to use instead.
+"""
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from ttt_flash import fsdp
+from ttt_flash.hessian import hvp as one_process_hvp
+from ttt_flash.meta import functional_loss, inner_loop
+from ttt_flash.models import GPT, GPTConfig
+from ttt_flash.optim import SophiaH
+
+TOL = 1e-10
+F64 = torch.float64
+CFG = dict(vocab_size=32, n_layer=2, n_head=2, d_model=16, attention="ttt_flash")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _err(ref: torch.Tensor, got) -> float:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(got, DTensor):
+        got = got.full_tensor()
+    assert ref.shape == got.shape, (ref.shape, got.shape)
+    return (ref - got).abs().max().item() / max(1.0, ref.abs().max().item())
+
+
+def _models(seed: int = 0):
+    """(one-process GPT, its copy sharded block by block and as a whole), float64."""
+    torch.manual_seed(seed)
+    one = GPT(GPTConfig(**CFG)).to(F64)
+    return one, fsdp.shard_blocks(copy.deepcopy(one))
+
+
+def _tokens(rows: int, n: int = 9, seed: int = 1):
+    t = torch.randint(0, CFG["vocab_size"], (rows, n + 1), generator=torch.Generator().manual_seed(seed))
+    return t[:, :-1], t[:, 1:]
+
+
+def _rows(rank: int, sizes):
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _hvp_case(rank):
+    """H v of the mean loss over 3 sequences (2 on rank 0, 1 on rank 1): vectors as DTensor
+    shards, and as full tensors."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    one, model = _models()
+    x, y = _tokens(3)
+    mine = _rows(rank, [2, 1])
+    params = [p for p in one.parameters()]
+    gen = torch.Generator().manual_seed(2)
+    vecs = [torch.randn(p.shape, dtype=F64, generator=gen) for p in params]
+    ref = one_process_hvp(one.loss(x, y), params, vecs)
+    sharded = [distribute_tensor(v, p.device_mesh, [Shard(0)]) for v, p in zip(vecs, model.parameters())]
+    out = {}
+    for how, v in (("dtensor-vecs", sharded), ("full-vecs", vecs)):
+        got = fsdp.hvp(model, lambda: model.loss(x[mine], y[mine]), v, weight=x[mine].numel())
+        out[how] = max(_err(r, g) for r, g in zip(ref, got))
+    # the model is sharded again afterwards, and a plain FSDP2 forward still works
+    out["resharded"] = float(not all(type(p).__name__ == "DTensor" for p in model.parameters()))
+    out["plain-forward"] = abs(model.loss(x, y).item() - one.loss(x, y).item())
+    return out
+
+
+def _sophia_refresh_case(rank):
+    """One Sophia-H step with a refresh: gradients, Hessian estimates and the new weights."""
+    one, model = _models()
+    x, y = _tokens(3, seed=3)
+    mine = _rows(rank, [2, 1])
+    opt_one = SophiaH(one.parameters(), lr=0.05, weight_decay=0.1, k=1)
+    opt = SophiaH(model.parameters(), lr=0.05, weight_decay=0.1, k=1)
+    one.loss(x, y).backward(create_graph=True)
+    grads_one = [p.grad.detach().clone() for p in one.parameters()]
+    opt_one.update_hessian(generator=torch.Generator().manual_seed(5))
+    n = x[mine].numel()
+    with fsdp.unsharded(model) as full:
+        model.loss(x[mine], y[mine]).backward(create_graph=True)
+        fsdp.update_hessian(opt, full, generator=torch.Generator().manual_seed(5), weight=n)
+        full.reduce_gradients(weight=n)
+    out = {
+        "grad": max(_err(g, p.grad) for g, p in zip(grads_one, model.parameters())),
+        "hessian": max(_err(opt_one.state[a]["hessian"], opt.state[b]["hessian"])
+                       for a, b in zip(one.parameters(), model.parameters())),
+    }
+    opt_one.step()
+    opt.step()
+    out["weights"] = max(_err(a.detach(), b.detach()) for a, b in zip(one.parameters(), model.parameters()))
+    return out
+
+
+def _sophia_run_case(rank):
+    """Four Sophia-H steps, refreshing at steps 0 and 2 (unsharded block) and plain FSDP2
+    steps between: losses and final weights. Equal shards (FSDP2's own reduction is a plain
+    mean)."""
+    one, model = _models(seed=4)
+    opt_one = SophiaH(one.parameters(), lr=0.02, k=2)
+    opt = SophiaH(model.parameters(), lr=0.02, k=2)
+    gen_one, gen = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    losses = []
+    for step in range(4):
+        x, y = _tokens(4, seed=10 + step)
+        mine = _rows(rank, [2, 2])
+        opt_one.zero_grad()
+        loss_one = one.loss(x, y)
+        loss_one.backward(create_graph=opt_one.hessian_due)
+        if opt_one.hessian_due:
+            opt_one.update_hessian(generator=gen_one)
+        opt_one.step()
+        opt.zero_grad()
+        if opt.hessian_due:
+            with fsdp.unsharded(model) as full:
+                loss = model.loss(x[mine], y[mine])
+                loss.backward(create_graph=True)
+                fsdp.update_hessian(opt, full, generator=gen)
+                full.reduce_gradients()
+        else:
+            loss = model.loss(x[mine], y[mine])
+            loss.backward()  # FSDP2's own reduce-scatter
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(abs(mean.item() / 2 - loss_one.item()))
+    return {"loss": max(losses),
+            "weights": max(_err(a.detach(), b.detach()) for a, b in zip(one.parameters(), model.parameters()))}
+
+
+def _ce(logits, target):
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def _maml_case(rank):
+    """Second-order MAML (2 inner SGD steps) over 3 tasks (2 on rank 0, 1 on rank 1): the
+    meta-gradient of every parameter."""
+    one, model = _models(seed=7)
+    tasks = [(_tokens(2, n=7, seed=20 + t), _tokens(2, n=7, seed=40 + t)) for t in range(3)]
+    for support, query in tasks:
+        fast = inner_loop(one, None, _ce, support, steps=2, lr=0.3)
+        (functional_loss(one, fast, _ce, query) / len(tasks)).backward()
+    mine = tasks[_rows(rank, [2, 1])]
+    with fsdp.unsharded(model) as full:
+        for support, query in mine:
+            fast = inner_loop(model, full.params, _ce, support, steps=2, lr=0.3)
+            (functional_loss(model, fast, _ce, query) / len(mine)).backward()
+        full.reduce_gradients(weight=len(mine))
+    return {"meta-grad": max(_err(a.grad, b.grad) for a, b in zip(one.parameters(), model.parameters())),
+            "reached": float(not all(b.grad is not None for b in model.parameters()))}
+
+
+def _raises(fn, exc, *words) -> float:
+    """0 if ``fn()`` raises ``exc`` whose message holds every word, else 1."""
+    try:
+        fn()
+    except exc as e:
+        return 0.0 if all(w in str(e) for w in words) else 1.0
+    return 1.0
+
+
+def _errors_case(rank):
+    from torch.distributed.fsdp import CPUOffloadPolicy, FullyShardedDataParallel, fully_shard
+
+    one, model = _models()
+    out = {}
+    fsdp1 = FullyShardedDataParallel(copy.deepcopy(one), device_id=torch.device("cpu"), use_orig_params=True)
+    out["fsdp1"] = _raises(lambda: fsdp.unsharded(fsdp1).__enter__(), TypeError, "FSDP1", "fully_shard", "DDP")
+    offload = copy.deepcopy(one)
+    fully_shard(offload, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    out["cpu-offload"] = _raises(lambda: fsdp.unsharded(offload).__enter__(), ValueError, "CPU offload",
+                                 "offload_policy")
+    out["not-sharded"] = _raises(lambda: fsdp.unsharded(one).__enter__(), ValueError, "fully_shard")
+
+    def nested():
+        with fsdp.unsharded(model):
+            with fsdp.unsharded(model):
+                pass
+
+    out["nested"] = _raises(nested, RuntimeError, "already unsharded")
+    out["resharded-after-error"] = float(not all(type(p).__name__ == "DTensor" for p in model.parameters()))
+    opt = SophiaH(one.parameters())
+
+    def foreign():
+        with fsdp.unsharded(model) as full:
+            model.loss(*_tokens(1)).backward(create_graph=True)
+            fsdp.update_hessian(opt, full)
+
+    out["foreign-optimizer"] = _raises(foreign, ValueError, "not the sharded model's")
+    opt2 = SophiaH(model.parameters())
+
+    def no_graph():
+        with fsdp.unsharded(model) as full:
+            model.loss(*_tokens(1)).backward()
+            fsdp.update_hessian(opt2, full)
+
+    out["no-graph"] = _raises(no_graph, ValueError, "create_graph=True")
+    return out
+
+
+CASES = {"hvp": _hvp_case, "sophia-refresh": _sophia_refresh_case, "sophia-run": _sophia_run_case,
+         "maml": _maml_case, "errors": _errors_case}
+
+
+def _worker(rank, size, port, path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        results = {}
+        for name, case in CASES.items():
+            results[name] = case(rank)
+            dist.barrier()
+        torch.save(results, os.path.join(path, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("fsdp2"))
+    one, _ = GPT(GPTConfig(**CFG)).to(F64), None
+    one.loss(*_tokens(1)).backward(create_graph=True)  # attention's first call in the parent
+    mp.start_processes(_worker, args=(2, _free_port(), path), nprocs=2, start_method="fork")
+    return [torch.load(os.path.join(path, f"rank{r}.pt")) for r in range(2)]
+
+
+def _check(results, case, tol=TOL):
+    for rank, res in enumerate(results):
+        for name, err in res[case].items():
+            assert err <= tol, f"rank {rank} {case} {name}: {err:.3e}"
+
+
+def test_hvp_equals_one_process(results):
+    _check(results, "hvp")
+
+
+def test_sophia_refresh_equals_one_process(results):
+    _check(results, "sophia-refresh")
+
+
+def test_sophia_run_equals_one_process(results):
+    _check(results, "sophia-run")
+
+
+def test_maml_meta_gradient_equals_one_process(results):
+    _check(results, "maml")
+
+
+def test_unsupported_combinations_raise(results):
+    _check(results, "errors", tol=0.0)

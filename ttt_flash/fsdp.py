@@ -146,8 +146,9 @@ def shard_blocks(model: nn.Module, blocks: str = "blocks", *, mesh=None,
 
     Args:
         model: e.g. :class:`ttt_flash.models.GPT` (blocks ``"blocks"``).
-        blocks: attribute name of the ModuleList whose children are sharded one by one
-            (one all-gather per block); ``None``: only ``model`` as one unit.
+        blocks: name (dotted for a nested one, e.g. ``"gpt.blocks"``) of the ModuleList whose
+            children are sharded one by one (one all-gather per block); ``None``: only
+            ``model`` as one unit.
         mesh: a 1-D ``DeviceMesh`` (None: all processes of the default group).
         reshard_after_forward: FSDP2's policy for plain (first-order) steps: ``True`` frees
             each block's full parameters after its forward (least memory; all-gathered again
@@ -159,7 +160,10 @@ def shard_blocks(model: nn.Module, blocks: str = "blocks", *, mesh=None,
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
     if blocks is not None:
-        units = getattr(model, blocks, None)
+        try:
+            units = model.get_submodule(blocks)
+        except AttributeError:
+            units = None
         if not isinstance(units, nn.ModuleList):
             raise ValueError(f"model.{blocks} is not an nn.ModuleList ({type(model).__name__} has "
                              f"{type(units).__name__}); pass blocks= the name of its list of blocks, or None")

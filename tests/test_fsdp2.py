@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from lightning.pytorch import Callback, Trainer
 
 from ttt_flash import fsdp
 from ttt_flash.hessian import hvp as one_process_hvp
 from ttt_flash.meta import functional_loss, inner_loop
 from ttt_flash.models import GPT, GPTConfig
 from ttt_flash.optim import SophiaH
+from ttt_flash.tasks import MetaBatch
 
 TOL = 1e-10
 F64 = torch.float64
@@ -268,3 +270,106 @@ def test_maml_meta_gradient_equals_one_process(results):
 
 def test_unsupported_combinations_raise(results):
     _check(results, "errors", tol=0.0)
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+class _Record(Callback):
+    """Each step's logged (local) loss; at the end the full weights (all-gathered)."""
+
+    def __init__(self, path: str, key: str):
+        self.path, self.key, self.losses = path, key, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        weights = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                   for n, p in pl_module.named_parameters()}
+        out = {"losses": self.losses, "weights": weights,
+               "sharded": all(isinstance(p, DTensor) for p in pl_module.parameters())}
+        torch.save(out, os.path.join(self.path, f"{self.key}-rank{trainer.global_rank}-world{trainer.world_size}.pt"))
+
+
+class _PerRank(torch.utils.data.IterableDataset):
+    """Step s yields rank r's batch ``steps[s][r]`` under torch.distributed, else the
+    concatenation of the step's batches (no sampler decides who gets what)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __iter__(self):
+        for pair in self.steps:
+            yield pair[dist.get_rank()] if dist.is_initialized() else _cat(pair)
+
+
+def _fit(model, steps, path, devices: int, key: str, clip=None):
+    from torch.utils.data import DataLoader
+
+    from ttt_flash.lightning.fsdp2 import FSDP2Strategy
+
+    kw = dict(strategy=FSDP2Strategy(start_method="fork")) if devices > 1 else {}
+    if devices > 1:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+    # the model is float64 already ("32-true" leaves it so; ModelParallelStrategy refuses "64-true")
+    trainer = Trainer(accelerator="cpu", devices=devices, max_steps=len(steps), precision="32-true", logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[_Record(path, key)],
+                      default_root_dir=path, gradient_clip_val=clip, **kw)
+    trainer.fit(model, train_dataloaders=DataLoader(_PerRank(steps), batch_size=None))
+    return [torch.load(os.path.join(path, f"{key}-rank{r}-world{devices}.pt")) for r in range(devices)]
+
+
+def _cat(batches):
+    fields = [None if xs[0] is None else torch.cat(xs) for xs in zip(*batches)]
+    return type(batches[0])(*fields) if hasattr(batches[0], "_fields") else type(batches[0])(fields)
+
+
+def _compare_runs(model, steps, path, key, clip=None):
+    """``steps[s]`` = (rank 0's batch, rank 1's batch) of step s: 2 processes under the fsdp2
+    strategy against one process on the concatenated batches."""
+    twin = copy.deepcopy(model)
+    sharded = _fit(model, steps, path, 2, key, clip)
+    (one,) = _fit(twin, steps, path, 1, key, clip)
+    for rank, out in enumerate(sharded):
+        assert out["sharded"], "the model was not sharded"
+        assert out["weights"].keys() == one["weights"].keys()
+        for n, ref in one["weights"].items():
+            assert _err(ref, out["weights"][n]) <= TOL, f"rank {rank} {n}"
+    assert len(one["losses"]) == len(steps)
+    for s, ref in enumerate(one["losses"]):  # the mean of the ranks' losses (equal shards)
+        assert abs((sharded[0]["losses"][s] + sharded[1]["losses"][s]) / 2 - ref) <= TOL, f"step {s}"
+    return one
+
+
+def test_lightning_sophia_under_fsdp2_equals_one_process(tmp_path):
+    """LanguageModel with Sophia-H under --trainer.strategy=fsdp2 (2 CPU processes): 3 steps,
+    Hessian refreshes at steps 0 and 2 through the full parameters, plain FSDP2 step between,
+    gradient clipping on the sharded gradients: losses and weights equal one process."""
+    from ttt_flash.lightning import LanguageModel
+
+    torch.manual_seed(0)
+    model = LanguageModel(GPTConfig(**CFG), optimizer="sophiah", lr=0.02, hessian_every=2,
+                          schedule="constant").to(F64)
+    steps = [(_tokens(2, seed=60 + 2 * s), _tokens(2, seed=61 + 2 * s)) for s in range(3)]
+    _compare_runs(model, steps, str(tmp_path), "lm", clip=0.5)
+
+
+def test_lightning_maml_under_fsdp2_equals_one_process(tmp_path):
+    """MAML (second order, 2 inner steps) through a GPT regressor whose blocks are sharded,
+    under --trainer.strategy=fsdp2: 2 meta-updates of 2 + 2 tasks equal one process on 4."""
+    from ttt_flash.lightning import MAML, NetConfig
+    from ttt_flash.tasks import InContextRegressionTasks
+
+    torch.manual_seed(0)
+    model = MAML(net=NetConfig(kind="gpt", in_dim=5, d_model=16, n_heads=2, n_layers=2), inner_steps=2,
+                 inner_lr=0.05, loss="incontext_mse", grad_clip=1.0).to(F64)
+    g = torch.Generator().manual_seed(3)
+    tasks = InContextRegressionTasks(dim=3, seq_len=8, support_size=2, query_size=2)
+    steps = [tuple(MetaBatch(*(None if t is None else t.to(F64) for t in tasks.sample(2, generator=g)))
+                   for _ in range(2)) for _ in range(2)]
+    _compare_runs(model, steps, str(tmp_path), "maml")

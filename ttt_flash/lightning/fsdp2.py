@@ -16,9 +16,13 @@ docs/distributed.md).
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from typing import Literal, Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from ..fsdp import Unsharded, fsdp_modules, shard_blocks, unsharded
@@ -54,13 +58,31 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
             return super()._configure_launcher()
-        from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-
-        self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self._launcher = _StartedLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+
+class _StartedLauncher(_MultiProcessingLauncher):
+    """Lightning's fork/spawn launcher, handing the trained weights back to the main process
+    as full tensors (the workers hold DTensor shards, which do not travel as such)."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(trainer.lightning_module,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self._strategy.local_rank != 0:
+            return None
+        cb = trainer.checkpoint_callback
+        best = getattr(cb, "best_model_path", None) if cb is not None else None
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            self._strategy.checkpoint_io.save_checkpoint(full, weights_path)
+        return _WorkerOutput(best, weights_path, trainer.state, results, self.get_extra_results(trainer))
 
 
 StrategyRegistry.register("fsdp2", FSDP2Strategy, description="FSDP2 (fully_shard) data parallelism, "

@@ -189,6 +189,8 @@ class Unsharded:
         p = next(iter(sharded.values()))
         self.mesh = p.device_mesh
         self.group = self.mesh.get_group()
+        # collectives of the reductions' bookkeeping run where the parameters live (NCCL: the GPU)
+        self.device = next(iter(params.values())).device if params else torch.device("cpu")
 
     def _share(self, weight: Optional[float]) -> float:
         """This process's factor ``w_r / Σ_s w_s`` of the weighted mean (``None``: equal shares)."""
@@ -197,7 +199,7 @@ class Unsharded:
             return 1.0 / n
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not weight >= 0:
             raise ValueError(f"weight must be a number >= 0 (this process's share of the batch), got {weight!r}")
-        total = torch.tensor([float(weight)], dtype=torch.float64)
+        total = torch.tensor([float(weight)], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.group)
         if not total.item() > 0:
             raise ValueError("the weights of all processes sum to 0")
@@ -261,7 +263,7 @@ class Unsharded:
         parameters' ``.grad``, as the weighted mean over processes (added to a sharded
         gradient already there). The full ``.grad`` are cleared; a parameter without a
         gradient on every process keeps its sharded ``.grad``."""
-        has = torch.tensor([p.grad is not None for p in self.params.values()], dtype=torch.int32)
+        has = torch.tensor([p.grad is not None for p in self.params.values()], dtype=torch.int32, device=self.device)
         dist.all_reduce(has, group=self.group)  # a gradient on any process: all take part
         grads = [None if not h else (torch.zeros_like(p) if p.grad is None else p.grad)
                  for h, p in zip(has.tolist(), self.params.values())]

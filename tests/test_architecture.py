@@ -40,6 +40,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash.context_parallel": 2,
     "ttt_flash.distributed": 2,
     "ttt_flash.optim": 2,
+    "ttt_flash.fsdp": 2,
     "ttt_flash": 2,  # the package façade: flash_attention, flash_attention_varlen
     # 3: the registry of attention implementations
     "ttt_flash.impls": 3,

@@ -15,6 +15,8 @@ Public names:
 * :class:`ResumableCheckpoint`, :class:`ResumableCSVLogger`: ``last.ckpt`` written atomically, with what an exact resume
   needs beyond Lightning's own state; SIGTERM/SIGINT checkpoint and stop
   (:mod:`ttt_flash.lightning.resume`).
+* :class:`FSDP2Strategy` (``--trainer.strategy=fsdp2``): FSDP2 sharding, second-order steps
+  included (:mod:`ttt_flash.lightning.fsdp2`, docs/distributed.md).
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
@@ -23,6 +25,7 @@ from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 from ..models import GPTRegressor, NetConfig, SinusoidMLP, TinyTransformer  # moved; re-exported
 from .resume import ResumableCheckpoint, ResumableCSVLogger
+from .fsdp2 import FSDP2Strategy
 
 __all__ = [
     "MAML",
@@ -41,4 +44,5 @@ __all__ = [
     "AssociativeRecallDataModule",
     "ResumableCheckpoint",
     "ResumableCSVLogger",
+    "FSDP2Strategy",
 ]

@@ -41,19 +41,26 @@ class FSDP2Strategy(ModelParallelStrategy):
         start_method: ``"popen"`` (default: the command relaunches itself once per process),
             ``"fork"`` or ``"spawn"`` (processes started from the running Python).
         process_group_backend: ``None``: NCCL on GPUs, gloo on the CPU.
+        reshard_after_forward: FSDP2's policy on first-order steps (``fully_shard``'s
+            argument): ``True`` frees each block's full weights after its forward (least
+            memory), ``False`` keeps them until its backward (one all-gather less per block).
+            Second-order steps hold every full weight either way (docs/distributed.md).
     """
 
     strategy_name = "fsdp2"
 
     def __init__(self, save_distributed_checkpoint: bool = False,
                  start_method: Literal["popen", "fork", "spawn"] = "popen",
-                 process_group_backend: Optional[str] = None, **kwargs):
+                 process_group_backend: Optional[str] = None, reshard_after_forward: bool = True, **kwargs):
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, **kwargs)
         if start_method not in ("popen", "fork", "spawn"):
             raise ValueError(f"start_method must be 'popen', 'fork' or 'spawn', got {start_method!r}")
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(f"reshard_after_forward must be a bool, got {type(reshard_after_forward).__name__}")
         self._start_method = start_method
+        self.reshard_after_forward = reshard_after_forward
 
     def _configure_launcher(self) -> None:
         if self._start_method == "popen":
@@ -125,7 +132,9 @@ class FSDP2Steps:
                 f"strategy's tensor_parallel_size is {mesh['tensor_parallel'].size()}: use "
                 "--trainer.strategy=fsdp2 (ttt_flash.lightning.FSDP2Strategy)")
         dp = mesh["data_parallel"] if "data_parallel" in names else mesh
-        shard_blocks(net, blocks, mesh=dp)
+        trainer = getattr(module, "_trainer", None)
+        policy = getattr(getattr(trainer, "strategy", None), "reshard_after_forward", True)
+        shard_blocks(net, blocks, mesh=dp, reshard_after_forward=policy)
         self.net = net
 
     def begin(self) -> Unsharded:

@@ -295,6 +295,10 @@ def _restore_policy(saved) -> None:
             g.reduce_grads = reduce_grads
 
 
+#: ids of the models inside an unsharded() block (blocks do not nest)
+_HELD: set = set()
+
+
 @contextlib.contextmanager
 def unsharded(model: nn.Module) -> Iterator[Unsharded]:
     """Hold the full parameters of every ``fully_shard``-ed module of ``model`` for one
@@ -312,25 +316,30 @@ def unsharded(model: nn.Module) -> Iterator[Unsharded]:
     Memory inside the block: the full parameters (as under DDP) plus what the step builds.
 
     Raises:
-        see :func:`check_fsdp2`; ``RuntimeError`` when the model is already unsharded (nested
-        blocks) or under ``torch.inference_mode``.
+        see :func:`check_fsdp2`; ``RuntimeError`` inside another block for the same model
+        (blocks do not nest) or under ``torch.inference_mode``.
     """
     from torch.distributed.tensor import DTensor
 
     mods = check_fsdp2(model)
+    if id(model) in _HELD:
+        raise RuntimeError(f"{type(model).__name__} is already unsharded by an enclosing unsharded() block: "
+                           "use that block's Unsharded (blocks do not nest)")
     if torch.is_inference_mode_enabled():
         raise RuntimeError("unsharded() under torch.inference_mode: the second-order step needs autograd; "
                            "leave inference mode first (with torch.inference_mode(False), torch.enable_grad())")
+    for m in mods:  # a no-grad forward under reshard_after_forward=False leaves full weights behind
+        m.reshard()
     sharded = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not sharded:
         raise ValueError(f"{type(model).__name__} has no parameter that requires grad")
     plain = [n for n, p in sharded.items() if not isinstance(p, DTensor)]
     if plain:
-        raise RuntimeError(f"parameters {plain[:3]} are not sharded DTensors: the model is already unsharded "
-                           "(an unsharded() block inside another), or they lie outside every fully_shard-ed "
-                           "module (call fully_shard on the model itself too: shard_blocks does)")
+        raise RuntimeError(f"parameters {plain[:3]} are not sharded DTensors: they lie outside every "
+                           "fully_shard-ed module (call fully_shard on the model itself too: shard_blocks does)")
     saved = _saved_policy(mods)
     params: Dict[str, Tensor] = {}
+    _HELD.add(id(model))
     try:
         for m in mods:
             m.set_reshard_after_forward(False, recurse=False)
@@ -341,6 +350,7 @@ def unsharded(model: nn.Module) -> Iterator[Unsharded]:
         params = {n: p for n, p in model.named_parameters() if n in sharded}
         yield Unsharded(sharded, params)
     finally:
+        _HELD.discard(id(model))
         for p in params.values():
             p.grad = None
         _restore_policy(saved)

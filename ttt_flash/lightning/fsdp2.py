@@ -67,6 +67,19 @@ class FSDP2Strategy(ModelParallelStrategy):
             return super()._configure_launcher()
         self._launcher = _StartedLauncher(self, start_method=self._start_method)
 
+    def load_checkpoint(self, checkpoint_path, weights_only=None):
+        # torch.distributed.checkpoint creates a missing optimizer state by a step on zero
+        # gradients, which Sophia-H / AdaHessian refuse before a Hessian estimate: their state
+        # is created here instead, then overwritten by the checkpoint's
+        for opt in self.optimizers:
+            init = getattr(opt, "_init_state", None)
+            if init is not None and not opt.state:
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        if p.requires_grad:
+                            init(p)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()

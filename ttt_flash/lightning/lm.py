@@ -304,6 +304,11 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             (docs/cuda-graphs.md); the optimizer step stays eager. The CPU, DDP, context
             parallelism, gradient accumulation and ``hessian_mode="fwd_rev"`` run eagerly (one
             warning). Validation stays eager.
+
+    Under ``--trainer.strategy=fsdp2`` (:class:`~ttt_flash.lightning.FSDP2Strategy`),
+    ``configure_model`` shards each GPT block and the GPT with ``fully_shard``; a
+    Hessian-refresh step holds the full weights from the batch's start to the optimizer step
+    (:func:`ttt_flash.fsdp.unsharded`), the other steps are plain FSDP2 (docs/distributed.md).
     """
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)

@@ -129,6 +129,11 @@ class MAML(LightningModule):
             issued the first time CG stops above it.
         hessian_mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (forward over reverse: lower
             peak memory) for iMAML's Hessian-vector products; iMAML only.
+
+    Under ``--trainer.strategy=fsdp2`` (:class:`~ttt_flash.lightning.FSDP2Strategy`),
+    ``configure_model`` shards the network's blocks and the network with ``fully_shard``;
+    every training and evaluation step holds the full weights (:func:`ttt_flash.fsdp.unsharded`)
+    and the meta-gradients are reduce-scattered to the shards (docs/distributed.md).
     """
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)

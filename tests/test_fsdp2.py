@@ -84,6 +84,12 @@ def _hvp_case(rank):
     # the model is sharded again afterwards, and a plain FSDP2 forward still works
     out["resharded"] = float(not all(type(p).__name__ == "DTensor" for p in model.parameters()))
     out["plain-forward"] = abs(model.loss(x, y).item() - one.loss(x, y).item())
+    # reshard_after_forward=False: a no-grad forward leaves the full weights in place
+    kept = fsdp.shard_blocks(copy.deepcopy(one), reshard_after_forward=False)
+    with torch.no_grad():
+        kept.loss(x, y)
+    got = fsdp.hvp(kept, lambda: kept.loss(x[mine], y[mine]), vecs, weight=x[mine].numel())
+    out["after-no-grad-forward"] = max(_err(r, g) for r, g in zip(ref, got))
     return out
 
 

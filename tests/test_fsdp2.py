@@ -222,6 +222,23 @@ def _errors_case(rank):
             fsdp.update_hessian(opt2, full)
 
     out["no-graph"] = _raises(no_graph, ValueError, "create_graph=True")
+
+    # the Lightning modules' configure_model under the fsdp2 strategy's mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ttt_flash.lightning import MAML, LanguageModel, NetConfig
+
+    dp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    tp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    net = NetConfig(kind="gpt", in_dim=5, d_model=16, n_heads=2, n_layers=1)
+    for name, module, mesh, exc, words in (
+        ("maml-meta-sgd", MAML(net=net, meta_sgd=True), dp, ValueError, ("meta_sgd", "strategy=ddp")),
+        ("maml-imaml", MAML(net=net, algorithm="imaml"), dp, ValueError, ("imaml", "strategy=ddp")),
+        ("lm-fwd-rev", LanguageModel(GPTConfig(**CFG), hessian_mode="fwd_rev"), dp, ValueError, ("rev_rev",)),
+        ("tensor-parallel", LanguageModel(GPTConfig(**CFG)), tp, ValueError, ("tensor_parallel_size", "fsdp2")),
+    ):
+        module._device_mesh = mesh
+        out[name] = _raises(module.configure_model, exc, *words)
     return out
 
 

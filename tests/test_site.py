@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: API page (docs/reference/NAME.md) -> the modules whose ``__all__`` it documents in full.
 PAGES = {
     "meta": ["ttt_flash/meta.py"],
-    "second-order": ["ttt_flash/hessian.py", "ttt_flash/optim.py"],
+    "second-order": ["ttt_flash/hessian.py", "ttt_flash/optim.py", "ttt_flash/fsdp.py"],
     "cuda-graph": ["ttt_flash/cuda_graph.py"],
     "memory": ["ttt_flash/memory/__init__.py"],
     "models": ["models/__init__.py"],

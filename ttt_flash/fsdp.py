@@ -316,8 +316,10 @@ def unsharded(model: nn.Module) -> Iterator[Unsharded]:
     Memory inside the block: the full parameters (as under DDP) plus what the step builds.
 
     Raises:
-        see :func:`check_fsdp2`; ``RuntimeError`` inside another block for the same model
-        (blocks do not nest) or under ``torch.inference_mode``.
+        TypeError: see :func:`check_fsdp2`.
+        ValueError: see :func:`check_fsdp2`.
+        RuntimeError: inside another block for the same model (blocks do not nest), or
+            under ``torch.inference_mode``.
     """
     from torch.distributed.tensor import DTensor
 

@@ -15,7 +15,8 @@ and the plain Sophia-H steps under FSDP2's own reduction. Printed: both loss cur
 the sharded run the mean of the processes' losses), the largest relative difference of the
 losses and of the final weights, whether they match (``--tol``, float32 by default: the
 processes' partial sums and the reduce-scatter change the rounding), and the peak memory of
-each run's steps.
+each run's steps (``max_memory_allocated`` over them; both models and their optimizer states
+live in each process throughout, so the two peaks share that offset).
 
     python scripts/fsdp2_gpu_check.py --procs 1            # FSDP2 over one rank (NCCL)
     python scripts/fsdp2_gpu_check.py --procs 2            # two ranks on one GPU: NCCL, else gloo

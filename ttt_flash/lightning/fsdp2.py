@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 from typing import Literal, Optional
 
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
@@ -148,6 +149,9 @@ class FSDP2Steps:
         trainer = getattr(module, "_trainer", None)
         policy = getattr(getattr(trainer, "strategy", None), "reshard_after_forward", True)
         shard_blocks(net, blocks, mesh=dp, reshard_after_forward=policy)
+        # FSDP2 warns at every forward whose output is a view (a Linear on (B, N, d) inputs), in
+        # case the caller modifies it in place; the package's modules never do
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         self.net = net
 
     def begin(self) -> Unsharded:

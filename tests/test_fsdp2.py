@@ -24,7 +24,7 @@ from ttt_flash import fsdp
 from ttt_flash.hessian import hvp as one_process_hvp
 from ttt_flash.meta import functional_loss, inner_loop
 from ttt_flash.models import GPT, GPTConfig
-from ttt_flash.optim import SophiaH
+from ttt_flash.optim import AdaHessian, SophiaH
 from ttt_flash.tasks import MetaBatch
 
 TOL = 1e-10
@@ -93,13 +93,13 @@ def _hvp_case(rank):
     return out
 
 
-def _sophia_refresh_case(rank):
-    """One Sophia-H step with a refresh: gradients, Hessian estimates and the new weights."""
+def _sophia_refresh_case(rank, make=lambda ps: SophiaH(ps, lr=0.05, weight_decay=0.1, k=1), key="hessian"):
+    """One Sophia-H (AdaHessian) step with a refresh: gradients, Hessian estimates and the new
+    weights."""
     one, model = _models()
     x, y = _tokens(3, seed=3)
     mine = _rows(rank, [2, 1])
-    opt_one = SophiaH(one.parameters(), lr=0.05, weight_decay=0.1, k=1)
-    opt = SophiaH(model.parameters(), lr=0.05, weight_decay=0.1, k=1)
+    opt_one, opt = make(one.parameters()), make(model.parameters())
     one.loss(x, y).backward(create_graph=True)
     grads_one = [p.grad.detach().clone() for p in one.parameters()]
     opt_one.update_hessian(generator=torch.Generator().manual_seed(5))
@@ -110,7 +110,7 @@ def _sophia_refresh_case(rank):
         full.reduce_gradients(weight=n)
     out = {
         "grad": max(_err(g, p.grad) for g, p in zip(grads_one, model.parameters())),
-        "hessian": max(_err(opt_one.state[a]["hessian"], opt.state[b]["hessian"])
+        "hessian": max(_err(opt_one.state[a][key], opt.state[b][key])
                        for a, b in zip(one.parameters(), model.parameters())),
     }
     opt_one.step()
@@ -242,7 +242,12 @@ def _errors_case(rank):
     return out
 
 
-CASES = {"hvp": _hvp_case, "sophia-refresh": _sophia_refresh_case, "sophia-run": _sophia_run_case,
+def _adahessian_refresh_case(rank):
+    return _sophia_refresh_case(rank, lambda ps: AdaHessian(ps, lr=0.05, k=1), "exp_hessian_diag_sq")
+
+
+CASES = {"hvp": _hvp_case, "sophia-refresh": _sophia_refresh_case, "adahessian-refresh": _adahessian_refresh_case,
+         "sophia-run": _sophia_run_case,
          "maml": _maml_case, "errors": _errors_case}
 
 
@@ -281,6 +286,10 @@ def test_hvp_equals_one_process(results):
 
 def test_sophia_refresh_equals_one_process(results):
     _check(results, "sophia-refresh")
+
+
+def test_adahessian_refresh_equals_one_process(results):
+    _check(results, "adahessian-refresh")
 
 
 def test_sophia_run_equals_one_process(results):

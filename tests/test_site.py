@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: API page (docs/reference/NAME.md) -> the modules whose ``__all__`` it documents in full.
 PAGES = {
     "meta": ["ttt_flash/meta/__init__.py"],
-    "second-order": ["ttt_flash/second_order/__init__.py", "ttt_flash/second_order/optim.py"],
+    "second-order": ["ttt_flash/second_order/__init__.py", "ttt_flash/second_order/optim.py", "ttt_flash/fsdp.py"],
     "distributed": ["ttt_flash/distributed/__init__.py"],
     "cuda-graph": ["ttt_flash/cuda_graph.py"],
     "memory": ["ttt_flash/memory/__init__.py"],

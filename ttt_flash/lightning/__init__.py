@@ -14,6 +14,8 @@ Public names:
 * :class:`ResumableCheckpoint`, :class:`ResumableCSVLogger`: ``last.ckpt`` written atomically, with what an exact resume
   needs beyond Lightning's own state; SIGTERM/SIGINT checkpoint and stop
   (:mod:`ttt_flash.lightning.resume`).
+* :class:`FSDP2Strategy` (``--trainer.strategy=fsdp2``): FSDP2 sharding, second-order steps
+  included (:mod:`ttt_flash.lightning.fsdp2`, docs/distributed.md).
 """
 
 from .data import InContextRegressionDataModule, SinusoidDataModule
@@ -22,6 +24,7 @@ from .lm import ByteTextDataModule, LanguageModel
 from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 from .resume import ResumableCheckpoint, ResumableCSVLogger
+from .fsdp2 import FSDP2Strategy
 
 __all__ = [
     "MAML",
@@ -36,4 +39,5 @@ __all__ = [
     "AssociativeRecallDataModule",
     "ResumableCheckpoint",
     "ResumableCSVLogger",
+    "FSDP2Strategy",
 ]

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor
 
+from ..fsdp import update_hessian as fsdp_update_hessian
 from ..second_order.optim import HessianOptimizer
 
 __all__ = ["HessianRefresh", "HESSIAN_MODES"]
@@ -146,9 +147,14 @@ class HessianRefresh(Callback):
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            # weight: this process's share of the global batch under DDP (docs/distributed.md).
-            optimizer.update_hessian(n_samples=self.n_samples, generator=self._probe_generator(optimizer),
-                                     weight=_grad_weight(pl_module))
+            fsdp2 = getattr(pl_module, "_fsdp2", None)
+            if fsdp2 is not None and fsdp2.open:  # FSDP2: through the full parameters' graph (ttt_flash.fsdp)
+                fsdp_update_hessian(optimizer, fsdp2.full, n_samples=self.n_samples,
+                                    generator=self._probe_generator(optimizer))
+            else:
+                # weight: this process's share of the global batch under DDP (docs/distributed.md).
+                optimizer.update_hessian(n_samples=self.n_samples, generator=self._probe_generator(optimizer),
+                                         weight=_grad_weight(pl_module))
         except ValueError as e:
             raise RuntimeError(
                 f"HessianRefresh: {e}. The LightningModule's backward must call "

@@ -54,6 +54,7 @@ from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
 from .resume import EpochSampler, ResumableLoader
 from .context_parallel import ContextParallelPlan
 from .hessian_refresh import HESSIAN_MODES, HessianRefresh
+from .fsdp2 import FSDP2Steps
 
 __all__ = [
     "LanguageModel",
@@ -121,6 +122,11 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             (docs/cuda-graphs.md); the optimizer step stays eager. The CPU, DDP, context
             parallelism, gradient accumulation and ``hessian_mode="fwd_rev"`` run eagerly (one
             warning). Validation stays eager.
+
+    Under ``--trainer.strategy=fsdp2`` (:class:`~ttt_flash.lightning.FSDP2Strategy`),
+    ``configure_model`` shards each GPT block and the GPT with ``fully_shard``; a
+    Hessian-refresh step holds the full weights from the batch's start to the optimizer step
+    (:func:`ttt_flash.fsdp.unsharded`), the other steps are plain FSDP2 (docs/distributed.md).
     """
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
@@ -188,6 +194,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         self.hessian_refresh_pending = False
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
+        self._fsdp2 = FSDP2Steps()
 
     @property
     def second_order(self) -> bool:
@@ -275,11 +282,27 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self._timer.start(batch[0].is_cuda)
+        if self._fsdp2.active and self.hessian_refresh_pending:
+            self._fsdp2.begin()  # FSDP2: full parameters through the refresh step (docs/distributed.md)
 
     # ------------------------------------------------------------------ distributed (docs/distributed.md)
 
     def setup(self, stage: str) -> None:
         self.context_parallel_plan.setup(self.model)  # groups and the GPT switch (context_parallel > 1)
+
+    def configure_model(self) -> None:
+        # --trainer.strategy=fsdp2: each GPT block and the GPT sharded with fully_shard
+        self._fsdp2.shard(self, self.model, "blocks")
+        if self._fsdp2.active:
+            hp = self.hparams
+            if self.context_parallel_plan.active:
+                raise ValueError("context_parallel > 1 runs under --trainer.strategy=ddp, not fsdp2")
+            if self.second_order and hp.get("hessian_mode", "rev_rev") != "rev_rev":
+                raise ValueError("under --trainer.strategy=fsdp2 the Hessian refresh takes hessian_mode='rev_rev' "
+                                 "(the full parameters are held through the refresh step); set hessian_mode: rev_rev")
+            if self.second_order and self.trainer.accumulate_grad_batches != 1:
+                raise ValueError("under --trainer.strategy=fsdp2 a second-order optimizer needs "
+                                 "accumulate_grad_batches=1 (or use --trainer.strategy=ddp)")
 
     def on_train_start(self) -> None:
         # Under DDP with a second-order optimizer: DDP's hooks cannot reduce a
@@ -293,6 +316,9 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         self._graphed.reset()
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if self._fsdp2.open:  # FSDP2 refresh step: the full gradients reduce-scattered to the shards
+            self._fsdp2.full.reduce_gradients()
+            self._fsdp2.end()
         self._local.average(self.model.parameters())
 
     def _loss(self, batch) -> Tuple[Tensor, Tensor, int, int]:
@@ -311,8 +337,8 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         self._graphed.reset()  # new optimizer state and probe generator: capture again
 
     def _graph_blocker(self) -> Optional[str]:
-        if self._local.active or self.context_parallel_plan.active:
-            return "DDP / context parallelism"
+        if self._local.active or self.context_parallel_plan.active or self._fsdp2.active:
+            return "DDP / FSDP2 / context parallelism"
         if self.trainer.accumulate_grad_batches != 1:
             return "gradient accumulation"
         if self.second_order and self.hparams.get("hessian_mode", "rev_rev") != "rev_rev":
@@ -396,6 +422,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self._fsdp2.end()  # a no-op unless a step ended without its optimizer step
         self._timer.log(self, batch[0].is_cuda, batch[0].shape[0])
         opt = self.trainer.optimizers[0] if self.trainer.optimizers else None
         if isinstance(opt, SophiaH) and opt.clip_fraction is not None:

@@ -29,6 +29,7 @@ sequence length: a data ``curriculum`` grows it) and, on CUDA,
 
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Literal, Mapping, Optional, Union
 
 import torch
@@ -37,6 +38,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from ._step import GraphedTraining, LocalGradients, StepTimer
+from .fsdp2 import FSDP2Steps
 from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
                     proximal_inner_loop, reptile_meta_gradient, select_adapted)
 from ..tasks import MetaBatch, incontext_mse
@@ -130,6 +132,11 @@ class MAML(LightningModule):
             issued the first time CG stops above it.
         hessian_mode: ``"rev_rev"`` (default) or ``"fwd_rev"`` (forward over reverse: lower
             peak memory) for iMAML's Hessian-vector products; iMAML only.
+
+    Under ``--trainer.strategy=fsdp2`` (:class:`~ttt_flash.lightning.FSDP2Strategy`),
+    ``configure_model`` shards the network's blocks and the network with ``fully_shard``;
+    every training and evaluation step holds the full weights (:func:`ttt_flash.fsdp.unsharded`)
+    and the meta-gradients are reduce-scattered to the shards (docs/distributed.md).
     """
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
@@ -183,6 +190,7 @@ class MAML(LightningModule):
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
+        self._fsdp2 = FSDP2Steps()
         self.net_config = net if isinstance(net, NetConfig) else None
         self.net = net.build() if isinstance(net, NetConfig) else net
         self.adapted_names = select_adapted([n for n, _ in self.net.named_parameters()], adapt)
@@ -196,6 +204,20 @@ class MAML(LightningModule):
 
     def forward(self, *inputs: Tensor) -> Tensor:
         return self.net(*inputs)
+
+    def configure_model(self) -> None:
+        # --trainer.strategy=fsdp2: the network's blocks and the network sharded with fully_shard;
+        # every step holds the full parameters (ttt_flash.fsdp.unsharded, docs/distributed.md)
+        blocks = next((n for n, m in self.net.named_modules() if n.split(".")[-1] == "blocks"
+                       and isinstance(m, nn.ModuleList)), None)
+        self._fsdp2.shard(self, self.net, blocks)
+        if self._fsdp2.active:
+            h = self.hparams
+            unsupported = [what for what, bad in (("meta_sgd", h.meta_sgd), ("cuda_graph", h.cuda_graph),
+                                                  (f"algorithm={h.algorithm!r}", h.algorithm != "maml")) if bad]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)} under --trainer.strategy=fsdp2 is not supported: "
+                                 "use algorithm: maml without meta_sgd and cuda_graph, or --trainer.strategy=ddp")
 
     def configure_optimizers(self):
         # capturable on CUDA with or without cuda_graph: the graphed and the eager run then step
@@ -358,7 +380,15 @@ class MAML(LightningModule):
         self._timer.start(cuda)
         opt.zero_grad()
         tasks = batch.num_tasks
-        sums = self._meta_gradients(batch, self.manual_backward)
+        if self._fsdp2.active:  # FSDP2: full parameters through the step, gradients reduce-scattered
+            full = self._fsdp2.begin()
+            try:
+                sums = self._meta_gradients(batch, self.manual_backward)
+                full.reduce_gradients()
+            finally:
+                self._fsdp2.end()
+        else:
+            sums = self._meta_gradients(batch, self.manual_backward)
         if "cg_rel_residual" in sums:
             self.log("train/cg_rel_residual", sums.pop("cg_rel_residual"), batch_size=tasks)
         self._local.add(tasks)  # DDP: mean over all processes' tasks
@@ -376,7 +406,7 @@ class MAML(LightningModule):
         steps = self.hparams.eval_inner_steps
         steps = self.hparams.inner_steps if steps is None else steps
         # Lightning evaluates under torch.inference_mode; the inner loop needs autograd.
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), self._held():
             batch = MetaBatch(*(None if x is None else x.clone() for x in batch))
             sums: Dict[str, Tensor] = {}
             for t in range(batch.num_tasks):
@@ -390,6 +420,15 @@ class MAML(LightningModule):
                         for k, v in self._score(params, query).items():
                             sums[f"{k}_{when}"] = sums.get(f"{k}_{when}", 0.0) + v
         self._log(stage, sums, batch.num_tasks, on_epoch=True)
+
+    def _held(self):
+        """FSDP2: the full parameters for the evaluation's inner loop (a no-op context otherwise)."""
+        if not self._fsdp2.active:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        self._fsdp2.begin()
+        stack.callback(self._fsdp2.end)
+        return stack
 
     def validation_step(self, batch: MetaBatch, batch_idx: int) -> None:
         self._evaluate(batch, "val")

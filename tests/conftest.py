@@ -28,6 +28,24 @@ def _seed():
 
 
 @pytest.fixture
+def gpu_dot(monkeypatch):
+    """The Triton interpreter's float32 ``tl.dot`` as the GPU rounds it: one fused multiply-add
+    per k in order (tests/_gpu_dot.py), for tests whose bound is near float32 rounding. On a
+    CUDA machine the kernels run compiled and nothing changes."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    from _gpu_dot import install
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        interpreter.InterpreterBuilder.create_dot)
+    assert install(), "this Triton's interpreter has no InterpreterBuilder.create_dot"
+    yield
+
+
+@pytest.fixture
 def one_thread():
     """One torch thread: tiny matmuls on a shared 2-core CPU run several times faster than
     with two threads spinning against other jobs."""

@@ -4,13 +4,33 @@ Without a CUDA device the Triton kernels run under the Triton interpreter, which
 switched on before triton is first imported.
 """
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _drop_checkout_from_path():
+    """``python -m pytest`` puts the checkout first on sys.path, where its top-level kernels/
+    (installed as ttt_flash.kernels) would shadow the PyPI package ``kernels`` that
+    transformers imports when it finds one. The tests import the installed ttt_flash."""
+    root = Path(__file__).resolve().parents[1]
+    kept = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
+    if len(kept) == len(sys.path):
+        return
+    saved = sys.path[:]
+    sys.path[:] = kept
+    if importlib.util.find_spec("ttt_flash") is None:  # not installed: run from the checkout
+        sys.path[:] = saved
+
+
+_drop_checkout_from_path()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,6 +45,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def gpu_dot(monkeypatch):
+    """The Triton interpreter's float32 ``tl.dot`` as the GPU rounds it: one fused multiply-add
+    per k in order (tests/_gpu_dot.py), for tests whose bound is near float32 rounding. On a
+    CUDA machine the kernels run compiled and nothing changes."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from triton.runtime import interpreter
+
+    from _gpu_dot import install
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        interpreter.InterpreterBuilder.create_dot)
+    assert install(), "this Triton's interpreter has no InterpreterBuilder.create_dot"
+    yield
 
 
 @pytest.fixture

@@ -71,8 +71,9 @@ def test_snippets_are_found():
 def test_snippet_runs(page, index, gpu, source, tmp_path):
     if gpu and not torch.cuda.is_available():
         pytest.skip(f"{page} snippet {index} is marked {GPU_MARK}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0"),
-           "PYTHONPATH": str(ROOT)}
+    # the installed package, not the checkout on sys.path: the checkout's top-level kernels/
+    # would shadow the PyPI package "kernels" that transformers imports when it finds one
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "0")}
     r = subprocess.run([sys.executable, "-c", source], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, f"{page} snippet {index} failed:\n{source}\n--- stderr ---\n{r.stderr[-3000:]}"

@@ -679,35 +679,40 @@ def _large_logit_chain(attn, ts):
     return [o.detach(), *(x.detach() for x in g), *torch.autograd.grad(inner, (q, k, v, do))]
 
 
-@pytest.mark.parametrize("seed,qk_scale,causal,deterministic", [
-    pytest.param(0, 4.0, False, True, id="seed0-logit~300-noncausal"),
-    pytest.param(0, 24.0, False, True, id="seed0-logit~2600-noncausal"),
-    pytest.param(0, 24.0, True, True, id="seed0-logit~2600-causal"),
-    pytest.param(0, 24.0, False, False, id="seed0-logit~2600-noncausal-atomic"),
-    pytest.param(0, 24.0, True, False, id="seed0-logit~2600-causal-atomic"),
+@pytest.mark.parametrize("seed,qk_scale,causal", [
+    pytest.param(0, 4.0, False, id="seed0-logit~300-noncausal"),
+    pytest.param(0, 24.0, False, id="seed0-logit~2600-noncausal"),
+    pytest.param(0, 24.0, True, id="seed0-logit~2600-causal"),
+    # where BLAS rounding (instead of the GPU's, see gpu_dot) put dk, K̄, V̄ at 3.2x and 1.05x
+    pytest.param(3, 12.0, True, id="seed3-logit~550-causal"),
+    pytest.param(1, 20.0, True, id="seed1-logit~1900-causal"),
     # rows where one key dominates: dP − D, G − α cancel (dk, Q̄, K̄, V̄ were off by up to 25x
     # the math chain before the dominant-key shift; docs/benchmarks.md)
-    pytest.param(2, 24.0, False, True, id="seed2-logit~2200-noncausal"),
-    pytest.param(3, 24.0, False, True, id="seed3-logit~2200-noncausal"),
-    pytest.param(5, 24.0, False, True, id="seed5-logit~2400-noncausal"),
-    pytest.param(6, 16.0, False, True, id="seed6-logit~1100-noncausal"),
-    pytest.param(7, 16.0, False, True, id="seed7-logit~1000-noncausal"),
-    pytest.param(7, 20.0, False, True, id="seed7-logit~1600-noncausal"),
-    pytest.param(7, 24.0, False, True, id="seed7-logit~2200-noncausal"),
-    pytest.param(2, 20.0, True, True, id="seed2-logit~1500-causal"),
-    pytest.param(2, 24.0, True, True, id="seed2-logit~2200-causal"),
-    pytest.param(3, 24.0, True, True, id="seed3-logit~2200-causal"),
-    pytest.param(6, 24.0, True, True, id="seed6-logit~2500-causal"),
-    pytest.param(7, 16.0, True, True, id="seed7-logit~1000-causal"),
-    pytest.param(7, 24.0, True, True, id="seed7-logit~2200-causal")])
-def test_fp32_large_logits(seed, qk_scale, causal, deterministic):
+    pytest.param(2, 24.0, False, id="seed2-logit~2200-noncausal"),
+    pytest.param(3, 24.0, False, id="seed3-logit~2200-noncausal"),
+    pytest.param(5, 24.0, False, id="seed5-logit~2400-noncausal"),
+    pytest.param(6, 16.0, False, id="seed6-logit~1100-noncausal"),
+    pytest.param(7, 16.0, False, id="seed7-logit~1000-noncausal"),
+    pytest.param(7, 20.0, False, id="seed7-logit~1600-noncausal"),
+    pytest.param(7, 24.0, False, id="seed7-logit~2200-noncausal"),
+    pytest.param(2, 20.0, True, id="seed2-logit~1500-causal"),
+    pytest.param(2, 24.0, True, id="seed2-logit~2200-causal"),
+    pytest.param(3, 24.0, True, id="seed3-logit~2200-causal"),
+    pytest.param(6, 24.0, True, id="seed6-logit~2500-causal"),
+    pytest.param(7, 16.0, True, id="seed7-logit~1000-causal"),
+    pytest.param(7, 24.0, True, id="seed7-logit~2200-causal")])
+def test_fp32_large_logits(seed, qk_scale, causal, gpu_dot):
     """float32 at max |logit| up to ~2,600 (N=24, d=8, q and k scaled): the relative error
     (max |error| / max |reference|) of each of o, dq, dk, dv, Q̄, K̄, V̄, dŌ against float64
     autograd on the same inputs is within max(4x the worst error of PyTorch's own float32 math
     chain, 1e-5); the inputs are those of ``scripts/kernels/large_logit_sweep.py --seeds``. Without
     the row-sum correction ρ the worst error reached 1.0e-3 (V̄, seed 0) against the math
     chain's 3.9e-5; without the dominant-key shift and P in natural units, 7.7e-2 (dk, seed
-    7) against 3.3e-3 (docs/benchmarks.md)."""
+    7) against 3.3e-3 (docs/benchmarks.md).
+
+    The bound is near float32 rounding, so the interpreter's float32 ``tl.dot`` rounds as the
+    GPU's does (``gpu_dot``): every pass recomputes the same S bit for bit, which the
+    row-sum correction relies on (bob-math.md, "Row sums of the recomputed P")."""
     from ttt_flash import flash_attention
 
     g = torch.Generator().manual_seed(seed)
@@ -723,8 +728,7 @@ def test_fp32_large_logits(seed, qk_scale, causal, deterministic):
     ref = _large_logit_chain(naive, ts)
     math32 = _large_logit_chain(naive, [t.float() for t in ts])
     ours = _large_logit_chain(
-        lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton",
-                                        deterministic=deterministic),
+        lambda q, k, v: flash_attention(q, k, v, causal=causal, backend="triton"),
         _dev([t.float() for t in ts], torch.float32))
 
     def rel(a, r):

@@ -11,6 +11,10 @@ PASS / FAIL; the exit status is 1 when a row fails.
     python scripts/kernels/large_logit_sweep.py --seeds 0-7 --scales 8,16,20,24 --masks full,causal
     python scripts/kernels/large_logit_sweep.py --n 512 --d 64 --heads 2 --dtype float32,bfloat16 --causal
     python scripts/kernels/large_logit_sweep.py --seeds 0-7 --masks full,causal --out OUT   # JSON in OUT
+
+Under the interpreter the float32 products round as on the GPU (tests/_gpu_dot.py, as in the
+test); ``--blas-dot`` keeps the interpreter's own BLAS products, whose rounding depends on the
+tile shape (docs/bob-math.md, "Row sums of the recomputed P").
 """
 
 from __future__ import annotations
@@ -98,7 +102,17 @@ def main() -> int:
     p.add_argument("--scales", default="2,4,8,16,24")
     p.add_argument("--seeds", default="0", help="seeds of the inputs: 0-7 or 0,3,5")
     p.add_argument("--out", default=None, help="folder for large_logit_sweep.json")
+    p.add_argument("--blas-dot", action="store_true",
+                   help="interpreter: keep its BLAS float32 tl.dot (default: the GPU's rounding)")
     a = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1" and not a.blas_dot:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+        from _gpu_dot import install
+
+        install()
     masks = (a.masks or ("causal" if a.causal else "full")).split(",")
     if any(m not in ("full", "causal") for m in masks):
         raise SystemExit(f"--masks: {a.masks!r}: give a comma list of full, causal")

@@ -290,7 +290,7 @@ def save(result: dict, out: str) -> List[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed (pip install 'ttt-flash[plot]'): no plot written")
+        print('matplotlib not installed (pip install -e ".[plot]" in the ttt-flash folder): no plot written')
         return paths
     panels = plot_panels(result)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)

@@ -17,8 +17,7 @@
 Every network is differentiable to any order through every layer (MAML differentiates
 twice, three times through the memory layer's second-order writes).
 
-Floor 4 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls`, the GPT and (lazily:
-:mod:`ttt_flash.memory` imports the models) the memory layer; never Lightning. (``ttt_flash.lightning.nets`` re-exports these names for recipes written before the
+(``ttt_flash.lightning.nets`` re-exports these names for recipes written before the
 move.)
 """
 

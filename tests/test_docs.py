@@ -156,3 +156,80 @@ def test_benchmarks_page_has_no_dated_session_logs():
 def test_raw_results_live_in_docs_results():
     assert not list((ROOT / "docs").glob("*.json")), "raw JSON belongs in docs/results/"
     assert list((ROOT / "docs" / "results").glob("*.json"))
+
+
+# --------------------------------------------------------------------------- words for users
+
+USER_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "reference").glob("*.md")),
+              *sorted((ROOT / "recipes").glob("*.yaml"))]
+# Lab-notebook wording: how the work was organised or how the code used to be, not what it does.
+NOTEBOOK = {
+    "session": r"\bsessions?\b",
+    "GPU session": r"\bGPU session",
+    "one call": r"\bone(?:-| )call\b",
+    "device call": r"\bdevice calls?\b",
+    "10-minute call": r"\b\d+-minute call",
+    "a machine kind": r"nvidia-[a-z]\d+|\bh200-x\d",
+    "floor N": r"\bfloors? \d",
+    "used to": r"\bused to\b",
+    "until then": r"\buntil then\b",
+    "appended section": r"\bappended section\b",
+    "git show": r"\bgit show\b",
+    "a path outside the repository": r"(?<![\w.])shared/|\]\(\.\./\.\./|(?<![\w/])\.\./(?!index\.md|[\w-]+\.md)",
+}
+# docs/architecture.md defines the import floors (tests/test_architecture.py holds the table).
+NOTEBOOK_EXEMPT = {("docs/architecture.md", "floor N")}
+
+
+def _notebook_hits(text: str, where: str):
+    hits = []
+    for name, pattern in NOTEBOOK.items():
+        if (where, name) in NOTEBOOK_EXEMPT:
+            continue
+        for m in re.finditer(pattern, text, flags=re.I):
+            line = text.count("\n", 0, m.start()) + 1
+            hits.append(f"{where}:{line}: {name!r}: ...{text[max(0, m.start() - 40):m.end() + 40]!r}...")
+    return hits
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_user_pages_have_no_lab_notebook_words(page):
+    """README, docs/, the API pages and the recipes speak to users: no sessions, device calls,
+    machine kinds, import floors, "used to", `git show` or files outside the repository."""
+    hits = _notebook_hits(page.read_text(), page.relative_to(ROOT).as_posix())
+    assert not hits, "\n".join(hits)
+
+
+def _docstrings():
+    import ast
+
+    for folder in ("ttt_flash", "kernels", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            nodes = [tree, *(n for n in ast.walk(tree)
+                             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))]
+            for node in nodes:
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield path.relative_to(ROOT).as_posix(), getattr(node, "name", "<module>"), doc
+
+
+def test_docstrings_have_no_lab_notebook_words():
+    """The API reference is built from the docstrings: the same rule as the pages."""
+    found = list(_docstrings())
+    assert len(found) > 300
+    hits = []
+    for where, name, doc in found:
+        hits += _notebook_hits(doc, f"{where} ({name})")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_notebook_rule_catches_what_it_names():
+    for text in ("Commands for the GPU session", "Longer than one 10-minute call", "in one call",
+                 "on the nvidia-h200-x2 machine", "This module is floor 1", "Where the error used to be",
+                 "Until then the meta-gradient stopped", "(`ttt_flash.tasks`, appended section)",
+                 "`git show fd5eb20:recipes/x.yaml`", "(`shared/docs/anchors.md`)"):
+        assert _notebook_hits(text, "x"), text
+    for text in ("a single call", "the floor of the loss", "each user's run", "docs/reference/x.md",
+                 "[Home](../index.md)"):
+        assert not _notebook_hits(text, "x"), text

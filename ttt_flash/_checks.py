@@ -1,4 +1,4 @@
-"""Argument checks shared across the library (floor 0: imports the standard library only)."""
+"""Argument checks shared across the library."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Choosing parameters by name, shared by :mod:`ttt_flash.meta` (which parameters an inner loop
 adapts) and :mod:`ttt_flash.hessian` (which parameters a Hessian is taken over).
-
-Floor 0 (docs/architecture.md): imports the standard library only.
 """
 
 from __future__ import annotations

@@ -67,12 +67,14 @@ TINY: Dict[str, List[str]] = {
     ],
     "imaml_regression": [
         "--model.init_args.net.attention=math",
+        "--model.init_args.inner_steps=2",
+        "--model.init_args.eval_inner_steps=2",
         "--data.init_args.seq_len=32",
         "--data.init_args.curriculum=[[0,16],[1,32]]",
     ],
     "sophia_gpt": [
         "--model.init_args.gpt.n_layer=2",
-        "--model.init_args.gpt.n_head=2",
+        "--model.init_args.gpt.n_head=4",
         "--model.init_args.gpt.d_model=32",
         "--model.init_args.gpt.attention=math",
         "--model.init_args.hessian_every=1",

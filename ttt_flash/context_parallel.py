@@ -24,8 +24,6 @@ r's inputs (the backward all-to-all brings every rank's contribution). Parameter
 rank holds a copy of get only their rank's share; :func:`all_reduce_sum` (differentiable:
 its backward is itself) adds the shares, also inside an inner loop whose gradient is
 differentiated again (MAML over a context-parallel sequence).
-
-Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.attention` only.
 """
 
 from __future__ import annotations

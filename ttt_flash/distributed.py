@@ -24,8 +24,6 @@ Context parallelism (one sequence across processes, exact to second order) lives
 :mod:`ttt_flash.context_parallel` and is re-exported here: :func:`context_parallel_attention`,
 :func:`context_parallel_attention_varlen`, :func:`all_reduce_sum`, :func:`shard_sequence`,
 :func:`block_bounds`, :func:`sequence_offset`, :func:`context_parallel_groups`, :func:`reduce_gradients`.
-
-Floor 2 (docs/architecture.md): imports torch and :mod:`ttt_flash.context_parallel`.
 """
 
 from __future__ import annotations

@@ -67,9 +67,6 @@ Example: the trace and top eigenvalue of a small network's loss Hessian::
     True
     >>> top_eigenvalue(op, n_iter=50).value > 0
     True
-
-Floor 1 (docs/architecture.md): imports torch (and tqdm, lazily, for progress bars) only and
-knows nothing about the model.
 """
 
 from __future__ import annotations

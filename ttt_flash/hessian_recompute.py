@@ -38,8 +38,6 @@ What a unit does depends on where it runs:
 A unit's function must be pure in its arguments: every tensor it reads that requires grad or has
 a tangent must be one of ``args`` (a closure over a parameter would drop that parameter's
 gradient; the backward checks it and raises).
-
-Floor 1 (docs/architecture.md): imports torch only.
 """
 
 from __future__ import annotations

@@ -29,9 +29,6 @@ Every implementation has the signature ``attend(q, k, v, *, causal, window=None)
 (B, H_q, N_q, D), k and v (B, H_kv, N_k, D), H_q a multiple of H_kv (GQA), scale D^-1/2, and
 returns (B, H_q, N_q, D). ``window`` (causal only) lets each query see its ``window`` most
 recent keys, itself included.
-
-Floor 3 (docs/architecture.md): imports :mod:`ttt_flash.attention`,
-:mod:`ttt_flash.context_parallel` and :mod:`ttt_flash.reference` only.
 """
 
 from __future__ import annotations

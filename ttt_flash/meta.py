@@ -41,10 +41,6 @@ the query set::
 Batches are ``(inputs, target)`` pairs: ``inputs`` is one tensor or a tuple of tensors
 passed positionally to the model, and ``loss_fn(model(*inputs), target)`` must return a
 scalar. ``target`` may be anything ``loss_fn`` understands.
-
-This module is floor 1 (docs/architecture.md): it imports torch, its own floor
-(:mod:`ttt_flash.hessian`, lazily) and ``higher`` (lazily) only and knows nothing about the
-model it adapts.
 """
 
 from __future__ import annotations

@@ -13,9 +13,6 @@ reference) as eager mode, so a compiled first-order step computes what the eager
 Double backward through a compiled graph is refused by PyTorch; :mod:`ttt_flash.second_order`
 (:func:`~ttt_flash.second_order.second_order_grad`, re-exported here for old imports) turns that
 refusal into the library's explanation.
-
-Floor 0 (docs/architecture.md): imports torch and :mod:`ttt_flash.second_order` only (the
-composer modules are registered by ``attention.py``).
 """
 
 from __future__ import annotations

@@ -42,9 +42,6 @@ processes), :meth:`~SophiaH.update_hessian` draws the probes on rank 0 and broad
 and averages the local estimates over processes (weighted by ``weight``), so every process
 holds the estimate one process would get on the global batch; the gradients themselves must
 be averaged by the caller (:func:`ttt_flash.distributed.average_gradients`; docs/distributed.md).
-
-Floor 2 (docs/architecture.md): imports torch, :mod:`ttt_flash.hessian` and
-:mod:`ttt_flash.distributed`.
 """
 
 from __future__ import annotations

@@ -7,8 +7,6 @@ through a ``torch.compile``'d graph (with an error about donated buffers, or "do
 currently support double backward"); this function says what to do instead: run the
 second-order step eagerly, where the exact FlashBoB path works, and compile first-order
 steps only.
-
-Floor 0 (docs/architecture.md): imports torch only.
 """
 
 from __future__ import annotations

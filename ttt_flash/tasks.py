@@ -31,8 +31,6 @@ The byte corpus (``ByteTextDataModule``'s data, no Lightning here):
 :func:`stdlib_source_files` (the running Python's standard-library sources: nothing to
 download), :func:`expand_paths`, :func:`read_corpus` and :class:`ByteWindows` (next-byte
 windows as a ``torch.utils.data.Dataset``).
-
-Floor 1 (docs/architecture.md): imports torch and numpy only.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 ``cp.py``, ``graph.py``) and the chain ``ttt-flash check`` runs: timing, the result dict, one measured
 row, the JSON file, and the attention chain forward → backward → backward-over-backward.
 
-Floor 4 (docs/architecture.md): imports torch (triton.testing on CUDA, tqdm if present);
-the benchmark modules import it, never each other (``chain.py`` dispatches to the others
+The benchmark modules import it, never each other (``chain.py`` dispatches to the others
 from its ``main`` only).
 """
 
@@ -104,7 +103,7 @@ def progress_bar(items, desc: str, progress: bool):
 
 def measure(cfg, provider: str, n: int, build: Callable[[], Tuple[Callable, float, Dict]]) -> dict:
     """One row: ``build()`` gives ``(fn, flops, extra)``; the row has ``provider``, ``N``, on
-    CUDA ``peak_gib`` (of one call of ``fn`` beyond what was allocated before), ``ms``
+    CUDA ``peak_gib`` (of a single call of ``fn`` beyond what was allocated before), ``ms``
     (:func:`median_ms`), ``extra``'s entries and ``tflops``, or ``error`` (:func:`error_text`:
     an OOM or a refusal is a result, not a crash)."""
     cuda = cfg.device.startswith("cuda")

@@ -36,9 +36,6 @@ whole memory / fast weights and adds the ranks' inner-gradient shares with the d
 One module per mechanism: :mod:`~ttt_flash.memory.gradmem`, :mod:`~ttt_flash.memory.fast_weight`,
 :mod:`~ttt_flash.memory.attention_layer`, :mod:`~ttt_flash.memory.memory_lm`; every inner loop
 takes its steps through :func:`ttt_flash.memory._common.inner_step`.
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls`, :mod:`ttt_flash.models`
-and :mod:`ttt_flash.second_order`; never Lightning.
 """
 
 from ._common import masked_lm_loss

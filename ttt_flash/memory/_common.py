@@ -1,9 +1,6 @@
 """What the memory mechanisms share: the learned inner step size, the per-sequence LM loss
 and :func:`inner_step`, the one gradient step every inner loop takes; and what their
 context-parallel paths share (:func:`context_parallel_of`, :func:`masked_lm_loss_part`).
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.second_order` and
-:mod:`ttt_flash.context_parallel` only.
 """
 
 from __future__ import annotations

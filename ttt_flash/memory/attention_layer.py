@@ -1,8 +1,5 @@
 """GradientMemoryAttention: an attention layer that reads memory slots plus the current chunk
 and writes each chunk into the slots by gradient steps through softmax attention.
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.impls` and
-:mod:`ttt_flash.memory._common`; never Lightning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """FastWeightTTT: end-to-end test-time training of chosen MLP sublayers of a GPT.
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and
-:mod:`ttt_flash.memory._common`; never Lightning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """GradMem: memory tokens written by gradient steps on the context's LM loss.
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and
-:mod:`ttt_flash.memory._common`; never Lightning.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
 """MemoryLM: a small language model whose token mixer is GradientMemoryAttention.
-
-Floor 3 (docs/architecture.md): imports torch, :mod:`ttt_flash.models` and the memory layer;
-never Lightning.
 """
 
 from __future__ import annotations

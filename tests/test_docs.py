@@ -233,3 +233,85 @@ def test_the_notebook_rule_catches_what_it_names():
     for text in ("a single call", "the floor of the loss", "each user's run", "docs/reference/x.md",
                  "[Home](../index.md)"):
         assert not _notebook_hits(text, "x"), text
+
+
+# --------------------------------------------------------------------------- quoted CPU numbers
+
+_NUMBERS_MARK = re.compile(r"<!-- numbers: ((?:docs/results/[\w.-]+\.json\s*)+)-->")
+_DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
+_RECIPE = re.compile(r"recipes/(\w+)\.yaml")
+# The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
+QUOTED_RECIPES = {
+    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar"},
+    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer"},
+}
+
+
+def _numbers_blocks():
+    """(page, marker line, results files, block text) for every ``<!-- numbers: FILES -->``
+    marker: the block is the text after it up to the next blank line."""
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = _NUMBERS_MARK.search(line)
+            if m:
+                block = []
+                for row in lines[i + 1:]:
+                    if not row.strip():
+                        break
+                    block.append(row)
+                out.append((page.relative_to(ROOT).as_posix(), i + 1, m.group(1).split(), "\n".join(block)))
+    return out
+
+
+def _values(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _values(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _values(v)
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield float(tree)
+
+
+def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
+    """Every decimal number in a block marked ``<!-- numbers: docs/results/X.json -->`` is a
+    value of those files at the printed precision (a line naming another recipe is not theirs);
+    each file holds the exact command that made it; every page quoting CPU-recipe results
+    marks them."""
+    import json
+
+    blocks = _numbers_blocks()
+    marked = {}
+    for page, line, files, text in blocks:
+        values, recipes = [], set()
+        for f in files:
+            data = json.loads((ROOT / f).read_text())
+            assert any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{data['recipe']}.yaml")
+                       for c in data["commands"]), f"{f}: no fit command"
+            values += list(_values(data))
+            recipes.add(data["recipe"])
+        marked.setdefault(page, set()).update(recipes)
+        checked = 0
+        for row in text.splitlines():
+            named = set(_RECIPE.findall(row))
+            if named and not named & recipes:
+                continue  # another recipe's row
+            for number in _DECIMAL.findall(row):
+                places = len(number.split(".")[1])
+                assert any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in values), \
+                    f"{page}:{line}: {number} is in no value of {files}:\n{row}"
+                checked += 1
+        assert checked, f"{page}:{line}: a marked block without numbers"
+    for page, recipes in QUOTED_RECIPES.items():
+        assert recipes <= marked.get(page, set()), f"{page}: quotes {recipes - marked.get(page, set())} unmarked"
+
+
+def test_the_numbers_rule_catches_a_stale_number(tmp_path):
+    import json
+
+    values = list(_values(json.loads((ROOT / "docs/results/cpu_gradmem_kv.json").read_text())))
+    assert any(round(v, 3) == 0.838 for v in values)
+    assert not any(round(v, 3) == 0.789 for v in values)  # the number the page quoted before the rerun

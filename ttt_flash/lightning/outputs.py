@@ -92,6 +92,12 @@ class LineProgress(ProgressBar):
         done = trainer.global_step - self._start_step
         elapsed = max(now - (self._start or now), 1e-9)
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if total is None:
+            try:
+                estimated = trainer.estimated_stepping_batches
+                total = int(estimated) if estimated != float("inf") else None
+            except Exception:  # no loader length (an iterable dataset): show the step only
+                total = None
         step = f"step {trainer.global_step}/{total}" if total else f"step {trainer.global_step}"
         parts = [step, f"{done / elapsed:.2f} it/s", str(datetime.timedelta(seconds=int(elapsed)))]
         metrics = self._metrics(trainer, pl_module, "train/")

@@ -243,7 +243,7 @@ _RECIPE = re.compile(r"recipes/(\w+)\.yaml")
 # The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
 QUOTED_RECIPES = {
     "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar"},
-    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer"},
+    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression"},
 }
 
 

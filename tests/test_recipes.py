@@ -76,7 +76,7 @@ def test_every_recipe_runs_with_smoke_on_the_cpu(path, monkeypatch, tmp_path, ca
 
 def test_smoke_covers_every_long_and_gpu_recipe():
     """Every recipe that does not fit the CPU at its own size has tiny shapes in the table."""
-    from ttt_flash._smoke import TINY, _method
+    from ttt_flash._smoke import TINY, method_of
 
     big = [p.stem for p in RECIPES if p.stem.endswith(("_long", "_131k")) or p.stem == "sophia_gpt"]
-    assert big and all(_method(name) in TINY for name in big), big
+    assert big and all(method_of(name) in TINY for name in big), big

@@ -138,7 +138,7 @@ _BASE_CLASSES = ("lightning.LightningModule", "lightning.LightningDataModule",
                  "lightning.pytorch.LightningModule", "lightning.pytorch.LightningDataModule")
 
 
-def _config_files(argv: Sequence[str]) -> List[str]:
+def config_files(argv: Sequence[str]) -> List[str]:
     files = []
     for i, a in enumerate(argv):
         if a in ("-c", "--config") and i + 1 < len(argv):
@@ -310,7 +310,7 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
     the wrong type: the full key, where it was given (recipe file and line, or the command
     line) and the valid keys closest to it / the type expected. None when ``message`` is about
     something else."""
-    files = _config_files(argv)
+    files = config_files(argv)
     cp = _CLASS_PATH.search(message)
     groups = _PARSER_KEY.findall(message)
     group = groups[0] if groups else None
@@ -511,7 +511,7 @@ def refused_message(error: BaseException, config: dict, argv: Sequence[str], pro
         if found is not None:
             key = f"{owner}.init_args.{found}"
             break
-    files = _config_files(argv)
+    files = config_files(argv)
     where = f"'{key}' in {_where(key, files, argv)}" if key else f"'{owner}' in {_where(owner + '.class_path', files, argv)}"
     return "\n".join([f"{prog}: error: {class_path} refused {where}: {reason}",
                       f"  (the options of {class_path}: {prog} --{owner}.help {class_path})"])
@@ -524,7 +524,7 @@ def gpu_only_message(config, argv: Sequence[str], prog: str = "ttt-flash") -> Op
 
     if torch.cuda.is_available():
         return None
-    files = _config_files(argv)
+    files = config_files(argv)
     accelerator = str(config.get("trainer.accelerator") or "").lower()
     if accelerator in ("gpu", "cuda"):
         return (f"{prog}: error: trainer.accelerator is {accelerator} ({_where('trainer.accelerator', files, argv)}) "

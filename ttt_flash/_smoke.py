@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
-__all__ = ["TINY", "SMOKE_TRAINER", "recipe_name", "smoke_overrides", "smoke_folder_name"]
+__all__ = ["TINY", "SMOKE_TRAINER", "recipe_name", "method_of", "smoke_overrides", "smoke_folder_name", "insert_after_configs"]
 
 #: Trainer settings of every smoke run: two training steps, one validation batch at the end,
 #: CPU float32 in one process, no time limit.
@@ -94,7 +94,7 @@ def recipe_name(path: str) -> str:
     return os.path.splitext(os.path.basename(path))[0]
 
 
-def _method(name: str) -> str:
+def method_of(name: str) -> str:
     for suffix in _SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
@@ -129,7 +129,7 @@ def smoke_overrides(config_files: Sequence[str]) -> List[str]:
     data = ((recipe.get("data") or {}).get("init_args") or {}) if isinstance(recipe.get("data"), dict) else {}
     logger = (recipe.get("trainer") or {}).get("logger") if isinstance(recipe.get("trainer"), dict) else None
     out = list(SMOKE_TRAINER)
-    out += TINY.get(_method(name), [])
+    out += TINY.get(method_of(name), [])
     if "cuda_graph" in model:
         out.append("--model.init_args.cuda_graph=false")
     if "context_parallel" in model:

@@ -80,7 +80,7 @@ _WARNING_LINE = re.compile(r"\w+Warning\b|warnings\.warn|is deprecated|💡|Tip:
 
 
 def test_fit_help_prints_no_warning_lines():
-    r = subprocess.run([sys.executable, "-m", "ttt_flash.cli", "fit", "--help"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "ttt_flash.cli", "fit", "--help-all"], capture_output=True, text=True,
                        check=True, env={**os.environ, "PYTHONWARNINGS": "default"})
     assert r.stdout.startswith("usage: ttt-flash [options] fit"), r.stdout[:200]
     noisy = [line for line in (r.stdout + r.stderr).splitlines() if _WARNING_LINE.search(line)]
@@ -115,6 +115,7 @@ def test_fit_runs_quietly_with_a_rich_progress_bar(monkeypatch, tmp_path, recwar
         return real_fit(self, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "fit", fit)
+    monkeypatch.setattr("ttt_flash._recipe_cli._terminal", lambda: True)  # as in a terminal
     monkeypatch.chdir(tmp_path)
     collect = _Collect()
     logging.getLogger("lightning.pytorch").addHandler(collect)
@@ -126,6 +127,7 @@ def test_fit_runs_quietly_with_a_rich_progress_bar(monkeypatch, tmp_path, recwar
     assert len(seen) == 1 and isinstance(seen[0], RichProgressBar)
     assert any("fast_dev_run" in m for m in collect.messages)  # the handler does see Lightning's log
     assert not [m for m in collect.messages if "Tip" in m]
+    assert not [m for m in collect.messages if "model summary callbacks" in m]  # no "... Skipping" notice
     # the two warnings every CLI call used to print (jsonargparse's DeprecationWarnings about
     # Lightning's calls are hidden outside pytest by Python's default filters)
     noisy = [str(w.message) for w in recwarn if "LeafSpec" in str(w.message) or "from within Python" in str(w.message)]
@@ -235,3 +237,150 @@ def test_bad_arguments_are_argument_errors(argv, words, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and err.startswith("usage:")
+
+
+# --------------------------------------------------------------------------- short messages
+
+
+def _short_error(capsys, argv, most=3):
+    """The stderr lines of a ``ttt-flash`` call that fails with status 2 (returned or raised);
+    few lines, no usage text, no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert 1 <= len(err) <= most and "usage:" not in "\n".join(err) and "Traceback" not in "\n".join(err), err
+    return err
+
+
+def test_config_file_errors_are_one_line(tmp_path, capsys):
+    recipe = (RECIPES / "maml_sinusoid.yaml").read_text()
+    cases = {
+        "missing.yaml": (None, "no such file"),
+        "empty.yaml": ("", "is empty"),
+        "folder": ("DIR", "is a folder"),
+        "broken.yaml": ("model: [unclosed\n", "broken.yaml:2:1: not valid YAML"),
+        "list.yaml": ("- a\n- b\n", "is not a recipe"),
+        "twice.yaml": (recipe + "seed_everything: 3\n", "key 'seed_everything' at line"),
+        "nested.yaml": (recipe.replace("    inner_steps: 1 ", "    inner_steps: 1\n    inner_steps: 2 ", 1),
+                        "key 'model.init_args.inner_steps' at line"),
+    }
+    for name, (text, words) in cases.items():
+        path = tmp_path / name
+        if text == "DIR":
+            path.mkdir()
+        elif text is not None:
+            path.write_text(text)
+        err = _short_error(capsys, ["fit", "--config", str(path)], most=1)
+        assert err[0].startswith(f"ttt-flash fit: error: --config {path}") and words in err[0], (name, err)
+
+
+def test_class_path_typo_names_the_line_and_the_class(tmp_path, capsys):
+    bad, line = _recipe_with(tmp_path, "class_path: ttt_flash.lightning.MAML ", "class_path: ttt_flash.lightning.MAMl ")
+    err = _short_error(capsys, ["fit", "--config", str(bad)])
+    assert "cannot import class_path 'ttt_flash.lightning.MAMl'" in err[0] and f"{bad}:{line}" in err[0]
+    assert err[1].strip() == "closest: ttt_flash.lightning.MAML"
+
+
+@pytest.mark.parametrize("old,new,key,words", [
+    ("    inner_lr: 0.01 ", "    inner_lr: -0.5 ", "model.init_args.inner_lr", "inner_lr must be >= 0, got -0.5"),
+    ("      hidden: 40 ", "      hidden: 0 ", "model.init_args.net.hidden", "hidden must be a positive int, got 0"),
+    ("    k_shot: 10 ", "    k_shot: 0 ", "data.init_args.k_shot", "k_shot must be >= 1, got 0"),
+], ids=["inner_lr", "hidden", "k_shot"])
+def test_values_refused_by_a_class_name_the_key_and_line(old, new, key, words, tmp_path, capsys):
+    bad, line = _recipe_with(tmp_path, old, new)
+    err = _short_error(capsys, ["fit", "--config", str(bad)], most=3)
+    first = next(e for e in err if "error:" in e)
+    assert f"refused '{key}' in {bad}:{line}: {words}" in first, err
+    # the same value on the command line is blamed on the command line
+    flag = "--" + key + "=" + new.split(":")[1].strip()
+    err = _short_error(capsys, ["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), flag], most=3)
+    assert f"refused '{key}' in the command line" in next(e for e in err if "error:" in e)
+
+
+def test_callback_and_top_level_typos_name_the_line_and_the_closest_key(tmp_path, capsys):
+    bad, line = _recipe_with(tmp_path, "every_n_train_steps: 50", "every_n_train_stepz: 50")
+    err = _short_error(capsys, ["fit", "--config", str(bad)])
+    assert "every_n_train_stepz" in err[0] and f"{bad}:{line}" in err[0] and "every_n_train_steps" in err[1]
+    bad, line = _recipe_with(tmp_path, "\nmodel:", "\nmodle:")
+    err = _short_error(capsys, ["fit", "--config", str(bad)])
+    assert err[0] == f"ttt-flash fit: error: unknown key 'modle' in {bad}:{line}" and err[1].endswith(": model")
+
+
+def test_gpu_only_settings_are_refused_in_one_line_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the no-CUDA refusal")
+    recipe = str(RECIPES / "maml_sinusoid.yaml")
+    err = _short_error(capsys, ["fit", "--config", recipe, "--trainer.accelerator=gpu"], most=2)
+    assert "trainer.accelerator is gpu (the command line) but this machine has no CUDA GPU" in err[-1]
+    assert "--smoke" in err[-1] and "--trainer.accelerator=cpu" in err[-1]
+    err = _short_error(capsys, ["fit", "--config", recipe, "--model.init_args.cuda_graph=true"], most=2)
+    assert "cuda_graph is true" in err[-1] and "--model.init_args.cuda_graph=false" in err[-1]
+    long = RECIPES / "gradmem_kv_131k.yaml"
+    line = next(n for n, row in enumerate(long.read_text().splitlines(), 1) if row.startswith("  accelerator:"))
+    err = _short_error(capsys, ["fit", "--config", str(long)], most=2)
+    assert f"({long}:{line})" in err[-1]
+
+
+def test_fit_help_is_short_and_names_smoke_and_the_full_help(capsys):
+    assert main(["fit", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 30
+    for words in ("--smoke", "--print_config", "--help-all", "--ckpt_path", '".[plot]"'):
+        assert words in out, words
+
+
+def test_top_level_help_and_version_do_not_import_torch():
+    code = ("import sys, contextlib, io\nimport ttt_flash.cli as c\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    c.main(['--help'])\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nimport ttt_flash\nprint(ttt_flash.__version__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == ttt_flash.__version__, r.stderr
+
+
+def test_bench_help_has_no_markup(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":func:" not in out and "create_graph=True" in out
+
+
+def test_the_last_line_names_the_run_folder_checkpoint_and_plot(monkeypatch, tmp_path, capsys):
+    from ttt_flash import _recipe_cli
+    from ttt_flash.lightning import curves, outputs
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2", "--trainer.max_epochs=1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == ("ttt-flash fit: done; run folder runs/maml_sinusoid, checkpoint "
+                       "runs/maml_sinusoid/checkpoints/last.ckpt, curves runs/maml_sinusoid/val_curves.png")
+    assert (tmp_path / "runs/maml_sinusoid/val_curves.png").is_file()
+    # after a signal: the step and how to resume
+    assert _recipe_cli.run_report(stopped="SIGTERM") == (
+        "ttt-flash fit: stopped by SIGTERM at step 2; run folder runs/maml_sinusoid, checkpoint "
+        "runs/maml_sinusoid/checkpoints/last.ckpt (resume: --ckpt_path last), curves runs/maml_sinusoid/val_curves.png")
+
+    def no_matplotlib(*args, **kwargs):
+        raise RuntimeError(curves.PLOT_EXTRA_MESSAGE)
+
+    monkeypatch.setattr(outputs, "plot_curves", no_matplotlib)
+    assert main([*argv, "--trainer.logger.init_args.version=again"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.endswith('no val_curves.png: pip install -e ".[plot]" (matplotlib)'), last
+
+
+def test_progress_off_a_terminal_is_plain_lines(monkeypatch, tmp_path, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("ttt_flash._recipe_cli._terminal", lambda: False)
+    assert main(["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--smoke"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert lines and re.match(r"step 1/2 · [\d.]+ it/s · 0:00:\d\d · train/loss_post [\d.]+", lines[0]), out
+    assert re.search(r"^validation at step 2: val/loss_post [\d.]+ · val/loss_pre [\d.]+$", out, flags=re.M), out
+    assert "•" not in out  # no rich bar (its fields are separated by •)

@@ -157,3 +157,162 @@ def test_benchmarks_page_has_no_dated_session_logs():
 def test_raw_results_live_in_docs_results():
     assert not list((ROOT / "docs").glob("*.json")), "raw JSON belongs in docs/results/"
     assert list((ROOT / "docs" / "results").glob("*.json"))
+
+
+# --------------------------------------------------------------------------- words for users
+
+USER_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "reference").glob("*.md")),
+              *sorted((ROOT / "recipes").glob("*.yaml"))]
+# Lab-notebook wording: how the work was organised or how the code used to be, not what it does.
+NOTEBOOK = {
+    "session": r"\bsessions?\b",
+    "GPU session": r"\bGPU session",
+    "one call": r"\bone(?:-| )call\b",
+    "device call": r"\bdevice calls?\b",
+    "10-minute call": r"\b\d+-minute call",
+    "a machine kind": r"nvidia-[a-z]\d+|\bh200-x\d",
+    "floor N": r"\bfloors? \d",
+    "used to": r"\bused to\b",
+    "until then": r"\buntil then\b",
+    "appended section": r"\bappended section\b",
+    "git show": r"\bgit show\b",
+    "a path outside the repository": r"(?<![\w.])shared/|\]\(\.\./\.\./|(?<![\w/])\.\./(?!index\.md|[\w-]+\.md)",
+}
+# docs/architecture.md defines the import floors (tests/test_architecture.py holds the table).
+NOTEBOOK_EXEMPT = {("docs/architecture.md", "floor N")}
+
+
+def _notebook_hits(text: str, where: str):
+    hits = []
+    for name, pattern in NOTEBOOK.items():
+        if (where, name) in NOTEBOOK_EXEMPT:
+            continue
+        for m in re.finditer(pattern, text, flags=re.I):
+            line = text.count("\n", 0, m.start()) + 1
+            hits.append(f"{where}:{line}: {name!r}: ...{text[max(0, m.start() - 40):m.end() + 40]!r}...")
+    return hits
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_user_pages_have_no_lab_notebook_words(page):
+    """README, docs/, the API pages and the recipes speak to users: no sessions, device calls,
+    machine kinds, import floors, "used to", `git show` or files outside the repository."""
+    hits = _notebook_hits(page.read_text(), page.relative_to(ROOT).as_posix())
+    assert not hits, "\n".join(hits)
+
+
+def _docstrings():
+    import ast
+
+    for folder in ("ttt_flash", "kernels", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            nodes = [tree, *(n for n in ast.walk(tree)
+                             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))]
+            for node in nodes:
+                doc = ast.get_docstring(node)
+                if doc:
+                    yield path.relative_to(ROOT).as_posix(), getattr(node, "name", "<module>"), doc
+
+
+def test_docstrings_have_no_lab_notebook_words():
+    """The API reference is built from the docstrings: the same rule as the pages."""
+    found = list(_docstrings())
+    assert len(found) > 300
+    hits = []
+    for where, name, doc in found:
+        hits += _notebook_hits(doc, f"{where} ({name})")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_notebook_rule_catches_what_it_names():
+    for text in ("Commands for the GPU session", "Longer than one 10-minute call", "in one call",
+                 "on the nvidia-h200-x2 machine", "This module is floor 1", "Where the error used to be",
+                 "Until then the meta-gradient stopped", "(`ttt_flash.tasks`, appended section)",
+                 "`git show fd5eb20:recipes/x.yaml`", "(`shared/docs/anchors.md`)"):
+        assert _notebook_hits(text, "x"), text
+    for text in ("a single call", "the floor of the loss", "each user's run", "docs/reference/x.md",
+                 "[Home](../index.md)"):
+        assert not _notebook_hits(text, "x"), text
+
+
+# --------------------------------------------------------------------------- quoted CPU numbers
+
+_NUMBERS_MARK = re.compile(r"<!-- numbers: ((?:docs/results/[\w.-]+\.json\s*)+)-->")
+_DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
+_RECIPE = re.compile(r"recipes/(\w+)\.yaml")
+# The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
+QUOTED_RECIPES = {
+    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar"},
+    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression"},
+}
+
+
+def _numbers_blocks():
+    """(page, marker line, results files, block text) for every ``<!-- numbers: FILES -->``
+    marker: the block is the text after it up to the next blank line."""
+    out = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            m = _NUMBERS_MARK.search(line)
+            if m:
+                block = []
+                for row in lines[i + 1:]:
+                    if not row.strip():
+                        break
+                    block.append(row)
+                out.append((page.relative_to(ROOT).as_posix(), i + 1, m.group(1).split(), "\n".join(block)))
+    return out
+
+
+def _values(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _values(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _values(v)
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        yield float(tree)
+
+
+def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
+    """Every decimal number in a block marked ``<!-- numbers: docs/results/X.json -->`` is a
+    value of those files at the printed precision (a line naming another recipe is not theirs);
+    each file holds the exact command that made it; every page quoting CPU-recipe results
+    marks them."""
+    import json
+
+    blocks = _numbers_blocks()
+    marked = {}
+    for page, line, files, text in blocks:
+        values, recipes = [], set()
+        for f in files:
+            data = json.loads((ROOT / f).read_text())
+            assert any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{data['recipe']}.yaml")
+                       for c in data["commands"]), f"{f}: no fit command"
+            values += list(_values(data))
+            recipes.add(data["recipe"])
+        marked.setdefault(page, set()).update(recipes)
+        checked = 0
+        for row in text.splitlines():
+            named = set(_RECIPE.findall(row))
+            if named and not named & recipes:
+                continue  # another recipe's row
+            for number in _DECIMAL.findall(row):
+                places = len(number.split(".")[1])
+                assert any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in values), \
+                    f"{page}:{line}: {number} is in no value of {files}:\n{row}"
+                checked += 1
+        assert checked, f"{page}:{line}: a marked block without numbers"
+    for page, recipes in QUOTED_RECIPES.items():
+        assert recipes <= marked.get(page, set()), f"{page}: quotes {recipes - marked.get(page, set())} unmarked"
+
+
+def test_the_numbers_rule_catches_a_stale_number(tmp_path):
+    import json
+
+    values = list(_values(json.loads((ROOT / "docs/results/cpu_gradmem_kv.json").read_text())))
+    assert any(round(v, 3) == 0.838 for v in values)
+    assert not any(round(v, 3) == 0.789 for v in values)  # the number the page quoted before the rerun

@@ -38,6 +38,7 @@ def _fit(monkeypatch, tmp_path, *extra):
 def test_fit_writes_best_checkpoints_curves_and_shows_no_v_num(monkeypatch, tmp_path):
     from ttt_flash.lightning.outputs import BestCheckpoints, RecipeModelSummary, RecipeProgressBar, ValidationCurves
 
+    monkeypatch.setattr("ttt_flash._recipe_cli._terminal", lambda: True)  # the rich bar is for terminals
     trainer, folder = _fit(monkeypatch, tmp_path)
     assert isinstance(trainer.progress_bar_callback, RecipeProgressBar)
     assert "v_num" not in trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)

@@ -103,6 +103,28 @@ def rich_progress_bar(trainer_config: dict):
         return None
 
 
+def _terminal() -> bool:
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def line_progress(trainer_config: dict):
+    """For output that is not a terminal: a :class:`~ttt_flash.lightning.outputs.LineProgress`
+    (a plain line every 30 s) where the progress bar is enabled and the config names no
+    progress bar callback; None otherwise."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from .lightning.outputs import LineProgress
+
+    if trainer_config.get("enable_progress_bar") is False:
+        return None
+    if any(isinstance(c, ProgressBar) for c in _listed(trainer_config.get("callbacks"))):
+        return None
+    return LineProgress()
+
+
 # --------------------------------------------------------------------------- unknown keys
 
 # jsonargparse's wordings: a subclass's init_args key, a nested group's key, a key of a plain
@@ -113,11 +135,13 @@ _NESTED = re.compile(r"Group '([\w.\-]+)' does not accept option '([\w.\-]+)'")
 _UNEXPECTED = re.compile(r"does not accept option '([\w.\-]+)'|[Uu]nrecognized arguments: (\S+)")
 _PARSER_KEY = re.compile(r'Parser key "([\w.]+)"')
 _EXPECTED = re.compile(r"Expected a (.+?)\. Got value: (.*)")
+_BAD_CLASS = re.compile(r"Problem with given class_path '([\w.]+)':\s*\n\s*(module '[\w.]+' has no attribute "
+                        r"'\w+'|No module named '[\w.]+'|[^\n]*is not a subclass[^\n]*|[^\n]*[Ii]mport[^\n]*)")
 _BASE_CLASSES = ("lightning.LightningModule", "lightning.LightningDataModule",
                  "lightning.pytorch.LightningModule", "lightning.pytorch.LightningDataModule")
 
 
-def _config_files(argv: Sequence[str]) -> List[str]:
+def config_files(argv: Sequence[str]) -> List[str]:
     files = []
     for i, a in enumerate(argv):
         if a in ("-c", "--config") and i + 1 < len(argv):
@@ -141,7 +165,8 @@ def _on_command_line(key: str, argv: Sequence[str]) -> bool:
 
 
 def _yaml_line(path: str, key: str) -> Optional[int]:
-    """The line (1-based) of the dotted ``key`` in the YAML file ``path``, or None."""
+    """The line (1-based) of the dotted ``key`` in the YAML file ``path``, or None. A list on
+    the way (``trainer.callbacks``) is searched item by item."""
     import yaml
 
     try:
@@ -149,14 +174,29 @@ def _yaml_line(path: str, key: str) -> Optional[int]:
             node = yaml.compose(f)
     except (OSError, yaml.YAMLError):
         return None
-    for part in key.split("."):
-        if not isinstance(node, yaml.MappingNode):
-            return None
-        found = [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == part]
-        if not found:
-            return None
-        key_node, node = found[-1]
-    return key_node.start_mark.line + 1
+    return _node_line(node, key.split("."))
+
+
+def _node_line(node, parts: Sequence[str]) -> Optional[int]:
+    import yaml
+
+    if not parts:
+        return None
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            line = _node_line(item, parts)
+            if line is not None:
+                return line
+        return None
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    found = [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == parts[0]]
+    if not found:
+        return None
+    key_node, value = found[-1]
+    if len(parts) == 1:
+        return key_node.start_mark.line + 1
+    return _node_line(value, parts[1:])
 
 
 def _where(key: str, files: Sequence[str], argv: Sequence[str] = ()) -> str:
@@ -219,6 +259,36 @@ def _group_keys(parser, key: str) -> List[str]:
     return sorted(keys)
 
 
+def _first_unknown(parser, key: str) -> str:
+    """The shortest leading part of the dotted ``key`` that no option of ``parser`` starts with
+    (``modle`` of ``modle.init_args.net.kind``); ``key`` itself when every part is known."""
+    dests = [getattr(a, "dest", "") for a in getattr(parser, "_actions", [])]
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        prefix = ".".join(parts[:i])
+        if not any(d == prefix or d.startswith(prefix + ".") for d in dests):
+            return prefix
+    return key
+
+
+def _class_path_message(class_path: str, why: str, group: str, files: Sequence[str], argv: Sequence[str],
+                        prog: str) -> str:
+    """A class that cannot be imported: where it was named and the closest importable names."""
+    module, _, name = class_path.rpartition(".")
+    close: List[str] = []
+    try:
+        names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+        close = [f"{module}.{n}" for n in difflib.get_close_matches(name, names, n=3, cutoff=0.6)]
+    except (ImportError, ValueError):
+        pass
+    key = f"{group}.class_path" if group.split(".")[0] in ("model", "data") else group
+    lines = [f"{prog}: error: cannot import class_path '{class_path}' ({why.strip()}) in {_where(key, files, argv)}"]
+    if close:
+        lines.append("  closest: " + ", ".join(close))
+    lines.append(f"  (the options of a class: {prog} --{group}.help CLASS)")
+    return "\n".join(lines)
+
+
 def _given_keys(message: str) -> List[str]:
     """The keys of the dict in jsonargparse's "Given value: {...}" line, or []."""
     import ast
@@ -243,13 +313,17 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
     the wrong type: the full key, where it was given (recipe file and line, or the command
     line) and the valid keys closest to it / the type expected. None when ``message`` is about
     something else."""
-    files = _config_files(argv)
+    files = config_files(argv)
     cp = _CLASS_PATH.search(message)
     groups = _PARSER_KEY.findall(message)
     group = groups[0] if groups else None
     class_path = cp.group(1) if cp else None
     owner = f" of {class_path}" if cp else ""
-    help_hint = f"{prog} --{group}.help {class_path}" if cp and group else f"{prog} --help"
+    help_hint = f"{prog} --{group}.help {class_path}" if cp and group else f"{prog} --help-all"
+
+    bad_class = _BAD_CLASS.search(message)
+    if bad_class and group:
+        return _class_path_message(bad_class.group(1), bad_class.group(2), group, files, argv, prog)
 
     wrong = _EXPECTED.search(message)
     if wrong and group:
@@ -267,7 +341,7 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
         types = " or ".join(_expected(t) for t in subtypes.group(1).split(","))
         return "\n".join([
             f"{prog}: error: wrong value for '{group}' in {_where(group, files, argv)}: expected {types}, "
-            f"got {given.group(1).strip()!r}", f"  (every option: {prog} --help)"])
+            f"got {given.group(1).strip()!r}", f"  (every option: {prog} --help-all)"])
 
     nested = _NESTED.search(message)
     m = _NOT_ACCEPTED.search(message)
@@ -293,15 +367,17 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
         stray = [k for k in _given_keys(message) if k not in ("class_path", "init_args", "dict_kwargs")]
         if not stray:
             return None
-        key, valid, owner, help_hint = f"{group}.{stray[0]}", ["class_path", "init_args"], "", f"{prog} --help"
+        key, valid, owner, help_hint = f"{group}.{stray[0]}", ["class_path", "init_args"], "", f"{prog} --help-all"
     else:
         m = _UNEXPECTED.search(message)
         if not m:
             return None
         key = (m.group(1) or m.group(2)).lstrip("-").split("=", 1)[0]
+        if parser is not None:
+            key = _first_unknown(parser, key)
         valid = _group_keys(parser, key) if parser is not None else []
         owner = ""
-        help_hint = f"{prog} --help"
+        help_hint = f"{prog} --help-all"
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.6)
     lines = [f"{prog}: error: unknown key '{key}'{owner} in {_where(key, files, argv)}"]
@@ -311,6 +387,157 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
         lines.append("  valid keys: " + ", ".join(valid))
     lines.append(f"  (every option: {help_hint})")
     return "\n".join(lines)
+
+
+def _duplicate_key(node, path: str) -> Optional[str]:
+    """``"KEY" at line L (first at line F)`` for the first mapping key given twice under
+    ``node`` (YAML keeps the last silently), or None."""
+    import yaml
+
+    if isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _duplicate_key(item, path)
+            if found:
+                return found
+    elif isinstance(node, yaml.MappingNode):
+        seen = {}
+        for k, v in node.value:
+            name = k.value if isinstance(k, yaml.ScalarNode) else None
+            if name is not None:
+                full = f"{path}.{name}" if path else name
+                if name in seen:
+                    return f"'{full}' at line {k.start_mark.line + 1} (first at line {seen[name]})"
+                seen[name] = k.start_mark.line + 1
+                found = _duplicate_key(v, full)
+                if found:
+                    return found
+    return None
+
+
+def config_file_error(path: str, prog: str = "ttt-flash") -> Optional[str]:
+    """A one-line error for a ``--config`` file that cannot be a recipe (missing, a folder,
+    empty, not YAML, not a mapping, a key given twice), or None when it reads as one."""
+    import yaml
+
+    head = f"{prog}: error: --config {path}"
+    if not os.path.exists(path):
+        hint = " (the shipped recipes are in the ttt-flash folder's recipes/)" if not os.path.isabs(path) else ""
+        return f"{head}: no such file{hint}"
+    if os.path.isdir(path):
+        return f"{head}: is a folder; give a recipe file in it, e.g. {os.path.join(path, 'NAME.yaml')}"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"{head}: cannot be read ({e})"
+    try:
+        node = yaml.compose(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        return f"{prog}: error: --config {path}{where}: not valid YAML: {problem}"
+    if node is None:
+        return f"{head}: is empty; a recipe names at least model: (see the recipes in recipes/)"
+    if not isinstance(node, yaml.MappingNode):
+        return f"{head}: is not a recipe (its top level must be keys such as model:, data:, trainer:)"
+    duplicate = _duplicate_key(node, "")
+    if duplicate:
+        return f"{head}: key {duplicate}: give each key once (YAML would silently keep the last)"
+    return None
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    seen = set()
+    while id(e) not in seen:
+        seen.add(id(e))
+        nxt = e.__cause__ or e.__context__
+        if nxt is None:
+            break
+        e = nxt
+    return e
+
+
+def _find_class(tree, class_path: str, path: str = "") -> Optional[str]:
+    """The dotted path of the (first) dict in the plain config ``tree`` naming ``class_path``."""
+    if isinstance(tree, dict):
+        if tree.get("class_path") == class_path:
+            return path
+        for k, v in tree.items():
+            found = _find_class(v, class_path, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(tree, list):
+        for v in tree:
+            found = _find_class(v, class_path, path)
+            if found is not None:
+                return found
+    return None
+
+
+def _find_key(tree, leaf: str, path: str = "") -> Optional[str]:
+    """The dotted path of the first key ``leaf`` in the plain config ``tree``."""
+    if isinstance(tree, dict):
+        if leaf in tree:
+            return f"{path}.{leaf}" if path else leaf
+        for k, v in tree.items():
+            found = _find_key(v, leaf, f"{path}.{k}" if path else str(k))
+            if found is not None:
+                return found
+    elif isinstance(tree, list):
+        for v in tree:
+            found = _find_key(v, leaf, path)
+            if found is not None:
+                return found
+    return None
+
+
+def refused_message(error: BaseException, config: dict, argv: Sequence[str], prog: str = "ttt-flash") -> Optional[str]:
+    """A short error for a value that a class's ``__init__`` refused while the recipe was
+    instantiated (``inner_lr: -0.5``): the class, the key and where it was given, and the
+    class's own message. None when ``error`` is not such a refusal."""
+    root = _root_cause(error)
+    if root is error and "class_path" not in str(error):
+        return None
+    reason = str(root).strip().splitlines()[0] if str(root).strip() else type(root).__name__
+    named = re.findall(r"class_path='([\w.]+)'", str(error)) or re.findall(r"class_path': '([\w.]+)'", str(error))
+    class_path = named[0] if named else None
+    owner = _find_class(config, class_path) if class_path else None
+    if owner is None:
+        return None
+    subtree = config
+    for part in owner.split("."):
+        subtree = subtree.get(part, {}) if isinstance(subtree, dict) else {}
+    key = None
+    for word in re.findall(r"[A-Za-z_][\w]*", reason):
+        found = _find_key(subtree.get("init_args") if isinstance(subtree, dict) else None, word)
+        if found is not None:
+            key = f"{owner}.init_args.{found}"
+            break
+    files = config_files(argv)
+    where = f"'{key}' in {_where(key, files, argv)}" if key else f"'{owner}' in {_where(owner + '.class_path', files, argv)}"
+    return "\n".join([f"{prog}: error: {class_path} refused {where}: {reason}",
+                      f"  (the options of {class_path}: {prog} --{owner}.help {class_path})"])
+
+
+def gpu_only_message(config, argv: Sequence[str], prog: str = "ttt-flash") -> Optional[str]:
+    """On a machine without CUDA, a one-line error for settings that need a GPU
+    (``trainer.accelerator: gpu``, ``cuda_graph: true``) naming the fix; None otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    files = config_files(argv)
+    accelerator = str(config.get("trainer.accelerator") or "").lower()
+    if accelerator in ("gpu", "cuda"):
+        return (f"{prog}: error: trainer.accelerator is {accelerator} ({_where('trainer.accelerator', files, argv)}) "
+                "but this machine has no CUDA GPU: try the recipe with --smoke (tiny, seconds on the CPU), or run "
+                "it at full size on the CPU with --trainer.accelerator=cpu --trainer.precision=32-true (slow)")
+    if config.get("model.init_args.cuda_graph") is True:
+        return (f"{prog}: error: model.init_args.cuda_graph is true "
+                f"({_where('model.init_args.cuda_graph', files, argv)}) but this machine has no CUDA GPU: "
+                "CUDA graphs need one; drop it or give --model.init_args.cuda_graph=false")
+    return None
 
 
 def script_path() -> str:
@@ -393,7 +620,7 @@ def recipe_callbacks(trainer_config: dict, model) -> list:
 
     callbacks = _listed(trainer_config.get("callbacks"))
     added = []
-    bar = rich_progress_bar(trainer_config)
+    bar = rich_progress_bar(trainer_config) if _terminal() else line_progress(trainer_config)
     if bar is not None:
         added.append(bar)
     if trainer_config.get("enable_model_summary") is not False and not any(
@@ -422,9 +649,55 @@ def tensorboard_logger(logger):
         raise SystemExit("ttt-flash: error: " + TENSORBOARD_MISSING) from None
 
 
-def recipe_cli(argv: Sequence[str]):
+#: The trainer of the last run started by :func:`recipe_cli` (for the line printed at its end).
+LAST_RUN: dict = {}
+
+
+def _shown(path: str) -> str:
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
+def run_report(stopped: Optional[str] = None) -> Optional[str]:
+    """One line about the run :func:`recipe_cli` last ran: its folder, its ``last.ckpt`` and
+    the validation-curve plot (or how to get one); ``stopped`` names a signal that ended it.
+    None without a run, off rank zero, or without a run folder."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from .lightning.outputs import ValidationCurves
+
+    trainer = LAST_RUN.get("trainer")
+    if trainer is None or not trainer.is_global_zero:
+        return None
+    folder = run_folder(trainer)
+    if folder is None:
+        return None
+    sub = LAST_RUN.get("subcommand") or "run"
+    parts = [f"run folder {_shown(folder)}"]
+    if sub == "fit":
+        dirs = [c.dirpath for c in trainer.callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+        last = next((os.path.join(str(d), "last.ckpt") for d in [*dirs, os.path.join(folder, "checkpoints")]
+                     if os.path.isfile(os.path.join(str(d), "last.ckpt"))), None)
+        if LAST_RUN.get("smoke"):
+            parts.append("no checkpoint (--smoke)")
+        elif last:
+            parts.append(f"checkpoint {_shown(last)}" + (" (resume: --ckpt_path last)" if stopped else ""))
+        else:
+            parts.append("no checkpoint written")
+        curves = next((c for c in trainer.callbacks if isinstance(c, ValidationCurves)), None)
+        if curves is not None and curves.written:
+            parts.append(f"curves {_shown(curves.written)}")
+        elif curves is not None and curves.missing:
+            parts.append('no val_curves.png: pip install -e ".[plot]" (matplotlib)')
+    head = f"ttt-flash {sub}: stopped by {stopped} at step {trainer.global_step}" if stopped else f"ttt-flash {sub}: done"
+    return head + "; " + ", ".join(parts)
+
+
+def recipe_cli(argv: Sequence[str], smoke: bool = False):
     """A LightningCLI subclass that runs on ``ttt-flash <argv>`` as described in the module
-    docstring; construct it with LightningCLI's own arguments (no ``args=``)."""
+    docstring; construct it with LightningCLI's own arguments (no ``args=``). ``smoke``: a
+    ``--smoke`` run (``argv`` holds its overrides already): no checkpoints are written, and its
+    run folder is emptied first."""
     import lightning.pytorch
     from jsonargparse import ActionConfigFile
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -451,6 +724,25 @@ def recipe_cli(argv: Sequence[str]):
                     super().__init__(*args, **kwargs)
             finally:
                 sys.argv = saved
+
+        def before_instantiate_classes(self) -> None:
+            super().before_instantiate_classes()
+            if self.subcommand:
+                message = gpu_only_message(self.config[self.subcommand], argv, prog)
+                if message:
+                    sys.stderr.write(message + "\n")
+                    sys.exit(2)
+
+        def instantiate_classes(self) -> None:
+            try:
+                super().instantiate_classes()
+            except (ValueError, TypeError, AssertionError) as e:
+                config = _plain(self.config[self.subcommand]) if self.subcommand else _plain(self.config)
+                short = refused_message(e, config, argv, prog)
+                if short is None:
+                    raise
+                sys.stderr.write(short + "\n")
+                sys.exit(2)
 
         def _parse_ckpt_path(self) -> None:
             # LightningCLI's own version replaces the command line's model settings with the
@@ -497,15 +789,32 @@ def recipe_cli(argv: Sequence[str]):
                 super()._run_subcommand(subcommand)
 
         def instantiate_trainer(self, **kwargs):
+            from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary
+
             config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+            if smoke:  # no checkpoints: the smoke run only shows that the recipe runs
+                config["callbacks"] = [c for c in _listed(config.get("callbacks")) if not isinstance(c, ModelCheckpoint)]
+                kwargs["callbacks"] = config["callbacks"]
+                kwargs["enable_checkpointing"] = config["enable_checkpointing"] = False
             added = recipe_callbacks(config, getattr(self, "model", None))
             if added:
                 kwargs["callbacks"] = [*_listed(config.get("callbacks")), *added]
+            if any(isinstance(c, ModelSummary) for c in _listed(kwargs.get("callbacks", config.get("callbacks")))):
+                kwargs["enable_model_summary"] = False  # the summary is in the callbacks: no default one to add
             if self._get(self.config, "tensorboard", default=False):
                 logger = config.get("logger")
                 first = logger[0] if isinstance(logger, (list, tuple)) and logger else logger
                 kwargs["logger"] = [*(_listed(logger) if first is not None else []), tensorboard_logger(first)]
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
+            LAST_RUN.clear()
+            LAST_RUN.update(trainer=trainer, subcommand=self.subcommand, smoke=smoke)
+            if smoke and trainer.is_global_zero:
+                folder = run_folder(trainer)
+                if folder and os.path.basename(os.path.normpath(folder)).startswith("smoke-") and os.path.isdir(folder):
+                    import shutil
+
+                    shutil.rmtree(folder)
+            return trainer
 
         def init_parser(self, **kwargs) -> LightningArgumentParser:
             kwargs.setdefault("dump_header", [f"lightning.pytorch=={lightning.pytorch.__version__}"])

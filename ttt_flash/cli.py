@@ -7,7 +7,9 @@ Subcommands:
   attention in float64. Exits non-zero if any output disagrees.
 * ``ttt-flash fit|validate|test --config recipes/NAME.yaml``: LightningCLI over any
   LightningModule / LightningDataModule named by ``class_path`` in the recipe (CSV logs
-  and checkpoints under ``runs/`` by default; ``--print_config`` shows the full config).
+  and checkpoints under ``runs/`` by default; ``--print_config`` shows the full config;
+  ``--smoke`` tries the recipe on the CPU in seconds; ``--help`` is short, ``--help-all`` lists
+  every option).
 * ``ttt-flash --version`` / ``--help``.
 """
 
@@ -25,7 +27,7 @@ from . import __version__
 _COMMANDS = {
     "check": "exact attention Hessian-vector product vs a float64 materialised oracle",
     "bench": "time the attention chain (fwd, bwd, backward-over-backward) against peers",
-    "fit": "train a recipe (LightningCLI): ttt-flash fit --config recipes/NAME.yaml",
+    "fit": "train a recipe (LightningCLI): ttt-flash fit --config recipes/NAME.yaml [--smoke: a CPU try in seconds]",
     "validate": "validate a recipe (LightningCLI)",
     "test": "test a recipe (LightningCLI)",
 }
@@ -33,25 +35,81 @@ _COMMANDS = {
 _LIGHTNING_COMMANDS = ("fit", "validate", "test")
 
 
+_FIT_HELP = """\
+usage: ttt-flash {command} --config RECIPE.yaml [--smoke] [--KEY=VALUE ...]
+
+{what} a recipe (a YAML file naming a LightningModule, a LightningDataModule and Trainer
+settings; the shipped ones are in recipes/) with LightningCLI.
+
+  -c, --config RECIPE.yaml   the recipe (several: later files override earlier ones)
+  --smoke                    try the recipe on the CPU in seconds: 2 steps at tiny sizes, no
+                             checkpoints, logs in runs/smoke-NAME/
+  --KEY=VALUE                override any recipe key, e.g. --trainer.max_steps=100,
+                             --model.init_args.inner_lr=0.05, --trainer.accelerator=cpu
+  --ckpt_path last|FILE      resume from runs/NAME/checkpoints/last.ckpt (or a file)
+  --seed_everything N        the seed of the weights (data seeds are data.init_args.seed)
+  --tensorboard true         also log to TensorBoard, beside the CSV log
+  --print_config             print the full resolved config (every key and default) and exit
+  --model.help CLASS         the options of a model class (also --data.help CLASS)
+  --help-all                 every option (about 500 lines: LightningCLI's full help)
+
+Logs, config.yaml, checkpoints and val_curves.png (pip install -e ".[plot]") go to
+runs/NAME/; the last line of a run names them.
+"""
+
+
+def _short_help(command: str) -> str:
+    what = {"fit": "Train", "validate": "Validate", "test": "Test"}[command]
+    return _FIT_HELP.format(command=command, what=what)
+
+
 def _lightning(argv: Sequence[str]) -> int:
     """LightningCLI with subclass mode: a recipe names its module and data by class_path.
 
     A run stopped by SIGTERM / SIGINT (after writing ``last.ckpt``, see
     :mod:`ttt_flash.lightning.resume`) exits with status 128 + signal: 143 / 130."""
+    argv = list(argv)
+    prog = f"ttt-flash {argv[0]}"
+    rest = argv[1:]
+    if ("-h" in rest or "--help" in rest) and not any(a.endswith(".help") for a in rest):
+        print(_short_help(argv[0]), end="")
+        return 0
+    argv = [("--help" if a == "--help-all" else a) for a in argv]
+    from ._recipe_cli import config_files, config_file_error
+
+    files = config_files(argv)
+    for path in files:
+        message = config_file_error(path, prog)
+        if message:
+            sys.stderr.write(message + "\n")
+            return 2
+    smoke = "--smoke" in argv
+    if smoke:
+        from ._smoke import insert_after_configs, smoke_overrides
+
+        argv = [a for a in argv if a != "--smoke"]
+        if not files:
+            sys.stderr.write(f"{prog}: error: --smoke needs a recipe: --config recipes/NAME.yaml --smoke\n")
+            return 2
+        argv = insert_after_configs(argv, smoke_overrides(files))
+
     from lightning.pytorch import LightningDataModule, LightningModule
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from ._recipe_cli import SETTINGS_LISTED, recipe_cli
+    from ._recipe_cli import LAST_RUN, SETTINGS_LISTED, recipe_cli, run_report
     from .lightning.checkpoint_io import CheckpointWriteError
     from .lightning.resume import check_ckpt_path, interrupt_exit_code
 
     check_ckpt_path(argv)
     SETTINGS_LISTED.clear()
+    LAST_RUN.clear()
     try:
         # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
-        _run_cli(recipe_cli(argv), LightningModule, LightningDataModule)
+        _run_cli(recipe_cli(argv, smoke=smoke), LightningModule, LightningDataModule)
     except SIGTERMException:
-        return interrupt_exit_code()
+        code = interrupt_exit_code()
+        _report(run_report(stopped="SIGINT" if code == 130 else "SIGTERM"))
+        return code
     except CheckpointWriteError as e:  # e.g. a full disk: which file, and what was kept
         raise SystemExit(f"ttt-flash: error: {e}") from None
     except RuntimeError as e:
@@ -62,7 +120,13 @@ def _lightning(argv: Sequence[str]) -> int:
         raise SystemExit(f"ttt-flash: error: the checkpoint's weights do not fit this run's model ({why}):\n  "
                          + "\n  ".join(lines[:3])
                          + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None
+    _report(run_report())
     return 0
+
+
+def _report(line: Optional[str]) -> None:
+    if line:
+        print(line, flush=True)
 
 
 def _run_cli(LightningCLI, LightningModule, LightningDataModule) -> None:

@@ -281,6 +281,29 @@ def plot_panels(result: dict) -> List[str]:
     return ["time"] + (["memory"] if any("peak_gib" in r for r in result["rows"]) else [])
 
 
+def plain_log_ticks(axes, ns: List[int]) -> None:
+    """Plain tick labels on log-log axes: the measured lengths on x (``16,384``), numbers such as
+    ``0.5`` / ``40`` on y (matplotlib's default labels read ``4×10⁰`` on a short log range)."""
+    from matplotlib import ticker
+
+    plain = ticker.FuncFormatter(lambda v, _: f"{v:g}")
+    for ax in axes:
+        ax.set_xticks(ns, [f"{n:,}" for n in ns])
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain if ax.get_ylim()[1] / max(ax.get_ylim()[0], 1e-30) < 100
+                                     else ticker.NullFormatter())
+
+
+def plain_text(rst: str) -> str:
+    """``rst`` without reStructuredText markup, for argparse help (````x```` and ``:func:`x``` -> x)."""
+    import re
+
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", rst)
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def save(result: dict, out: str) -> List[str]:
     """Write bench.json and (if matplotlib is installed) bench.png into ``out``."""
     paths = [write_json(result, out, "bench.json")]
@@ -290,7 +313,7 @@ def save(result: dict, out: str) -> List[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib not installed (pip install 'ttt-flash[plot]'): no plot written")
+        print('matplotlib not installed (pip install -e ".[plot]" in the ttt-flash folder): no plot written')
         return paths
     panels = plot_panels(result)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -306,6 +329,7 @@ def save(result: dict, out: str) -> List[str]:
     axes[0].set(xlabel="sequence length N", ylabel="time (ms)", title="chain (sdpa: first order)")
     if "memory" in panels:
         axes[1].set(xlabel="sequence length N", ylabel="peak memory above inputs (GiB)", title="memory")
+    plain_log_ticks(axes, sorted({r["N"] for r in result["rows"]}))
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -327,7 +351,7 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     if cuda is None:
         cuda = torch.cuda.is_available()
     where = "CUDA" if cuda else "no CUDA"
-    p = argparse.ArgumentParser(prog="ttt-flash bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="ttt-flash bench", description=plain_text(__doc__.split("\n\n")[0]),
                                 epilog="Defaults shown are for this machine (" + where + "); on "
                                 + ("the CPU: --seq-lens 64,128 --heads 2 --head-dim 16 --dtype float64."
                                    if cuda else "CUDA: --seq-lens 1024,4096 --heads 12 --head-dim 64 "

@@ -148,7 +148,7 @@ def progress_bar(items, desc: str, progress: bool):
 
 def measure(cfg, provider: str, n: int, build: Callable[[], Tuple[Callable, float, Dict]]) -> dict:
     """One row: ``build()`` gives ``(fn, flops, extra)``; the row has ``provider``, ``N``, on
-    CUDA ``peak_gib`` (of one call of ``fn`` beyond what was allocated before), ``ms``
+    CUDA ``peak_gib`` (of a single call of ``fn`` beyond what was allocated before), ``ms``
     (:func:`median_ms`), ``extra``'s entries and ``tflops``, or ``error`` (:func:`error_text`:
     an OOM or a refusal is a result, not a crash)."""
     cuda = cfg.device.startswith("cuda")

@@ -127,7 +127,7 @@ def _sync(cuda: bool) -> None:
 
 
 def _timed(fn, cuda: bool, collective: bool) -> float:
-    """Seconds of one call, from a barrier to the barrier after it (all ranks done)."""
+    """Seconds of a single call, from a barrier to the barrier after it (all ranks done)."""
     _sync(cuda)
     if collective:
         dist.barrier()

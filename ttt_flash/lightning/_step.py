@@ -121,7 +121,7 @@ class GraphedTraining:
         if reason is not None:
             if not self._warned:
                 self._warned = True
-                warnings.warn(f"cuda_graph=True: the training step runs eagerly: {reason}", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"cuda_graph=True: the training step runs eagerly: {reason}", RuntimeWarning, stacklevel=2)
             return False
         return True
 

@@ -3,7 +3,7 @@ into one PNG: a method against its baseline, e.g. the long-context recipes of
 docs/long-context.md.
 
 Reading needs nothing beyond the standard library; plotting needs matplotlib (the ``plot``
-extra: ``pip install 'ttt-flash[plot]'``), and says so when it is missing.
+extra: ``pip install -e ".[plot]"``), and says so when it is missing.
 
 Command line (one PNG; each ``--series`` is ``LABEL=PATH/metrics.csv:METRIC``)::
 
@@ -26,8 +26,8 @@ __all__ = ["Series", "read_curve", "last_value", "plot_curves", "PLOT_EXTRA_MESS
 
 #: What :func:`plot_curves` says when matplotlib is missing.
 PLOT_EXTRA_MESSAGE = (
-    "plotting needs matplotlib, which is not installed: pip install 'ttt-flash[plot]' "
-    "(the curves themselves are in the runs' metrics.csv files)"
+    "plotting needs matplotlib, which is not installed: pip install -e \".[plot]\" in the ttt-flash "
+    "folder, or pip install matplotlib (the curves themselves are in the runs' metrics.csv files)"
 )
 
 

@@ -3,6 +3,9 @@
 * :class:`RecipeProgressBar`: the rich progress bar without ``v_num`` (Lightning shows the
   logger's version there; with the recipes' named run folders it was the name's last 4
   characters). The run folder is printed by Lightning and written into the config.
+* :class:`LineProgress`: where the output is not a terminal (a file, a pipe, a job log), a
+  plain line every ``every_s`` seconds (30) and at the end of training: step, speed and the
+  logged metrics; one line per validation.
 * :class:`RecipeModelSummary`: the rich model summary without the FLOPs column and the
   "Total FLOPs" line (Lightning counts FLOPs only with an ``example_input_array``: 0 here).
 * :class:`BestCheckpoints`: the best ``k`` checkpoints by the module's validation metric
@@ -20,12 +23,12 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichModelSummary, RichProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, RichModelSummary, RichProgressBar
 
 from .checkpoint_io import AtomicCheckpointWrites
 from .curves import PLOT_EXTRA_MESSAGE, Series, plot_curves
 
-__all__ = ["RecipeProgressBar", "RecipeModelSummary", "BestCheckpoints", "ValidationCurves", "val_metric_of"]
+__all__ = ["RecipeProgressBar", "LineProgress", "RecipeModelSummary", "BestCheckpoints", "ValidationCurves", "val_metric_of"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,94 @@ class RecipeProgressBar(RichProgressBar):
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
         return items
+
+
+class LineProgress(ProgressBar):
+    """Progress as plain lines, for output that is not a terminal (a rich bar there prints
+    once, at the end): ``step 120/3000 · 3.21 it/s · 0:00:37 · train/loss_post 0.512`` every
+    ``every_s`` seconds, after the first step and at the end of training, and
+    ``validation at step S: val/... x`` after each validation."""
+
+    def __init__(self, every_s: float = 30.0, stream=None):
+        super().__init__()
+        if every_s < 0:
+            raise ValueError(f"every_s must be >= 0 (seconds between lines), got {every_s}")
+        self.every_s = float(every_s)
+        self._stream = stream
+        self._enabled = True
+        self._start: Optional[float] = None
+        self._last: Optional[float] = None
+        self._start_step = 0
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    def _write(self, line: str) -> None:
+        import sys
+
+        stream = self._stream or sys.stdout
+        stream.write(line + "\n")
+        stream.flush()
+
+    def _metrics(self, trainer, pl_module, prefix: str) -> str:
+        items = self.get_metrics(trainer, pl_module)
+        parts = []
+        for k, v in items.items():
+            if not k.startswith(prefix):
+                continue
+            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
+        return " · ".join(parts)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import time
+
+        self._start = self._last = time.monotonic()
+        self._start_step = trainer.global_step
+
+    def _line(self, trainer, pl_module, now: float) -> str:
+        import datetime
+
+        done = trainer.global_step - self._start_step
+        elapsed = max(now - (self._start or now), 1e-9)
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        if total is None:
+            try:
+                estimated = trainer.estimated_stepping_batches
+                total = int(estimated) if estimated != float("inf") else None
+            except Exception:  # no loader length (an iterable dataset): show the step only
+                total = None
+        step = f"step {trainer.global_step}/{total}" if total else f"step {trainer.global_step}"
+        parts = [step, f"{done / elapsed:.2f} it/s", str(datetime.timedelta(seconds=int(elapsed)))]
+        metrics = self._metrics(trainer, pl_module, "train/")
+        return " · ".join(parts + ([metrics] if metrics else []))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import time
+
+        if not self._enabled or not trainer.is_global_zero:
+            return
+        now = time.monotonic()
+        first = trainer.global_step - self._start_step == 1
+        if first or now - (self._last or now) >= self.every_s:
+            self._last = now
+            self._write(self._line(trainer, pl_module, now))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import time
+
+        if self._enabled and trainer.is_global_zero and trainer.global_step > self._start_step:
+            self._write(self._line(trainer, pl_module, time.monotonic()))
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self._enabled or not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        values = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+        if values:
+            shown = " · ".join(f"{k} {float(v):.4g}" for k, v in sorted(values.items()) if v.numel() == 1)
+            self._write(f"validation at step {trainer.global_step}: {shown}")
 
 
 class RecipeModelSummary(RichModelSummary):
@@ -109,6 +200,7 @@ class ValidationCurves(Callback):
     def __init__(self, filename: str = "val_curves.png"):
         self.filename = filename
         self.written: Optional[str] = None
+        self.missing: Optional[str] = None  # why no plot was written (matplotlib missing)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero or trainer.logger is None:
@@ -130,6 +222,7 @@ class ValidationCurves(Callback):
         except RuntimeError as e:
             if str(e) != PLOT_EXTRA_MESSAGE:
                 raise
+            self.missing = PLOT_EXTRA_MESSAGE
             log.info("no val_curves.png: %s", PLOT_EXTRA_MESSAGE)
             return
         log.info("validation curves: %s", self.written)

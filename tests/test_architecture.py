@@ -51,6 +51,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash.lightning": 5,
     # 6: the command line
     "ttt_flash._recipe_cli": 6,
+    "ttt_flash._cli_errors": 6,
     "ttt_flash.cli": 6,
 }
 

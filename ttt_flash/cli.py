@@ -75,7 +75,7 @@ def _lightning(argv: Sequence[str]) -> int:
         print(_short_help(argv[0]), end="")
         return 0
     argv = [("--help" if a == "--help-all" else a) for a in argv]
-    from ._recipe_cli import config_files, config_file_error
+    from ._cli_errors import config_files, config_file_error
 
     files = config_files(argv)
     for path in files:

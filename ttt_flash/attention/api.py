@@ -1,6 +1,6 @@
 """The public attention functions: :func:`flash_attention` on (B, H, N, D) tensors and
 :func:`flash_attention_varlen` on packed sequences. Each validates its arguments
-and resolves its backend in one call (:func:`ttt_flash.attention.checks.check_dense` /
+and resolves its backend in one place (:func:`ttt_flash.attention.checks.check_dense` /
 :func:`~ttt_flash.attention.checks.check_varlen`) and hands it to the one dispatch,
 ``ttt_flash.attention.functions._apply``, which runs the same composers eagerly and under
 ``torch.compile``."""

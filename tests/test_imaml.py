@@ -528,7 +528,8 @@ def test_lightning_warns_only_when_the_cg_solve_is_unusable(cg_steps, warns, one
 
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning import MAML, NetConfig, SinusoidDataModule
+    from ttt_flash.lightning import MAML, SinusoidDataModule
+    from ttt_flash.models import NetConfig
     from ttt_flash.lightning.maml import CG_WARN_RESIDUAL
 
     torch.manual_seed(0)

@@ -507,13 +507,17 @@ def test_rows_that_see_no_key_are_exact_zero():
 
 
 def test_rejects_float64_and_large_head_dim():
+    """The kernels' limits are checked at the one check site of the public functions
+    (ttt_flash.attention.checks), before any launcher runs."""
+    from ttt_flash import flash_attention
+
     q = torch.randn(1, 1, 4, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(TypeError, match="float64"):
-        attn_fwd(q, q, q, scale=0.25, causal=False, window=None)
+        flash_attention(q, q, q, scale=0.25, backend="triton")
     d = MAX_HEAD_DIM + 8
     q = torch.randn(1, 1, 4, d, device=DEVICE)
-    with pytest.raises(ValueError, match=f"head dim {d}"):
-        attn_fwd(q, q, q, scale=0.25, causal=False, window=None)
+    with pytest.raises(ValueError, match=rf"head dim \(q.shape\[-1\] = {d}\)"):
+        flash_attention(q, q, q, scale=0.25, backend="triton")
     assert 16 in SUPPORTED_HEAD_DIMS and 96 in SUPPORTED_HEAD_DIMS and 257 not in SUPPORTED_HEAD_DIMS
 
 

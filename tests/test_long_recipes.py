@@ -131,7 +131,7 @@ def test_read_curve_and_plot(tmp_path, monkeypatch):
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        with pytest.raises(RuntimeError, match=r"pip install 'ttt-flash\[plot\]'"):
+        with pytest.raises(RuntimeError, match=r'pip install -e "\.\[plot\]"'):
             plot_curves(tmp_path / "c.png", series)
     else:
         assert plot_curves(tmp_path / "c.png", series, chance=0.1).stat().st_size > 1000

@@ -25,7 +25,6 @@ FLOORS: Dict[str, int] = {
     # 0: helpers that import the standard library and torch only
     "ttt_flash._checks": 0,
     "ttt_flash._select": 0,
-    "ttt_flash._moved": 0,
     "ttt_flash.second_order.grad": 0,
     "ttt_flash.cuda_graph": 0,
     # 1: kernels, the reference, model-agnostic loops, Hessian tools, tasks and data
@@ -118,25 +117,8 @@ def imports(module: str) -> List[Tuple[str, int]]:
     return [(name, line) for name, line in out]
 
 
-def _moved() -> Dict[str, str]:
-    """ttt_flash/_moved.py's MOVED table (old path -> new), read with ``ast``."""
-    tree = ast.parse((ROOT / "ttt_flash" / "_moved.py").read_text())
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)) and "MOVED" in ast.unparse(node):
-            return ast.literal_eval(node.value)
-    raise AssertionError("ttt_flash/_moved.py has no MOVED table")
-
-
-MOVED = _moved()
-
-
 def _library(name: str) -> str:
-    """The library module an import names (the longest known prefix), or '' if third-party.
-    An old path of a moved module (ttt_flash/_moved.py) names the module it moved to."""
-    for old, new in MOVED.items():
-        if name == old or name.startswith(old + "."):
-            name = new + name[len(old):]
-            break
+    """The library module an import names (the longest known prefix), or '' if third-party."""
     while name and name not in MODULES:
         name = name.rpartition(".")[0]
     return name
@@ -489,36 +471,18 @@ def test_the_size_checks_see_a_long_function(tmp_path, monkeypatch):
         test_library_modules_stay_small()
 
 
-def test_moved_paths_alias_their_modules():
-    # the old import paths of moved modules give the module itself (one object, one registry)
+def test_no_aliases_of_old_module_paths():
+    # one path per module: the package installs no import hook, and the paths modules had
+    # before they moved into subpackages do not import
     import importlib
+    import sys
 
-    for old, new in MOVED.items():
-        assert new in MODULES, new
-        assert importlib.import_module(old) is importlib.import_module(new), old
-        assert importlib.import_module(new).__spec__.name == new
-
-
-def test_the_library_imports_moved_modules_by_their_new_paths():
-    # the aliases are for users' code; the library itself names modules where they are
-    bad = []
-    for module in MODULES:
-        tree = ast.parse(MODULES[module].read_text())
-        here = module if _is_package(module) else module.rpartition(".")[0]
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = here.split(".")[: len(here.split(".")) - (node.level - 1)]
-                    base = ".".join(parts + ([node.module] if node.module else []))
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            for name in names:
-                if any(name == old or name.startswith(old + ".") for old in MOVED):
-                    bad.append(f"{_where(module)}:{node.lineno} imports {name}")
-    assert not bad, "old paths of moved modules (ttt_flash/_moved.py) in the library:\n" + "\n".join(bad)
+    importlib.import_module("ttt_flash")
+    hooks = [type(f).__module__ for f in sys.meta_path if type(f).__module__.startswith("ttt_flash")]
+    assert not hooks, f"import hooks from the library on sys.meta_path: {hooks}"
+    for old in ("ops", "impls", "reference", "context_parallel", "hessian", "hessian_recompute", "optim"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"ttt_flash.{old}")
 
 
 def test_no_floor_numbers_in_the_library():

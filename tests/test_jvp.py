@@ -8,7 +8,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch.func import grad, hessian, jacfwd, jacrev, jvp, vmap
 
-from ttt_flash import flash_attention, flash_attention_varlen, reference
+from ttt_flash import flash_attention, flash_attention_varlen
+from ttt_flash.attention import reference
 from ttt_flash.attention.reference import naive_attention, naive_attention_varlen
 
 F64 = torch.float64

@@ -1,6 +1,6 @@
 """Every import path the documentation shows works: each ``from ttt_flash... import ...`` and
-each dotted ``ttt_flash.x.y`` name in README.md and docs/*.md imports (modules that moved keep
-their old paths: ttt_flash/_moved.py)."""
+each dotted ``ttt_flash.x.y`` name in README.md and docs/*.md imports where it is (the library
+keeps no aliases of old module paths)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ import torch
 from torch.autograd import gradcheck, gradgradcheck
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ttt_flash import flash_attention, flash_attention_varlen, reference
+from ttt_flash import flash_attention, flash_attention_varlen
+from ttt_flash.attention import reference
 from ttt_flash.attention.reference import naive_attention, naive_attention_varlen
 
 F64 = torch.float64

@@ -16,13 +16,9 @@ import torch.
 import importlib
 from typing import TYPE_CHECKING
 
-from . import _moved
-
 if TYPE_CHECKING:
     from .attention import flash_attention, flash_attention_varlen
     from .memory import GradientMemoryAttention
-
-_moved.install()  # the old import paths of modules that moved into subpackages
 
 __version__ = "0.1.0"
 

@@ -116,7 +116,7 @@ def check_fsdp2(model: nn.Module) -> List[nn.Module]:
     if not mods:
         raise ValueError("model has no module sharded with torch.distributed.fsdp.fully_shard: call "
                          "fully_shard (e.g. ttt_flash.fsdp.shard_blocks(model)) first, or use the "
-                         "one-process functions of ttt_flash.hessian / ttt_flash.meta")
+                         "one-process functions of ttt_flash.second_order / ttt_flash.meta")
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     for m in mods:

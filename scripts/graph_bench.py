@@ -23,7 +23,7 @@ from typing import List
 
 import torch
 
-from ttt_flash.bench.graph import PARTS, row_line, build_parser, error_text, main
+from ttt_flash.bench.graph import PARTS, bench_row, build_parser, main
 
 
 def graph_counts(model) -> dict:
@@ -61,7 +61,7 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
     rows = []
     for flag in (False, True):
         row = {"part": "maml", "recipe": recipe, "cuda_graph": flag, "steps": steps}
-        try:
+        with bench_row(row, rows, progress):
             pl.seed_everything(cfg.get("seed_everything", 0), verbose=False)
             model = MAML(**margs, cuda_graph=flag)
             data = dcls(**{**cfg["data"]["init_args"], "train_batches": steps})
@@ -75,12 +75,6 @@ def maml_rows(recipe: str = "recipes/maml_transformer.yaml", steps: int = 60, lo
             row["losses"] = rec.losses[:logged]
             if flag:
                 row.update(graph_counts(model))
-        except Exception as e:  # noqa: BLE001
-            row["error"] = error_text(e)
-        torch.cuda.empty_cache()
-        rows.append(row)
-        if progress:
-            print(row_line(row), flush=True)
     if len(rows) == 2 and "losses" in rows[0] and "losses" in rows[1]:
         rows[1]["speedup"] = rows[1]["steps_per_s"] / rows[0]["steps_per_s"]
         rows[1]["losses_identical"] = rows[0]["losses"] == rows[1]["losses"]
@@ -115,7 +109,7 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
         pair = []
         for flag in (False, True):
             row = {"part": "lm_module", "batch": b, "n": n, "cuda_graph": flag, "steps": steps}
-            try:
+            with bench_row(row, pair, progress):
                 pl.seed_everything(0, verbose=False)
                 model = LanguageModel(GPTConfig.gpt2_small(vocab_size=256, attention="ttt_flash"), optimizer="sophiah",
                                       lr=3e-4, betas=(0.965, 0.99), weight_decay=0.2, rho=0.04, hessian_every=every,
@@ -132,12 +126,6 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
                 row["losses"] = [loss for _, _, loss in rec.rows]
                 if flag:
                     row.update(graph_counts(model))
-            except Exception as e:  # noqa: BLE001
-                row["error"] = error_text(e)
-            torch.cuda.empty_cache()
-            pair.append(row)
-            if progress:
-                print(row_line(row), flush=True)
         if all("plain_ms" in r for r in pair):
             pair[1]["plain_speedup"] = pair[0]["plain_ms"] / pair[1]["plain_ms"]
             pair[1]["refresh_speedup"] = pair[0]["refresh_ms"] / pair[1]["refresh_ms"]

@@ -41,7 +41,8 @@ import torch
 
 from ..attention import flash_attention
 from .common import (
-    HelpFormatter, attended_pairs, attention_chain, flop_unit, measure, new_result, progress_bar, write_json,
+    AttentionShape, HelpFormatter, attended_pairs, attention_chain, flop_unit, measure, new_result, progress_bar,
+    shape_text, write_json,
 )
 from ..attention.reference import naive_attention
 
@@ -52,19 +53,11 @@ FIRST_ORDER_FLOPS_PER_PAIR_PER_D = 14
 
 
 @dataclass
-class BenchConfig:
-    """One benchmark run: shapes, dtype, mask and providers."""
+class BenchConfig(AttentionShape):
+    """One benchmark run: shapes, dtype, mask (:class:`~ttt_flash.bench.common.AttentionShape`)
+    and providers."""
 
-    seq_lens: List[int] = field(default_factory=lambda: [1024, 4096])
-    batch: int = 1
-    heads: int = 12
-    kv_heads: Optional[int] = None  #: default: ``heads``
-    head_dim: int = 64
-    dtype: str = "bfloat16"
-    causal: bool = False
-    window: Optional[int] = None
     providers: List[str] = field(default_factory=lambda: ["ttt_flash", "math", "sdpa_flash", "sdpa_cudnn"])
-    device: str = "cuda"
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
     check: bool = True  #: compare ttt_flash with a float64 reference before timing
@@ -75,14 +68,7 @@ class BenchConfig:
     autograd_threads: bool = True
 
     def __post_init__(self):
-        if self.kv_heads is None:
-            self.kv_heads = self.heads
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.dtype not in ("float16", "bfloat16", "float32", "float64"):
-            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
-        if self.window is not None and not self.causal:
-            raise ValueError("window requires causal=True")
+        super().__post_init__()
         known = {"ttt_flash", "ttt_flash_fast", "math", "sdpa", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient"}
         bad = [p for p in self.providers if p not in known]
         if bad:
@@ -244,8 +230,7 @@ def format_table(result: dict) -> str:
     rows = result["rows"]
     lines = [
         f"chain benchmark on {result['device_name']} ({result['date']}, torch {result['torch']}): "
-        f"B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} {cfg['dtype']} "
-        f"causal={cfg['causal']} window={cfg['window']}"
+        + shape_text(cfg)
     ]
     if "check" in result:
         chk = result["check"]

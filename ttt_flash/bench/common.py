@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 import weakref
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = [
+    "AttentionShape",
+    "shape_text",
     "attention_chain",
     "attended_pairs",
     "median_ms",
@@ -38,6 +40,37 @@ __all__ = [
     "write_json",
     "LiveBytes",
 ]
+
+
+@dataclass
+class AttentionShape:
+    """The attention a benchmark times: shapes, dtype and mask, checked on construction."""
+
+    seq_lens: List[int] = field(default_factory=lambda: [1024, 4096])
+    batch: int = 1
+    heads: int = 12
+    kv_heads: Optional[int] = None  #: default: ``heads``
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+    causal: bool = False
+    window: Optional[int] = None
+    device: str = "cuda"
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            self.kv_heads = self.heads
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.dtype not in ("float16", "bfloat16", "float32", "float64"):
+            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
+        if self.window is not None and not self.causal:
+            raise ValueError("window requires causal=True")
+
+
+def shape_text(cfg: Dict) -> str:
+    """An :class:`AttentionShape` as a result file holds it (a dict), in a table's title."""
+    return (f"B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} {cfg['dtype']} "
+            f"causal={cfg['causal']} window={cfg['window']}")
 
 
 def attention_chain(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor, k: Tensor, v: Tensor,

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..attention import flash_attention
-from .common import write_json
+from .common import AttentionShape, shape_text, write_json
 from ..distributed.context_parallel import context_parallel_attention, shard_sequence
 from ..attention.reference import naive_attention
 
@@ -46,19 +46,12 @@ __all__ = ["CPBenchConfig", "run_cp_bench", "format_cp_table", "main_from_args"]
 
 
 @dataclass
-class CPBenchConfig:
-    """One context-parallel benchmark run."""
+class CPBenchConfig(AttentionShape):
+    """One context-parallel benchmark run: ``processes``, and the attention
+    (:class:`~ttt_flash.bench.common.AttentionShape`) over the whole sequence."""
 
-    processes: int = 2
     seq_lens: List[int] = field(default_factory=lambda: [262144])
-    batch: int = 1
-    heads: int = 12
-    kv_heads: Optional[int] = None  #: default: ``heads``
-    head_dim: int = 64
-    dtype: str = "bfloat16"
-    causal: bool = False
-    window: Optional[int] = None
-    device: str = "cuda"
+    processes: int = 2
     rep_ms: float = 100.0  #: repetitions: as many as fit in rep_ms after the first (at least 1)
     #: one chain at min(N, warmup_len) first compiles the kernels (tiles depend on the length:
     #: a warm-up at 4,096 left a first chain at 16,384 paying for compilation)
@@ -69,18 +62,11 @@ class CPBenchConfig:
     out: Optional[str] = "bench_out"
 
     def __post_init__(self):
-        if self.kv_heads is None:
-            self.kv_heads = self.heads
         if isinstance(self.processes, bool) or not isinstance(self.processes, int) or self.processes < 1:
             raise ValueError(f"--context-parallel must be an int >= 1 (processes), got {self.processes!r}")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        super().__post_init__()
         if self.heads < self.processes:
             raise ValueError(f"--context-parallel {self.processes} needs at least as many heads, got {self.heads}")
-        if self.dtype not in ("float16", "bfloat16", "float32", "float64"):
-            raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, got {self.dtype!r}")
-        if self.window is not None and not self.causal:
-            raise ValueError("window requires causal=True")
         if self.device.startswith("cuda") and torch.cuda.device_count() < self.processes:
             raise ValueError(
                 f"--context-parallel {self.processes} needs {self.processes} GPUs, found "
@@ -286,8 +272,7 @@ def format_cp_table(result: dict) -> str:
     cfg = result["config"]
     lines = [
         f"context-parallel chain on {cfg['processes']} x {result['device_name']} ({result['date']}, torch "
-        f"{result['torch']}): B={cfg['batch']} H={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} "
-        f"{cfg['dtype']} causal={cfg['causal']} window={cfg['window']}"
+        f"{result['torch']}): " + shape_text(cfg)
     ]
     if "check" in result:
         chk = result["check"]

@@ -28,6 +28,7 @@ adds a fourth part, a MAML recipe trained through Lightning with ``cuda_graph`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -47,6 +48,21 @@ def error_text(e: BaseException) -> str:
     """A row's ``error``: ``"OOM"``, or the exception's type and message (capture errors name
     the operation, so the message is kept whole up to 400 characters)."""
     return "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:400]}"
+
+
+@contextlib.contextmanager
+def bench_row(row: dict, rows: List[dict], progress: bool):
+    """Measure one ``row`` in the ``with`` body: an exception there becomes the row's ``error``
+    (a failed case is a row, not the end of the run); then the CUDA cache is emptied, the row
+    appended to ``rows`` and, with ``progress``, printed."""
+    try:
+        yield row
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        row["error"] = error_text(e)
+    torch.cuda.empty_cache()
+    rows.append(row)
+    if progress:
+        print(row_line(row), flush=True)
 
 
 def _bench(fn: Callable, warmup_ms: float = 25, rep_ms: float = 200) -> float:
@@ -106,7 +122,7 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
     rows = []
     for b, n, causal in cases:
         row = {"part": "chain", "batch": b, "n": n, "causal": causal, "heads": heads, "head_dim": head_dim}
-        try:
+        with bench_row(row, rows, progress):
             g = torch.Generator(device="cuda").manual_seed(0)
             r = lambda: torch.randn(b, heads, n, head_dim, device="cuda", dtype=dtype, generator=g)  # noqa: E731
             q, k, v, do, uq, uk, uv = (r() for _ in range(7))
@@ -137,12 +153,6 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
             if row["kernel_ms"]:
                 row["graph_over_kernel"] = row["graph_ms"] / row["kernel_ms"]
             del graphed
-        except Exception as e:  # noqa: BLE001 - a failed case is a row, not the end of the run
-            row["error"] = error_text(e)
-        torch.cuda.empty_cache()
-        rows.append(row)
-        if progress:
-            print(row_line(row), flush=True)
     return rows
 
 
@@ -202,7 +212,7 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
         providers = ["ttt_flash_eager", "ttt_flash_graph", "sdpa_math_loop"] + (["higher_sdpa_math"] if have_higher else [])
         for provider in providers:
             row = {"part": "meta", "n": n, "tasks": tasks, "provider": provider}
-            try:
+            with bench_row(row, rows, progress):
                 net = _meta_net("ttt_flash" if provider.startswith("ttt_flash") else "sdpa")
                 for p in net.parameters():
                     p.grad = torch.zeros_like(p)
@@ -228,12 +238,6 @@ def meta_rows(seq_lens: Sequence[int] = (512, 2048), tasks: int = 4, progress: b
                     row["peak_gib"] = _peak_gib(run)
                     if provider == "ttt_flash_eager":
                         row["host_ms"] = _host_ms(run, reps=5)
-            except Exception as e:  # noqa: BLE001
-                row["error"] = error_text(e)
-            torch.cuda.empty_cache()
-            rows.append(row)
-            if progress:
-                print(row_line(row), flush=True)
     return rows
 
 
@@ -271,18 +275,12 @@ def lm_rows(shapes=((1, 1024), (8, 2048)), vocab_size: int = 256, progress: bool
 
         for name, fn, kw in (("plain_step", plain, {"params": params}), ("hvp_step", hvp_step, {"generators": [gen]})):
             row = {"part": "lm", "batch": b, "n": n, "step": name}
-            try:
+            with bench_row(row, rows, progress):
                 row["eager_ms"] = _bench(lambda: fn(x, y), rep_ms=300)
                 graphed = CapturedStep(fn, (x, y), name=f"lm-{name}", **kw)
                 row["graph_ms"] = _bench(graphed.replay, rep_ms=300)
                 row["speedup"] = row["eager_ms"] / row["graph_ms"]
                 del graphed
-            except Exception as e:  # noqa: BLE001
-                row["error"] = error_text(e)
-            torch.cuda.empty_cache()
-            rows.append(row)
-            if progress:
-                print(row_line(row), flush=True)
         del model, params
     return rows
 
@@ -323,32 +321,31 @@ def format_table(result: dict) -> str:
                 continue
             lines.append(f"{'':24s}{r['n']:5d}  {r['provider']:18s} {r['ms']:7.2f} {r['peak_gib']:6.2f}  "
                          f"{r.get('bitwise_equal_to_eager', '')}")
-    maml = [r for r in result["rows"] if r["part"] == "maml"]
-    for r in maml:
-        if "error" in r:
-            lines.append(f"maml cuda_graph={r['cuda_graph']}: ERROR {r['error'][:80]}")
-            continue
-        extra = (f"  speedup {r['speedup']:.2f}x  losses identical {r['losses_identical']}"
-                 f" (max rel diff {r['losses_max_rel_diff']:.2e})") if "speedup" in r else ""
-        lines.append(f"maml cuda_graph={r['cuda_graph']!s:5s} {r['steps_per_s']:8.1f} steps/s{extra}")
-    lm = [r for r in result["rows"] if r["part"] == "lm"]
-    for r in lm:
-        label = f"lm B{r['batch']} N{r['n']} {r['step']}"
-        if "error" in r:
-            lines.append(f"{label:28s} ERROR {r['error'][:80]}")
-            continue
-        lines.append(f"{label:28s} eager {r['eager_ms']:8.2f} ms  graph {r['graph_ms']:8.2f} ms  {r['speedup']:.2f}x")
-    for r in result["rows"]:  # scripts/graph_bench.py's LanguageModel runs
-        if r["part"] != "lm_module":
-            continue
-        label = f"lm module B{r['batch']} N{r['n']} cuda_graph={r['cuda_graph']!s:5s}"
-        if "error" in r:
-            lines.append(f"{label} ERROR {r['error'][:100]}")
-            continue
-        extra = (f"  plain {r['plain_speedup']:.2f}x  refresh {r['refresh_speedup']:.2f}x  loss max rel diff "
-                 f"{r['losses_max_rel_diff']:.1e}") if "plain_speedup" in r else ""
-        lines.append(f"{label} plain {r['plain_ms']:8.2f} ms  refresh {r['refresh_ms']:8.2f} ms{extra}")
+    for part, (label, body) in _ONE_LINE.items():  # "maml", "lm_module": scripts/graph_bench.py's parts
+        lines += [label(r) + (f" ERROR {r['error'][:80]}" if "error" in r else body(r))
+                  for r in result["rows"] if r["part"] == part]
     return "\n".join(lines)
+
+
+def _maml_line(r: dict) -> str:
+    extra = (f"  speedup {r['speedup']:.2f}x  losses identical {r['losses_identical']}"
+             f" (max rel diff {r['losses_max_rel_diff']:.2e})") if "speedup" in r else ""
+    return f" {r['steps_per_s']:8.1f} steps/s{extra}"
+
+
+def _lm_module_line(r: dict) -> str:
+    extra = (f"  plain {r['plain_speedup']:.2f}x  refresh {r['refresh_speedup']:.2f}x  loss max rel diff "
+             f"{r['losses_max_rel_diff']:.1e}") if "plain_speedup" in r else ""
+    return f" plain {r['plain_ms']:8.2f} ms  refresh {r['refresh_ms']:8.2f} ms{extra}"
+
+
+#: Part -> (the row's label, the rest of its line) for the parts printed one line a row.
+_ONE_LINE = {
+    "maml": (lambda r: f"maml cuda_graph={r['cuda_graph']!s:5s}", _maml_line),
+    "lm": (lambda r: f"lm B{r['batch']} N{r['n']} {r['step']}".ljust(28),
+           lambda r: f" eager {r['eager_ms']:8.2f} ms  graph {r['graph_ms']:8.2f} ms  {r['speedup']:.2f}x"),
+    "lm_module": (lambda r: f"lm module B{r['batch']} N{r['n']} cuda_graph={r['cuda_graph']!s:5s}", _lm_module_line),
+}
 
 
 def build_parser(parts: Sequence[str] = PARTS, prog: str = "ttt-flash bench --graph") -> argparse.ArgumentParser:

@@ -47,6 +47,15 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
+def _check_names(what: str, names, known, known_as: str) -> None:
+    """A ValueError naming the ``names`` (of the argument ``what``) that are not in ``known``,
+    called ``known_as`` in the message."""
+    stray = [n for n in names if n not in known]
+    if stray:
+        raise ValueError(f"{what} has names that are not {known_as}: {stray[:5]}{' ...' if len(stray) > 5 else ''}; "
+                         f"the {known_as} are {_preview(known)}")
+
+
 def _check_params(model: nn.Module, params) -> Dict[str, Tensor]:
     if params is None:
         return dict(model.named_parameters())
@@ -56,12 +65,7 @@ def _check_params(model: nn.Module, params) -> Dict[str, Tensor]:
             f"or None; got {type(params).__name__}"
         )
     known = dict(model.named_parameters())
-    unknown = [n for n in params if n not in known]
-    if unknown:
-        raise ValueError(
-            f"params has names that are not parameters of the model: {unknown[:5]}"
-            f"{' ...' if len(unknown) > 5 else ''}; the model's parameters are {_preview(known)}"
-        )
+    _check_names("params", params, known, "parameters of the model")
     for n, p in params.items():
         if not isinstance(p, Tensor):
             raise TypeError(f"params[{n!r}] must be a Tensor, got {type(p).__name__}")

@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from ._common import (Adapt, LossFn, _bad_values, _check_lr, _check_model, _check_params, _check_steps, _inner_grads,
-                      _preview, _safe_sqrt, _split_batch, check_inner_optimizer, functional_loss,
+from ._common import (Adapt, LossFn, _bad_values, _check_lr, _check_model, _check_names, _check_params, _check_steps,
+                      _inner_grads, _safe_sqrt, _split_batch, check_inner_optimizer, functional_loss,
                       select_adapted)
 
 
@@ -104,12 +104,7 @@ def inner_loop(
     if lrs is not None:
         if not isinstance(lrs, Mapping):
             raise TypeError(f"lrs must be a {{name: tensor}} mapping or None, got {type(lrs).__name__}")
-        stray = [n for n in lrs if n not in alphas]
-        if stray:
-            raise ValueError(
-                f"lrs has step sizes for parameters that are not adapted: {stray[:5]}; "
-                f"adapted parameters are {_preview(names)}"
-            )
+        _check_names("lrs", lrs, names, "adapted parameters")
         for n, a in lrs.items():
             a = _check_lr(a, f"lrs[{n!r}]", scalar=False)
             if isinstance(a, Tensor) and a.dim() > 0 and a.shape != params[n].shape:

@@ -55,6 +55,18 @@ def hvp(loss: LossLike, params: Optional[ParamsLike] = None, vecs=None, *, mode:
     return _operator(loss, params, mode, module, recompute).mv(vecs)
 
 
+def _probed(op: HessianOperator, n_samples: int, probe: str, generator, bar):
+    """Hutchinson's loop: ``(s, z, H z)`` for ``n_samples`` probes z drawn like ``op.params``,
+    ticking the progress ``bar`` (None: no bar) after each and closing it at the end."""
+    for s in range(n_samples):
+        z = probe_like(op.params, probe, generator)
+        yield s, z, op.mv(z)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+
 def hutchinson_diagonal(
     loss: LossLike,
     params: Optional[ParamsLike] = None,
@@ -87,15 +99,9 @@ def hutchinson_diagonal(
     op = _operator(loss, params, mode, module, recompute)
     n_samples = _check_count("n_samples", n_samples)
     acc = [torch.zeros(p.shape, dtype=_acc_dtype(p.dtype), device=p.device) for p in op.params]
-    bar = _progress(n_samples, "hutchinson diag", progress)
-    for _ in range(n_samples):
-        z = probe_like(op.params, probe, generator)
-        for a, zi, hz in zip(acc, z, op.mv(z)):
-            a.add_(zi.to(a.dtype) * hz.to(a.dtype))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+    for _, z, hz in _probed(op, n_samples, probe, generator, _progress(n_samples, "hutchinson diag", progress)):
+        for a, zi, hzi in zip(acc, z, hz):
+            a.add_(zi.to(a.dtype) * hzi.to(a.dtype))
     return [a.div_(n_samples) for a in acc]
 
 
@@ -120,14 +126,10 @@ def hutchinson_trace(
     n_samples = _check_count("n_samples", n_samples)
     total = 0.0
     bar = _progress(n_samples, "hutchinson trace", progress)
-    for s in range(n_samples):
-        z = probe_like(op.params, probe, generator)
-        total += op.dot(z, op.mv(z))
+    for s, z, hz in _probed(op, n_samples, probe, generator, bar):
+        total += op.dot(z, hz)
         if bar is not None:
-            bar.update(1)
             bar.set_postfix(trace=f"{total / (s + 1):.4g}")
-    if bar is not None:
-        bar.close()
     return total / n_samples
 
 

@@ -28,18 +28,22 @@ def attention_mask(
     device=None,
     row_start: int = 0,
     row_end: Optional[int] = None,
+    col_start: int = 0,
+    col_end: Optional[int] = None,
 ) -> Optional[Tensor]:
-    """Boolean mask (rows, N_k), True where query i may attend to key j.
+    """Boolean mask (rows, keys), True where query i may attend to key j.
 
-    Rows ``row_start:row_end`` of the full (N_q, N_k) mask. Causal masks are aligned
-    to the bottom-right: query i sees key j iff j <= i + N_k - N_q; a window w also
-    requires j > i + N_k - N_q - w. Returns None when nothing is masked.
+    Rows ``row_start:row_end`` and key columns ``col_start:col_end`` of the full (N_q, N_k)
+    mask. Causal masks are aligned to the bottom-right: query i sees key j iff
+    j <= i + N_k - N_q; a window w also requires j > i + N_k - N_q - w. Returns None when
+    nothing is masked.
     """
     if not causal:
         return None
     row_end = n_q if row_end is None else row_end
+    col_end = n_k if col_end is None else col_end
     i = torch.arange(row_start, row_end, device=device).unsqueeze(1)
-    j = torch.arange(n_k, device=device).unsqueeze(0)
+    j = torch.arange(col_start, col_end, device=device).unsqueeze(0)
     shift = n_k - n_q
     mask = j <= i + shift
     if window is not None:
@@ -56,6 +60,21 @@ def _expand_kv(x: Tensor, groups: int) -> Tensor:
     if groups == 1:
         return x
     return x.repeat_interleave(groups, dim=1)
+
+
+def _to_compute(q: Optional[Tensor], k: Optional[Tensor], v: Optional[Tensor], cd: torch.dtype, groups: int):
+    """``(q, k, v)`` (or a direction ``(U_Q, U_K, U_V)``; any None) in the compute dtype ``cd``,
+    keys and values expanded to the query heads."""
+    return (None if q is None else q.to(cd), None if k is None else _expand_kv(k.to(cd), groups),
+            None if v is None else _expand_kv(v.to(cd), groups))
+
+
+def _prologue(q: Tensor, k: Tensor, v: Tensor):
+    """``(cd, groups, qf, kf, vf)``: the compute dtype, query heads per key head, and
+    :func:`_to_compute` of ``(q, k, v)``."""
+    cd = _compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    return (cd, groups) + _to_compute(q, k, v, cd, groups)
 
 
 def _reduce_kv(x: Tensor, groups: int) -> Tensor:
@@ -91,15 +110,17 @@ def naive_attention(
     v = _expand_kv(v, groups)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     mask = attention_mask(q.shape[-2], k.shape[-2], causal=causal, window=window, device=q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-        # rows with no visible key: softmax of all -inf is NaN; give them P = 0
-        empty = ~mask.any(dim=-1, keepdim=True)
-        s = s.masked_fill(empty, 0.0)
-        p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
-    else:
-        p = torch.softmax(s, dim=-1)
-    return torch.matmul(p, v)
+    return torch.matmul(_masked_softmax(s, mask), v)
+
+
+def _masked_softmax(s: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """softmax(S) over the keys ``mask`` allows (None: all), out of place; a row with no
+    visible key gets P = 0 (its softmax of zeros is finite, so its gradients are 0, never NaN)."""
+    if mask is None:
+        return torch.softmax(s, dim=-1)
+    empty = ~mask.any(dim=-1, keepdim=True)
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
+    return torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
 
 
 def naive_attention_varlen(
@@ -173,9 +194,7 @@ def _poison_nonfinite_rows(lse: Tensor, qc: Tensor, n_q: int, n_k: int, causal, 
 
 
 def _fwd_dense(q, k, v, scale, causal, window, chunk):
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
     b, h, n_q, d = q.shape
     o = torch.empty(b, h, n_q, d, dtype=cd, device=q.device)
     lse = torch.empty(b, h, n_q, dtype=cd, device=q.device)
@@ -190,9 +209,7 @@ def _fwd_dense(q, k, v, scale, causal, window, chunk):
 
 
 def _bwd_dense(q, k, v, o, lse, do, scale, causal, window, chunk):
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
     dof, lsef = do.to(cd), lse.to(cd)
     n_q = q.shape[2]
     delta = (dof * o.to(cd)).sum(-1)
@@ -212,6 +229,17 @@ def _bwd_dense(q, k, v, o, lse, do, scale, causal, window, chunk):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), delta.to(rd)
 
 
+def _score_direction(uqc: Optional[Tensor], kf: Tensor, qc: Tensor, ukf: Optional[Tensor]) -> Optional[Tensor]:
+    """U_Q Kᵀ + Q U_Kᵀ for a block of query rows (without the scale), from a direction's
+    ``uqc`` (the rows') and ``ukf`` (either None); None when both are: the tangent Ṡ / τ of
+    the scores, and G / τ of the backward-over-backward."""
+    g = None if uqc is None else torch.matmul(uqc, kf.transpose(-1, -2))
+    if ukf is not None:
+        t = torch.matmul(qc, ukf.transpose(-1, -2))
+        g = t if g is None else g + t
+    return g
+
+
 def _bob_rows(p, qc, doc, uqc, kf, vf, ukf, uvf, deltac, scale, stats_c=None):
     """The closed-form BoB (bob-math.md) for one block of query rows, out of place (so that
     autograd can differentiate it). ``p``: the block's probabilities (rows, N_k); ``kf``,
@@ -220,13 +248,7 @@ def _bob_rows(p, qc, doc, uqc, kf, vf, ukf, uvf, deltac, scale, stats_c=None):
     contributions to K̄ (without the factor τ and the sum over shared heads) and V̄."""
     dp = torch.matmul(doc, vf.transpose(-1, -2))
     dp_minus_d = dp - deltac.unsqueeze(-1)
-    # G = scale (U_Q Kᵀ + Q U_Kᵀ): cotangent reaching dS
-    g = None
-    if uqc is not None:
-        g = torch.matmul(uqc, kf.transpose(-1, -2))
-    if ukf is not None:
-        t = torch.matmul(qc, ukf.transpose(-1, -2))
-        g = t if g is None else g + t
+    g = _score_direction(uqc, kf, qc, ukf)  # G = scale (U_Q Kᵀ + Q U_Kᵀ): cotangent reaching dS
     pbar = None
     dob_c = None
     vb_c = None
@@ -265,16 +287,13 @@ def _bob_rows(p, qc, doc, uqc, kf, vf, ukf, uvf, deltac, scale, stats_c=None):
     return scale * qb_c, dob_c, kb_c, vb_c
 
 
-def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk, stats=None):
-    """Closed-form backward-over-backward (bob-math.md), query rows in chunks. ``stats``:
-    the row statistics (α, E + αD) given instead of formed here."""
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+def _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, alpha, ee, scale, causal, window, chunk):
+    """Closed-form backward-over-backward (bob-math.md), query rows in chunks. ``alpha``,
+    ``ee``: the row statistics (α, E + αD) given instead of formed here, or None."""
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
     dof, lsef, deltaf = do.to(cd), lse.to(cd), delta.to(cd)
-    uqf = None if uq is None else uq.to(cd)
-    ukf = None if uk is None else _expand_kv(uk.to(cd), groups)
-    uvf = None if uv is None else _expand_kv(uv.to(cd), groups)
+    uqf, ukf, uvf = _to_compute(uq, uk, uv, cd, groups)
+    stats = None if alpha is None else (alpha, ee)
     n_q = q.shape[2]
     qb = torch.empty_like(qf)
     dob = torch.empty_like(qf)
@@ -320,6 +339,34 @@ def _row_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _cut(x: Optional[Tensor], kind: str, qs: int, qe: int, ks: int, ke: int) -> Optional[Tensor]:
+    """One sequence of a packed tensor as a dense view: ``kind`` ``"q"`` (T_q, H, D) rows qs:qe,
+    ``"k"`` (T_k, H, D) rows ks:ke, ``"r"`` a (H, T_q) row vector's columns qs:qe."""
+    if x is None:
+        return None
+    if kind == "r":
+        return _row(x, qs, qe)
+    return _seq(x, qs, qe) if kind == "q" else _seq(x, ks, ke)
+
+
+def _per_sequence(dense, inputs, kinds: str, outputs, out_kinds: str, cu_q: Tensor, cu_k: Tensor, *rest):
+    """Run the dense composer ``dense(*views, *rest)`` on each packed sequence with queries: the
+    ``inputs`` (of ``kinds``, one letter each, as :func:`_cut`) cut to the sequence, its
+    results written into the packed ``outputs`` (of ``out_kinds``). Returns ``outputs``."""
+    for qs, qe, ks, ke in _bounds(cu_q, cu_k):
+        if qe == qs:
+            continue
+        results = dense(*(_cut(x, kd, qs, qe, ks, ke) for x, kd in zip(inputs, kinds)), *rest)
+        for out, kd, r in zip(outputs, out_kinds, results):
+            if kd == "r":
+                out[:, qs:qe] = r[0]
+            elif kd == "q":
+                out[qs:qe] = _unseq(r)
+            else:
+                out[ks:ke] = _unseq(r)
+    return outputs
+
+
 # --------------------------------------------------------------------------- composers
 
 
@@ -343,13 +390,8 @@ def attn_fwd(
         return o, lse.to(_row_dtype(q.dtype))
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_row_dtype(q.dtype), device=q.device)
-    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
-        if qe == qs:
-            continue
-        oi, li = _fwd_dense(_seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke), scale, causal, window, chunk)
-        o[qs:qe] = _unseq(oi)
-        lse[:, qs:qe] = li[0]
-    return o, lse
+    return _per_sequence(_fwd_dense, (q, k, v), "qkk", (o, lse), "qr", cu_seqlens_q, cu_seqlens_k,
+                         scale, causal, window, chunk)
 
 
 def attn_bwd(
@@ -376,16 +418,8 @@ def attn_bwd(
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     delta = torch.zeros((q.shape[1], q.shape[0]), dtype=_row_dtype(q.dtype), device=q.device)
-    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
-        if qe == qs:
-            continue
-        r = _bwd_dense(_seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke), _seq(o, qs, qe),
-                       _row(lse, qs, qe), _seq(do, qs, qe), scale, causal, window, chunk)
-        dq[qs:qe] = _unseq(r[0])
-        dk[ks:ke] = _unseq(r[1])
-        dv[ks:ke] = _unseq(r[2])
-        delta[:, qs:qe] = r[3][0]
-    return dq, dk, dv, delta
+    return _per_sequence(_bwd_dense, (q, k, v, o, lse, do), "qkkqrq", (dq, dk, dv, delta), "qkkr",
+                         cu_seqlens_q, cu_seqlens_k, scale, causal, window, chunk)
 
 
 def attn_bob(
@@ -422,28 +456,10 @@ def attn_bob(
     the tangent forward's L̇ and rowsum(dO∘Ȯ) (docs/forward-mode.md)."""
     if uq is None and uk is None and uv is None:
         return None, None, None, None
-    if stats is not None:
-        stats = (stats[0], stats[1])
+    alpha, ee = (None, None) if stats is None else (stats[0], stats[1])
+    inputs = (q, k, v, o, lse, do, delta, uq, uk, uv, alpha, ee)
     if cu_seqlens_q is None:
-        return _bob_dense(q, k, v, o, lse, do, delta, uq, uk, uv, scale, causal, window, chunk, stats)
-    qb = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    kb = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    vb = torch.zeros_like(v, memory_format=torch.contiguous_format)
-    dob = torch.zeros_like(do, memory_format=torch.contiguous_format)
-    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
-        if qe == qs:
-            continue
-        r = _bob_dense(
-            _seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke), _seq(o, qs, qe), _row(lse, qs, qe),
-            _seq(do, qs, qe), _row(delta, qs, qe),
-            None if uq is None else _seq(uq, qs, qe),
-            None if uk is None else _seq(uk, ks, ke),
-            None if uv is None else _seq(uv, ks, ke),
-            scale, causal, window, chunk,
-            None if stats is None else tuple(_row(x, qs, qe) for x in stats),
-        )
-        qb[qs:qe] = _unseq(r[0])
-        kb[ks:ke] = _unseq(r[1])
-        vb[ks:ke] = _unseq(r[2])
-        dob[qs:qe] = _unseq(r[3])
-    return qb, kb, vb, dob
+        return _bob_dense(*inputs, scale, causal, window, chunk)
+    outputs = tuple(torch.zeros_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, do))
+    return _per_sequence(_bob_dense, inputs, "qkkqrqrqkkrr", outputs, "qkkq", cu_seqlens_q, cu_seqlens_k,
+                         scale, causal, window, chunk)

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad as _forward_ad
 
-from .composers import _bounds, _chunks, _compute_dtype, _expand_kv, _reduce_kv, _seq, _unseq
+from .composers import (_bounds, _chunks, _masked_softmax, _prologue, _reduce_kv, _seq, _to_compute, _unseq,
+                        attention_mask)
 
 __all__ = ["bob_vjp", "bob_jvp"]
 
@@ -124,29 +125,30 @@ def _bob_block(q, k, v, do, uq, uk, uv, scale, causal, window, n_q, n_k, r0, r1,
     from q, k, v and dO, out of place: differentiable to any order. Rows that see no key give
     0 (and gradients 0, never NaN). P is a softmax (its graph saves P alone) and the BoB is
     :func:`_bob_rows_lean`."""
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf, dof = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups), do.to(cd)
-    uqf = None if uq is None else uq.to(cd)
-    ukf = None if uk is None else _expand_kv(uk.to(cd), groups)
-    uvf = None if uv is None else _expand_kv(uv.to(cd), groups)
-    s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-    if causal:  # attention_mask's rule, for keys k0:k0 + k.shape[-2] only
-        i = torch.arange(r0, r1, device=q.device).unsqueeze(1) + (n_k - n_q)
-        j = torch.arange(k0, k0 + k.shape[-2], device=q.device).unsqueeze(0)
-        mask = (j <= i) if window is None else (j <= i) & (j > i - window)
-        # a row without keys: softmax of zeros (finite), then P = 0 on the whole row
-        empty = ~mask.any(-1, keepdim=True)
-        s = s.masked_fill(~mask, float("-inf")).masked_fill(empty, 0.0)
-        p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
-    else:
-        p = torch.softmax(s, dim=-1)
-    del s
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
+    dof = do.to(cd)
+    uqf, ukf, uvf = _to_compute(uq, uk, uv, cd, groups)
+    mask = attention_mask(n_q, n_k, causal=causal, window=window, device=q.device, row_start=r0, row_end=r1,
+                          col_start=k0, col_end=k0 + k.shape[-2])
+    p = _masked_softmax(torch.matmul(qf, kf.transpose(-1, -2)) * scale, mask)
     delta = _rowdot(dof, torch.matmul(p, vf))
     qb, dob, kb, vb = _bob_rows_lean(p, qf, dof, uqf, kf, vf, ukf, uvf, delta, scale)
     kb = _reduce_kv(scale * kb, groups)
     vb = _reduce_kv(vb, groups)
     return qb.to(q.dtype), kb.to(k.dtype), vb.to(v.dtype), dob.to(do.dtype)
+
+
+def _block_fn(xs, idx, scale, causal, window, n_q, n_k, r0, r1, k0):
+    """:func:`_bob_block` of one block as a function of the inputs ``xs[i]`` for ``i`` in
+    ``idx`` (the others held at ``xs``), for ``torch.func`` and autograd."""
+
+    def f(*ps):
+        vals = list(xs)
+        for i, p in zip(idx, ps):
+            vals[i] = p
+        return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
+
+    return f
 
 
 def _key_range(n_q: int, n_k: int, r0: int, r1: int, causal: bool, window: Optional[int]):
@@ -302,13 +304,7 @@ def bob_vjp(
 
     def block(n_q, n_k, r0, r1, k0, t):
         xs, (cq, ck, cv, cdo) = t[:7], t[7:]
-
-        def f(*ps):
-            vals = list(xs)
-            for i, p in zip(idx, ps):
-                vals[i] = p
-            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
-
+        f = _block_fn(xs, idx, scale, causal, window, n_q, n_k, r0, r1, k0)
         primals = tuple(xs[i] for i in idx)
         if _plain_autograd(primals + (cq, ck, cv, cdo)):
             g = dict(zip(idx, _autograd_vjp(f, primals, (cq, ck, cv, cdo))))
@@ -364,13 +360,7 @@ def bob_jvp(
 
     def block(n_q, n_k, r0, r1, k0, t):
         xs, ts = t[:7], t[7:]
-
-        def f(*ps):
-            vals = list(xs)
-            for i, p in zip(idx, ps):
-                vals[i] = p
-            return _bob_block(*vals, scale, causal, window, n_q, n_k, r0, r1, k0)
-
+        f = _block_fn(xs, idx, scale, causal, window, n_q, n_k, r0, r1, k0)
         primals, tans = tuple(xs[i] for i in idx), tuple(ts[i] for i in idx)
         if _forward_ad._current_level < 0:
             _, out = jvp(f, primals, tans)

@@ -8,23 +8,37 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .composers import (DEFAULT_CHUNK, _bounds, _chunks, _compute_dtype, _expand_kv, _probs, _row, _row_dtype,
-                        _scores, _seq, _unseq)
+from .composers import (DEFAULT_CHUNK, _chunks, _per_sequence, _probs, _prologue, _row_dtype, _score_direction,
+                        _scores, _to_compute)
 
 __all__ = ["attn_jvp", "attn_tangent"]
 
 # --------------------------------------------------------------------------- tangent forward (jvp)
 
 
+def _tangent_rows(p, qdc, qc, kf, kdf, vf, vdf, oc, scale, inv=None):
+    """(Ȯ, L̇) of a block of query rows from their P and O in direction (Q̇, K̇, V̇) (``qdc``
+    the rows' Q̇; any None): Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ), L̇ = rowsum(P∘Ṡ), Ȯ = (P∘Ṡ) V − L̇ ∘ O + P V̇.
+    ``inv``: 1 / rowsum(P) of the rows, the factor on every rowsum and product with P (None: 1)."""
+    sd = _score_direction(qdc, kf, qc, kdf)
+    odc = torch.zeros_like(oc)
+    ldc = oc.new_zeros(oc.shape[:-1])
+    if sd is not None:
+        psd = p * (sd * scale)  # P∘Ṡ (0 where masked: P = 0 there)
+        ldc = psd.sum(-1) if inv is None else psd.sum(-1) * inv
+        pv = torch.matmul(psd, vf)
+        odc = (pv if inv is None else pv * inv.unsqueeze(-1)) - ldc.unsqueeze(-1) * oc
+    if vdf is not None:
+        pv = torch.matmul(p, vdf)
+        odc = odc + (pv if inv is None else pv * inv.unsqueeze(-1))
+    return odc, ldc
+
+
 def _jvp_dense(q, k, v, qd, kd, vd, scale, causal, window, chunk):
-    """O, L and their tangents Ȯ, L̇ in direction (Q̇, K̇, V̇), query rows in chunks:
-    Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ), L̇ = rowsum(P∘Ṡ), Ȯ = (P∘Ṡ) V − L̇ ∘ O + P V̇."""
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
-    qdf = None if qd is None else qd.to(cd)
-    kdf = None if kd is None else _expand_kv(kd.to(cd), groups)
-    vdf = None if vd is None else _expand_kv(vd.to(cd), groups)
+    """O, L and their tangents Ȯ, L̇ in direction (Q̇, K̇, V̇), query rows in chunks
+    (:func:`_tangent_rows`)."""
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
+    qdf, kdf, vdf = _to_compute(qd, kd, vd, cd, groups)
     b, h, n_q, d = q.shape
     o = torch.empty(b, h, n_q, d, dtype=cd, device=q.device)
     od = torch.empty_like(o)
@@ -35,20 +49,8 @@ def _jvp_dense(q, k, v, qd, kd, vd, scale, causal, window, chunk):
         l = torch.logsumexp(s, dim=-1) if s.shape[-1] > 0 else s.new_full(s.shape[:-1], float("-inf"))
         p = _probs(s, l)
         oc = torch.matmul(p, vf)
-        sd = None
-        if qdf is not None:
-            sd = torch.matmul(qdf[:, :, r0:r1], kf.transpose(-1, -2))
-        if kdf is not None:
-            t = torch.matmul(qf[:, :, r0:r1], kdf.transpose(-1, -2))
-            sd = t if sd is None else sd + t
-        odc = torch.zeros_like(oc)
-        ldc = oc.new_zeros(oc.shape[:-1])
-        if sd is not None:
-            psd = p * (sd * scale)  # P∘Ṡ (0 where masked: P = 0 there)
-            ldc = psd.sum(-1)
-            odc = torch.matmul(psd, vf) - ldc.unsqueeze(-1) * oc
-        if vdf is not None:
-            odc = odc + torch.matmul(p, vdf)
+        odc, ldc = _tangent_rows(p, None if qdf is None else qdf[:, :, r0:r1], qf[:, :, r0:r1], kf, kdf, vf, vdf,
+                                 oc, scale)
         o[:, :, r0:r1], od[:, :, r0:r1] = oc, odc
         lse[:, :, r0:r1], lsed[:, :, r0:r1] = l, ldc
     return o.to(q.dtype), lse, od.to(q.dtype), lsed
@@ -80,34 +82,18 @@ def attn_jvp(
         o, lse, od, lsed = _jvp_dense(q, k, v, qd, kd, vd, scale, causal, window, chunk)
         return o, lse.to(rd), od, lsed.to(rd)
     o = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    od = torch.zeros_like(o)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=rd, device=q.device)
-    lsed = torch.zeros_like(lse)
-    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
-        if qe == qs:
-            continue
-        r = _jvp_dense(
-            _seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke),
-            None if qd is None else _seq(qd, qs, qe),
-            None if kd is None else _seq(kd, ks, ke),
-            None if vd is None else _seq(vd, ks, ke),
-            scale, causal, window, chunk,
-        )
-        o[qs:qe], od[qs:qe] = _unseq(r[0]), _unseq(r[2])
-        lse[:, qs:qe], lsed[:, qs:qe] = r[1][0], r[3][0]
-    return o, lse, od, lsed
+    outputs = (o, lse, torch.zeros_like(o), torch.zeros_like(lse))
+    return _per_sequence(_jvp_dense, (q, k, v, qd, kd, vd), "qkkqkk", outputs, "qrqr", cu_seqlens_q, cu_seqlens_k,
+                         scale, causal, window, chunk)
 
 
 def _tangent_dense(q, k, v, o, lse, qd, kd, vd, scale, causal, window, chunk):
     """Ȯ, L̇ and ρ = 1 / rowsum(P) from the forward's O and L, P = exp(S − L), query rows in
     chunks (what :func:`ttt_flash.kernels.attn_tangent` computes)."""
-    cd = _compute_dtype(q.dtype)
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.to(cd), _expand_kv(k.to(cd), groups), _expand_kv(v.to(cd), groups)
+    cd, groups, qf, kf, vf = _prologue(q, k, v)
     of, lsef = o.to(cd), lse.to(cd)
-    qdf = None if qd is None else qd.to(cd)
-    kdf = None if kd is None else _expand_kv(kd.to(cd), groups)
-    vdf = None if vd is None else _expand_kv(vd.to(cd), groups)
+    qdf, kdf, vdf = _to_compute(qd, kd, vd, cd, groups)
     n_q = q.shape[2]
     od = torch.empty_like(of)
     lsed = torch.empty_like(lsef)
@@ -116,20 +102,8 @@ def _tangent_dense(q, k, v, o, lse, qd, kd, vd, scale, causal, window, chunk):
         p = _probs(_scores(qf[:, :, r0:r1], kf, scale, n_q, causal, window, r0, r1), lsef[:, :, r0:r1])
         rs = p.sum(-1)
         inv = 1.0 / torch.where(rs > 0, rs, torch.ones_like(rs))
-        sd = None
-        if qdf is not None:
-            sd = torch.matmul(qdf[:, :, r0:r1], kf.transpose(-1, -2))
-        if kdf is not None:
-            t = torch.matmul(qf[:, :, r0:r1], kdf.transpose(-1, -2))
-            sd = t if sd is None else sd + t
-        odc = torch.zeros_like(of[:, :, r0:r1])
-        ldc = inv * 0
-        if sd is not None:
-            psd = p * (sd * scale)
-            ldc = psd.sum(-1) * inv
-            odc = torch.matmul(psd, vf) * inv.unsqueeze(-1) - ldc.unsqueeze(-1) * of[:, :, r0:r1]
-        if vdf is not None:
-            odc = odc + torch.matmul(p, vdf) * inv.unsqueeze(-1)
+        odc, ldc = _tangent_rows(p, None if qdf is None else qdf[:, :, r0:r1], qf[:, :, r0:r1], kf, kdf, vf, vdf,
+                                 of[:, :, r0:r1], scale, inv)
         od[:, :, r0:r1], lsed[:, :, r0:r1], rho[:, :, r0:r1] = odc, ldc, inv
     return od.to(q.dtype), lsed, rho
 
@@ -161,19 +135,7 @@ def attn_tangent(
     if cu_seqlens_q is None:
         od, lsed, rho = _tangent_dense(q, k, v, o, lse, qd, kd, vd, scale, causal, window, chunk)
         return od, lsed.to(rd), rho.to(rd)
-    od = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lsed = torch.zeros((q.shape[1], q.shape[0]), dtype=rd, device=q.device)
-    rho = torch.ones_like(lsed)
-    for qs, qe, ks, ke in _bounds(cu_seqlens_q, cu_seqlens_k):
-        if qe == qs:
-            continue
-        r = _tangent_dense(
-            _seq(q, qs, qe), _seq(k, ks, ke), _seq(v, ks, ke), _seq(o, qs, qe), _row(lse, qs, qe),
-            None if qd is None else _seq(qd, qs, qe),
-            None if kd is None else _seq(kd, ks, ke),
-            None if vd is None else _seq(vd, ks, ke),
-            scale, causal, window, chunk,
-        )
-        od[qs:qe] = _unseq(r[0])
-        lsed[:, qs:qe], rho[:, qs:qe] = r[1][0], r[2][0]
-    return od, lsed, rho
+    outputs = (torch.zeros_like(q, memory_format=torch.contiguous_format), lsed, torch.ones_like(lsed))
+    return _per_sequence(_tangent_dense, (q, k, v, o, lse, qd, kd, vd), "qkkqrqkk", outputs, "qrr",
+                         cu_seqlens_q, cu_seqlens_k, scale, causal, window, chunk)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tarfile
@@ -31,6 +30,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_runs.py, also when loaded by path
+from _runs import curve, stop_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,26 +153,11 @@ def launch(runs: List[Run], out: Path, max_time: str, deadline_s: float, tiny: b
             start(pending.pop(0))
         reap(block=False)
         if time.monotonic() - t0 > deadline_s:
-            for name, (proc, _, _) in procs.items():
-                print(f"deadline: stopping {name}", flush=True)
-                os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(15)
-            for name, (proc, _, _) in procs.items():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_runs(procs, grace_s=15)
             reap(block=True)
             break
         time.sleep(1)
     return results
-
-
-def _curve(csv: Path, metric: str):
-    from ttt_flash.lightning.curves import read_curve
-
-    try:
-        return read_curve(csv, metric)
-    except (FileNotFoundError, KeyError):
-        return [], []
 
 
 def _steps_and_step_time(csv: Path, length: int):
@@ -203,8 +190,8 @@ def summarize(out: Path, runs: List[Run], results: Dict[str, dict]) -> dict:
         recipe = RECIPES[run.recipe]
         csv = runs_dir / run.name / "metrics.csv"
         steps, step_time = _steps_and_step_time(csv, recipe.context())
-        vsteps, values = _curve(csv, recipe.metric)
-        _, pre = _curve(csv, "val/loss_pre" if recipe.kind == "maml" else "val/acc_pre")
+        vsteps, values = curve(csv, recipe.metric)
+        _, pre = curve(csv, "val/loss_pre" if recipe.kind == "maml" else "val/acc_pre")
         summary["runs"][run.name] = {
             "recipe": run.recipe, "role": run.role, "label": run.label, "overrides": run.overrides,
             "steps": steps, "median_step_s_at_final_length": step_time,

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,6 +45,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/_runs.py, also when loaded by path
+from _runs import curve, stop_runs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,15 +244,7 @@ def launch(runs: List[Run], out: Path, slots: List[str], max_time: str, deadline
             procs[run.name] = (proc, time.monotonic(), log, slot)
         reap(block=False)
         if time.monotonic() - t0 > deadline_s:
-            for name, (proc, _, _, _) in procs.items():
-                print(f"deadline: stopping {name}", flush=True)
-                os.killpg(proc.pid, signal.SIGTERM)
-            stop = time.monotonic() + grace_s  # a stopped run finishes its step and writes last.ckpt
-            while time.monotonic() < stop and any(proc.poll() is None for proc, _, _, _ in procs.values()):
-                time.sleep(1)
-            for proc, _, _, _ in procs.values():
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_runs(procs, grace_s)
             reap(block=True)
             for run in pending:
                 print(f"deadline: {run.name} never started", flush=True)
@@ -262,15 +256,6 @@ def launch(runs: List[Run], out: Path, slots: List[str], max_time: str, deadline
 # --------------------------------------------------------------------------- summary
 
 
-def _curve(csv: Path, metric: str):
-    from ttt_flash.lightning.curves import read_curve
-
-    try:
-        return read_curve(csv, metric)
-    except (FileNotFoundError, KeyError):
-        return [], []
-
-
 def _median(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
@@ -279,13 +264,13 @@ def run_record(run: Run, runs_dir: Path, result: dict, probe: bool, tiny: bool =
     """One run's numbers from its CSV log (step time: the median at the final length)."""
     final = run.recipe.tiny_context() if tiny else run.recipe.context
     csv = runs_dir / run.name / "metrics.csv"
-    vsteps, values = _curve(csv, run.recipe.metric)
-    _, pre = _curve(csv, run.recipe.pre_metric)
-    tsteps, times = _curve(csv, "train/step_time_s")
-    _, peaks = _curve(csv, "train/peak_mem_gib")
+    vsteps, values = curve(csv, run.recipe.metric)
+    _, pre = curve(csv, run.recipe.pre_metric)
+    tsteps, times = curve(csv, "train/step_time_s")
+    _, peaks = curve(csv, "train/peak_mem_gib")
     lengths: Dict[int, float] = {}
     for column in ("train/context_len", "train/seq_len"):
-        s, v = _curve(csv, column)
+        s, v = curve(csv, column)
         lengths.update(zip(s, v))
     at_final = [t for s, t in zip(tsteps, times) if lengths.get(s) == final and (not probe or s > 0)]
     return {

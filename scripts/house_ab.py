@@ -89,6 +89,7 @@ def _bench_common():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ttt_flash", "bench", "common.py")
     spec = importlib.util.spec_from_file_location("house_ab_bench_common", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

@@ -39,6 +39,30 @@ def test_bad_config():
         BenchConfig(providers=["nope"])
 
 
+def test_the_context_parallel_config_checks_the_shared_shape():
+    from ttt_flash.bench.cp import CPBenchConfig
+
+    cfg = CPBenchConfig(processes=2, heads=4, device="cpu")
+    assert cfg.kv_heads == 4 and cfg.seq_lens == [262144]
+    with pytest.raises(ValueError, match="window requires causal"):
+        CPBenchConfig(processes=2, window=4, device="cpu")
+    with pytest.raises(ValueError, match="kv_heads"):
+        CPBenchConfig(processes=2, heads=12, kv_heads=5, device="cpu")
+
+
+def test_a_failed_case_is_a_row_with_its_error(capsys):
+    from ttt_flash.bench.graph import bench_row
+
+    rows = []
+    with bench_row({"part": "lm", "n": 8}, rows, progress=True) as row:
+        row["eager_ms"] = 1.0
+    with bench_row({"part": "lm", "n": 16}, rows, progress=False):
+        raise RuntimeError("capture failed in aten::nonzero")
+    assert rows == [{"part": "lm", "n": 8, "eager_ms": 1.0},
+                    {"part": "lm", "n": 16, "error": "RuntimeError: capture failed in aten::nonzero"}]
+    assert capsys.readouterr().out == "[lm] n=8  eager_ms=1.000\n"
+
+
 def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monkeypatch):
     import torch
 

@@ -65,6 +65,17 @@ def test_gradgradcheck_varlen_with_empty_sequence():
     assert gradgradcheck(fn, (q, k, v))
 
 
+@pytest.mark.parametrize("nq, nk, window", [(9, 9, None), (7, 12, 3), (12, 5, 2)], ids=["square", "nk-gt-nq-w3", "nq-gt-nk-w2"])
+def test_a_block_of_the_mask_is_that_block_of_the_full_mask(nq, nk, window):
+    # the blocks of the BoB's recomputation ask for rows r0:r1 and keys k0:k1 only
+    full = reference.attention_mask(nq, nk, causal=True, window=window)
+    for r0, r1, c0, c1 in [(0, nq, 0, nk), (2, 5, 1, 4), (nq - 3, nq, nk - 2, nk), (1, 2, 0, 1)]:
+        block = reference.attention_mask(nq, nk, causal=True, window=window, row_start=r0, row_end=r1,
+                                         col_start=c0, col_end=c1)
+        assert torch.equal(block, full[r0:r1, c0:c1]), (r0, r1, c0, c1)
+    assert reference.attention_mask(nq, nk, causal=False, window=None, col_start=1) is None
+
+
 def test_rows_that_see_no_key_are_exactly_zero():
     # N_q > N_k causal: the first N_q - N_k rows see no key; window 1 with shift keeps others alive
     q, k, v = _rand(1, 2, 6, 4), _rand(1, 2, 3, 4), _rand(1, 2, 3, 4)

@@ -454,23 +454,23 @@ def _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV: tl.constexpr,
 
 
 @triton.jit
-def _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
-    """Write the float32 statistics besides α − g and F: ρ, and j*, c, g, b, D − c into the
-    row vectors ``SH``."""
-    tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
-    _store_index(SH[0] + row_off, offs_m, jstar, m_ok)
-    tl.store(SH[1] + row_off + offs_m, cref, mask=m_ok)
-    tl.store(SH[2] + row_off + offs_m, gref, mask=m_ok)
-    tl.store(SH[3] + row_off + offs_m, bref, mask=m_ok)
-    tl.store(SH[4] + row_off + offs_m, dtil, mask=m_ok)
+def _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
+    """Write the float32 statistics besides α − g and F into the row vectors ``SH`` =
+    (ρ, j*, c, g, b, D − c)."""
+    tl.store(SH[0] + row_off + offs_m, rho, mask=m_ok)
+    _store_index(SH[1] + row_off, offs_m, jstar, m_ok)
+    tl.store(SH[2] + row_off + offs_m, cref, mask=m_ok)
+    tl.store(SH[3] + row_off + offs_m, gref, mask=m_ok)
+    tl.store(SH[4] + row_off + offs_m, bref, mask=m_ok)
+    tl.store(SH[5] + row_off + offs_m, dtil, mask=m_ok)
 
 
 @triton.jit
-def _bob_load_shift(RHO, SH, row_off, offs_m, m_ok):
+def _bob_load_shift(SH, row_off, offs_m, m_ok):
     """Read back what :func:`_bob_store_shift` wrote: (ρ, j*, c, g, b, D − c)."""
-    return (_load_rowvec(RHO + row_off, offs_m, m_ok, True),
-            _load_index(SH[0] + row_off, offs_m, m_ok),
-            _load_rowvec(SH[1] + row_off, offs_m, m_ok, True),
+    return (_load_rowvec(SH[0] + row_off, offs_m, m_ok, True),
+            _load_index(SH[1] + row_off, offs_m, m_ok),
             _load_rowvec(SH[2] + row_off, offs_m, m_ok, True),
             _load_rowvec(SH[3] + row_off, offs_m, m_ok, True),
-            _load_rowvec(SH[4] + row_off, offs_m, m_ok, True))
+            _load_rowvec(SH[4] + row_off, offs_m, m_ok, True),
+            _load_rowvec(SH[5] + row_off, offs_m, m_ok, True))

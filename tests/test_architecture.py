@@ -424,9 +424,9 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "ttt_flash.kernels.bob.attn_bob": "allocates and launches the BoB passes the plan names; its branches "
                                       "are the plan's cases in launch order",
-    "ttt_flash.kernels.bob_rows._bob_affine_kernel": "a Triton kernel: one program's loop over key tiles, "
+    "ttt_flash.kernels.bob_affine._bob_affine_kernel": "a Triton kernel: one program's loop over key tiles, "
                                                      "its helpers already @triton.jit functions",
-    "ttt_flash.kernels.attn_jvp._attn_jvp_kernel": "a Triton kernel: one program's loop over key tiles",
+    "ttt_flash.kernels.jvp._attn_jvp_kernel": "a Triton kernel: one program's loop over key tiles",
     "ttt_flash.kernels.tune.main": "the offline sweep's command line: argument parsing and the table it "
                                    "prints, run by maintainers only",
     "ttt_flash.cli._check": "`ttt-flash check`: one linear report of the install, line by line",

@@ -32,7 +32,7 @@ from triton.runtime import driver  # noqa: E402
 from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, attn_jvp, attn_tangent  # noqa: E402
 from ttt_flash.kernels import configs, plan  # noqa: E402
 
-MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("attn_fwd", "attn_bwd", "bob", "attn_jvp")]
+MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("fwd", "bwd", "bob", "jvp")]
 
 
 class Recorder:

@@ -11,7 +11,6 @@ import triton.language as tl
 
 from .common import (
     _key_tile,
-    _row_probs,
     _row_scores,
     LOG2E,
     _NO_SPECIALIZE,
@@ -22,7 +21,6 @@ from .common import (
     _rows,
     _store_tile,
     _tile_base,
-    _visible,
 )
 from .host import (
     block_d,

@@ -42,7 +42,6 @@ from .common import (
     _rows,
     _store_tile,
     _tile_base,
-    _visible,
 )
 from .host import (
     block_d,

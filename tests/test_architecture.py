@@ -578,3 +578,21 @@ def test_triton_and_gluon_passes_share_module_names():
         tree = ast.parse(MODULES[triton_modules[gluon_name]].read_text())
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         assert kernel in defined, f"kernels/{gluon_name}.py does not define {kernel}"
+
+
+def test_the_docs_kernel_tables_name_every_module():
+    # docs/architecture.md's "Inside kernels/" names every module of kernels/ and kernels/gluon/
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Inside `kernels/`"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    named = set(re.findall(r"`((?:gluon/)?\w+\.py)`", section))
+    gluon_passes = {m.rpartition(".")[2] + ".py" for m in MODULES
+                    if m.startswith("ttt_flash.kernels.gluon.")} - {"__init__.py"}
+    triton_modules = {m.rpartition(".")[2] + ".py" for m in MODULES
+                      if m.startswith("ttt_flash.kernels.") and m.count(".") == 2
+                      and m != "ttt_flash.kernels.gluon"} | {"__init__.py"}
+    missing = sorted((triton_modules - named) | {f"gluon/{g}" for g in gluon_passes
+                                                  if g not in named and f"gluon/{g}" not in named})
+    assert not missing, f"docs/architecture.md's kernels/ tables miss {missing}"

@@ -23,7 +23,7 @@ from .bob_row import (_bob_direct_kernel, _bob_direct_shift_kernel, _bob_stats_k
 from .common import LOG2E
 from .host import (
     block_d,
-    cu_or_dummy,
+    cu_seqlens,
     dot_precision,
     layout,
     long_rows,
@@ -119,12 +119,10 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                  PREC=dot_precision(q.dtype), HAS_UQ=uq is not None, HAS_UK=uk is not None,
                  HAS_UV=uv is not None, HAS_G=uq is not None or uk is not None,
                  LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
-    # the kernels' arguments: views of the inputs (a placeholder view for an absent
-    # cotangent), then after each kernel's row vectors: their strides, cu_seqlens, the sizes
-    # and scales
-    ins = (view(q, varlen), view(k, varlen), view(v, varlen), view(do, varlen),
-           view(uq, varlen, q), view(uk, varlen, k), view(uv, varlen, v))
-    sizes = (rowvec_strides(lay), (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
+    # the kernels' arguments: views of the inputs (None for an absent cotangent), then after
+    # each kernel's row vectors: their strides, cu_seqlens, the sizes and scales
+    ins = tuple(view(x, varlen) for x in (q, k, v, do, uq, uk, uv))
+    sizes = (rowvec_strides(lay), cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
              lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
     # a direct pass that sweeps the statistics itself reads α, E + αD only to write them
     stats_out = (alpha, ee) if not p.stats_first or p.write_stats else (None, None)
@@ -146,8 +144,8 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         cfg = p.affine.tiles
         q_, k_, v_, do_, uq_, uk_, uv_ = ins
         _bob_affine_kernel[row_grid(cfg)](
-            q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen, q),
-            view(dob, varlen, do), lse, delta, alpha, ee, rho, *sizes,
+            q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen),
+            view(dob, varlen), lse, delta, alpha, ee, rho, *sizes,
             **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, NEED_E=p.need_e,
                      WRITE_STATS=p.write_stats, ROWSUM=p.rowsum))
     if p.stats is not None:
@@ -166,7 +164,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                              **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
-        outs = (view(qb, varlen, q), view(dob, varlen, do))
+        outs = (view(qb, varlen), view(dob, varlen))
         kw = launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, SPLIT=split and bool(split_row),
                     STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats, NEED_E=p.need_e)
         if p.direct.gluon:
@@ -191,7 +189,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         else:
             vb_col = vb if p.col_vb else None
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
-                *ins, view(kb, varlen, k), view(vb_col, varlen, v), lse,
+                *ins, view(kb, varlen), view(vb_col, varlen), lse,
                 None if shift else delta, alpha, ee, None if shift else rho, sh, *sizes,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
                          SPLIT=split and bool(split_col), ROWSUM=p.rowsum, SHIFT=shift,

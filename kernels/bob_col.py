@@ -155,11 +155,16 @@ def _bob_col_kernel(
     vb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW)
+    stride_uqn = None
+    if HAS_UQ:
+        stride_uqn = UQ[3]
     for grp in range(0, GROUPS):
         h64 = hk64 * GROUPS + grp
         q_base = _tile_base(Q, b64, h64, q_start64)
         do_base = _tile_base(DO, b64, h64, q_start64)
-        uq_base = _tile_base(UQ, b64, h64, q_start64)
+        uq_base = None
+        if HAS_UQ:
+            uq_base = _tile_base(UQ, b64, h64, q_start64)
         row_off = _row_off(RS, b64, h64, q_start64)
         d_rows = None
         r_rows = None
@@ -176,7 +181,7 @@ def _bob_col_kernel(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q, do, uq, p, h, r, dp_d = _bob_kt_tile(
                 k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, d_rows, ALPHA + row_off,
-                EE + row_off, r_rows, sh_rows, Q[3], DO[3], UQ[3],
+                EE + row_off, r_rows, sh_rows, Q[3], DO[3], stride_uqn,
                 offs_m, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, scale,
                 qk_scale, HEAD_DIM, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
                 HAS_G, NEED_KB, ROWSUM, SHIFT, QMAJOR)

@@ -54,12 +54,14 @@ def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, 
                    n_q, n_k, shift, window, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                   HAS_UQ: tl.constexpr, ROWSUM: tl.constexpr):
+                   HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+                   ROWSUM: tl.constexpr):
     """What every row program sets up first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
-    lse2, k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi): the query tile's Q, dO
-    (and U_Q; q itself without HAS_UQ, never read then), L in log2 units or with ROWSUM in
-    natural units (common.py, ``_nat_probs``), the key-side bases (K, V, U_K, U_V of its kv
-    head and sequence) and the key tiles it visits."""
+    lse2, k_base, v_base, uk_base, uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi): the
+    query tile's Q, dO (and U_Q; q itself without HAS_UQ, never read then), L in log2 units or
+    with ROWSUM in natural units (common.py, ``_nat_probs``), the key-side bases (K, V, U_K,
+    U_V of its kv head and sequence, with their token strides; K's and V's for an absent
+    cotangent, never read then) and the key tiles it visits."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
@@ -76,12 +78,18 @@ def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, 
         lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     k_base = _tile_base(K, b64, hk64, k_start64)
     v_base = _tile_base(V, b64, hk64, k_start64)
-    uk_base = _tile_base(UK, b64, hk64, k_start64)
-    uv_base = _tile_base(UV, b64, hk64, k_start64)
+    uk_base, stride_ukn = k_base, K[3]  # U_K's where given (else never read)
+    if HAS_UK:
+        uk_base = _tile_base(UK, b64, hk64, k_start64)
+        stride_ukn = UK[3]
+    uv_base, stride_uvn = v_base, V[3]
+    if HAS_UV:
+        uv_base = _tile_base(UV, b64, hk64, k_start64)
+        stride_uvn = UV[3]
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
     return (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base,
-            uv_base, lo, mid_lo, mid_hi, hi)
+            uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi)
 
 
 @triton.jit
@@ -332,15 +340,15 @@ def _bob_stats_kernel(
         return
     shift = n_k - n_q
     (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
         shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, False)
+        HAS_UQ, HAS_UK, HAS_UV, False)
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     alpha, e_ad = _bob_stats_sweep(
-        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3],
-        offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
+        stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
+        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
         HAS_UV, HAS_G, NEED_E)
     _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
 
@@ -364,13 +372,13 @@ def _bob_stats_shift_kernel(
         return
     shift = n_k - n_q
     (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
         shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, True)
+        HAS_UQ, HAS_UK, HAS_UV, True)
     alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
-        q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
-        offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
+        q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
+        offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
         BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
         NEED_E)
     _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
@@ -400,17 +408,17 @@ def _bob_direct_kernel(
         return
     shift = n_k - n_q
     (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
         shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, ROWSUM)
+        HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     if STATS_FIRST:
         alpha, e_ad = _bob_stats_sweep(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3],
-            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
-            HAS_UV, HAS_G, NEED_E)
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
+            stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
+            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ,
+            HAS_UK, HAS_UV, HAS_G, NEED_E)
         if WRITE_STATS:
             _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
     else:
@@ -422,8 +430,8 @@ def _bob_direct_kernel(
         rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
         q, do, uq, lse2, delta, alpha, e_ad, None, k_base, v_base, uk_base, uv_base, K[3], V[3],
-        UK[3], UV[3], offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
-        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+        stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
+        scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
         HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, False)
     _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
                       HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)
@@ -450,16 +458,16 @@ def _bob_direct_shift_kernel(
         return
     shift = n_k - n_q
     (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
         shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, True)
+        HAS_UQ, HAS_UK, HAS_UV, True)
     if STATS_FIRST:
         alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
-            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
-            BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
-            NEED_E)
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
+            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
+            HAS_G, NEED_E)
         if WRITE_STATS:
             _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
             _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
@@ -469,8 +477,8 @@ def _bob_direct_shift_kernel(
         rho, jstar, cref, gref, bref, dtil = _bob_load_shift(SH, row_off, offs_m, m_ok)
     a_qb, a_dob = _bob_direct_sweep(
         q, do, uq, lse2, dtil, alpha, e_ad, (jstar, cref, gref, bref), k_base, v_base, uk_base,
-        uv_base, K[3], V[3], UK[3], UV[3], offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k,
-        shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW,
+        uv_base, K[3], V[3], stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
+        n_k, shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW,
         EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, True, True)
     _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
                       HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)

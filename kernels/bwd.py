@@ -17,7 +17,7 @@ from .dkdv import _attn_bwd_dkdv_kernel
 from .dq import _attn_bwd_dq_kernel
 from .host import (
     block_d,
-    cu_or_dummy,
+    cu_seqlens,
     dot_precision,
     layout,
     long_rows,
@@ -53,7 +53,7 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
     dk = new_empty(k.shape, k.dtype, k.device)
     dv = new_empty(v.shape, v.dtype, v.device)
     bd = block_d(lay.head_dim)
-    cu = (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q))
+    cu = cu_seqlens(cu_seqlens_q, cu_seqlens_k, q)
     common = dict(HEAD_DIM=lay.head_dim, BLOCK_D=bd, EVEN_D=bd == lay.head_dim,
                   CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=lay.varlen,
                   PREC=dot_precision(q.dtype), LONG=long_rows(lay, q, k, v, o, do, dq, dk, dv))

@@ -63,11 +63,12 @@ def _row_off(RS, b64, h64, start64):
 
 
 @triton.jit
-def _seq_info(cu_ptr, b, n_dense, IS_VARLEN: tl.constexpr):
-    """(start token, length) of sequence ``b``: from cu_seqlens, or (0, n_dense)."""
+def _seq_info(CU, side: tl.constexpr, b, n_dense, IS_VARLEN: tl.constexpr):
+    """(start token, length) of sequence ``b``: from cu_seqlens ``CU[side]`` (0: queries, 1:
+    keys; CU is None for dense calls), or (0, n_dense)."""
     if IS_VARLEN:
-        start = tl.load(cu_ptr + b)
-        n = tl.load(cu_ptr + b + 1) - start
+        start = tl.load(CU[side] + b)
+        n = tl.load(CU[side] + b + 1) - start
     else:
         start = b * 0
         n = n_dense + b * 0
@@ -92,8 +93,8 @@ def _row_program(CU, N_Q, N_K, GROUPS, BLOCK_M: tl.constexpr, CAUSAL: tl.constex
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    q_start, n_q = _seq_info(CU, 0, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU, 1, b, N_K, IS_VARLEN)
     return (pid_m * BLOCK_M, n_q, n_k, b.to(tl.int64), h.to(tl.int64),
             (h // GROUPS).to(tl.int64), q_start.to(tl.int64), k_start.to(tl.int64))
 
@@ -105,8 +106,8 @@ def _kt_program(CU, N_Q, N_K, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    q_start, n_q = _seq_info(CU, 0, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU, 1, b, N_K, IS_VARLEN)
     return (pid_n * BLOCK_N, n_q, n_k, b.to(tl.int64), hk.to(tl.int64), q_start.to(tl.int64),
             k_start.to(tl.int64))
 

@@ -1,7 +1,8 @@
 """Every Triton launch passes each tensor to one parameter only: no parameter receives a
 tensor standing in for one the kernel does not read. A kernel whose flags pick a different
 algorithm (the BoB row passes with and without the float32 shift) is a kernel of its own with
-the parameters it reads; row vectors a pass reads none of travel as None.
+the parameters it reads; an absent cotangent, tangent or output, a row vector a pass does not
+read and a dense call's cu_seqlens travel as None.
 
 The kernels are not run: each ``*_kernel`` of ``ttt_flash.kernels`` is replaced by a recorder
 of its launches, and the composers run on CPU tensors across the plans' cases.
@@ -16,14 +17,6 @@ import torch
 import triton
 
 from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, attn_jvp, attn_tangent, configs
-
-#: Documented exceptions: a view of an absent tile tensor (a cotangent or tangent not given,
-#: an output not wanted) is the view of a present one, never read: the flag beside it says so.
-#: Dense calls pass one cu_seqlens placeholder for both sequences (read only when IS_VARLEN).
-ABSENT_WHEN_FALSE = {"UQ": "HAS_UQ", "UK": "HAS_UK", "UV": "HAS_UV", "QD": "HAS_QD",
-                     "KD": "HAS_KD", "VD": "HAS_VD", "QB": "NEED_QB", "DOB": "NEED_DOB",
-                     "KB": "NEED_KB", "VB": "NEED_VB", "CU": "IS_VARLEN"}
-
 
 class _Recorder:
     def __init__(self, name, fn, out):
@@ -56,24 +49,15 @@ def _tensors(value):
 
 
 def _shared_tensors(name, fn, args, kwargs):
-    """Pairs of distinct parameters of one launch that receive the same tensor memory,
-    less the documented exceptions."""
+    """The parameters of one launch that receive a tensor another parameter (or another
+    element of the same tuple) already received."""
     bound = dict(zip(fn.arg_names, args))
     bound.update({k: v for k, v in kwargs.items() if k in fn.arg_names})
     owner, bad = {}, []
     for param, value in bound.items():
-        flag = ABSENT_WHEN_FALSE.get(param)
-        if flag is not None and not bound.get(flag, True):
-            continue
-        seen_here = set()
         for t in _tensors(value):
-            key = (t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else None
-            if key is None or key in seen_here and param != "CU":
-                continue
-            if key in seen_here:  # the dense cu_seqlens pair
-                continue
-            seen_here.add(key)
-            if key in owner and owner[key] != param:
+            key = (t.data_ptr(), t.dtype, tuple(t.shape))
+            if key in owner:
                 bad.append(f"{name}: {owner[key]} and {param} get one tensor")
             owner.setdefault(key, param)
     return bad
@@ -118,6 +102,21 @@ def test_no_launch_passes_one_tensor_for_two_parameters(dtype, launches):
         dtype == torch.float32)
     bad = [b for launch in launches for b in _shared_tensors(*launch)]
     assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_dense_launches_pass_no_cu_seqlens(launches):
+    q, k, v, do, uq, uk, uv = _inputs(torch.float16)
+    kw = dict(scale=None, causal=False, window=None)
+    attn_fwd(q, k, v, **kw)
+    attn_bob(q, k, v, torch.randn_like(q), torch.randn(1, 2, 24), do, torch.randn(1, 2, 24),
+             None, uk, None, **kw)
+    assert launches
+    for name, fn, args, kwargs in launches:
+        bound = dict(zip(fn.arg_names, args))
+        assert bound["CU"] is None, name
+        assert kwargs["IS_VARLEN"] is False, name
+        if name.startswith("_bob_"):
+            assert bound["UQ"] is None and bound["UV"] is None and bound["UK"] is not None, name
 
 
 def test_varlen_launches_read_both_cu_seqlens(launches):

@@ -426,7 +426,6 @@ LONG_FUNCTIONS = {
                                       "are the plan's cases in launch order",
     "ttt_flash.kernels.bob_affine._bob_affine_kernel": "a Triton kernel: one program's loop over key tiles, "
                                                      "its helpers already @triton.jit functions",
-    "ttt_flash.kernels.jvp._attn_jvp_kernel": "a Triton kernel: one program's loop over key tiles",
     "ttt_flash.kernels.tune.main": "the offline sweep's command line: argument parsing and the table it "
                                    "prints, run by maintainers only",
     "ttt_flash.cli._check": "`ttt-flash check`: one linear report of the install, line by line",

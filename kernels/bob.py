@@ -164,21 +164,23 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                              **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
-        outs = (view(qb, varlen), view(dob, varlen))
-        kw = launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, SPLIT=split and bool(split_row),
-                    STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats, NEED_E=p.need_e)
         if p.direct.gluon:
             from .gluon import bob_row as _gluon_row
 
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
                                       stats=False, out=(qb, dob), consumers=cfg.consumers,
                                       **gluon_kw(cfg))
-        elif shift:
-            _bob_direct_shift_kernel[row_grid(cfg)](*ins, *outs, lse, *stats_out, sh, *sizes,
-                                                    **kw)
         else:
-            _bob_direct_kernel[row_grid(cfg)](*ins, *outs, lse, delta, *stats_out, rho, *sizes,
-                                              ROWSUM=p.rowsum, **kw)
+            outs = (view(qb, varlen), view(dob, varlen))
+            kw = launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
+                        SPLIT=split and bool(split_row), STATS_FIRST=p.stats_first,
+                        WRITE_STATS=p.write_stats, NEED_E=p.need_e)
+            if shift:
+                _bob_direct_shift_kernel[row_grid(cfg)](*ins, *outs, lse, *stats_out, sh,
+                                                        *sizes, **kw)
+            else:
+                _bob_direct_kernel[row_grid(cfg)](*ins, *outs, lse, delta, *stats_out, rho,
+                                                  *sizes, ROWSUM=p.rowsum, **kw)
     if p.col is not None:
         cfg = p.col.tiles
         if p.col.gluon:

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .common import (
     _NO_SPECIALIZE,
+    _bob_r,
     _dot_acc,
     _kt_dot,
     _kt_probs,
@@ -104,22 +105,13 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
             if HAS_UV:
                 b_tile = tl.where(dom, 0.0, _kt_dot(uv, do, None, PREC, QMAJOR)
                                   - _kt_q(_load_rowvec(sh_rows[3], offs_m, m_ok, True), QMAJOR))
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += b_tile
-            else:
-                r = b_tile
         else:
             delta = _load_rowvec(d_base, offs_m, m_ok, True)
             dp_d = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(delta, QMAJOR)
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += _kt_dot(uv, do, None, PREC, QMAJOR)
-            else:
-                r = _kt_dot(uv, do, None, PREC, QMAJOR)
-        r = p * (r - _kt_q(e_ad, QMAJOR))
+            b_tile = dp_d
+            if HAS_UV:
+                b_tile = _kt_dot(uv, do, None, PREC, QMAJOR)
+        r = _bob_r(p, g, dp_d, b_tile, _kt_q(e_ad, QMAJOR), HAS_G, HAS_UV)
     return q, do, uq, p, h, r, dp_d
 
 

@@ -29,6 +29,7 @@ from .common import (
     _row_probs,
     _NO_SPECIALIZE,
     _bob_load_shift,
+    _bob_r,
     _bob_shift_tile,
     _bob_store_shift,
     _dot_acc,
@@ -285,13 +286,7 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, ref, k_base, v_base, 
                 a_dob = tl.dot(p.to(uv.dtype), uv, a_dob, input_precision=PREC)
         if NEED_QB:
             dp_d = dp - delta[:, None]
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += b_tile
-            else:
-                r = b_tile
-            r = p * (r - e_ad[:, None])
+            r = _bob_r(p, g, dp_d, b_tile, e_ad[:, None], HAS_G, HAS_UV)
             a_qb = _dot_acc(r, k, a_qb, PREC, SPLIT)
             if HAS_UK:
                 a_qb = tl.dot((p * dp_d).to(uk.dtype), uk, a_qb, input_precision=PREC)

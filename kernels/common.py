@@ -455,6 +455,20 @@ def _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV: tl.constexpr,
 
 
 @triton.jit
+def _bob_r(p, g, dp_d, b_tile, e_ad, HAS_G: tl.constexpr, HAS_UV: tl.constexpr):
+    """R = P∘((G − α)∘(dP − D) + B − (E + αD)) of one score-shaped tile from ``g`` = G − α
+    (read with HAS_G), ``dp_d`` = dP − D, ``b_tile`` = B (read with HAS_UV) and ``e_ad`` =
+    E + αD broadcast over the tile (with the shift: the shifted forms, the same identity)."""
+    if HAS_G:
+        r = g * dp_d
+        if HAS_UV:
+            r += b_tile
+    else:
+        r = b_tile
+    return p * (r - e_ad)
+
+
+@triton.jit
 def _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
     """Write the float32 statistics besides α − g and F into the row vectors ``SH`` =
     (ρ, j*, c, g, b, D − c)."""

@@ -6,9 +6,9 @@ Exports the composer contract of ``docs/architecture.md`` (same signatures as
 :func:`attn_tangent` and :func:`attn_jvp`. Imports torch and triton only.
 """
 
-from .attn_bwd import attn_bwd
-from .attn_fwd import attn_fwd
-from .attn_jvp import attn_jvp, attn_tangent
+from .bwd import attn_bwd
+from .fwd import attn_fwd
+from .jvp import attn_jvp, attn_tangent
 from .bob import attn_bob
 from .common import MAX_HEAD_DIM, SUPPORTED_HEAD_DIMS
 

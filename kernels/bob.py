@@ -1,7 +1,8 @@
 """FlashBoB: the exact backward-over-backward composer ``attn_bob`` (bob-math.md).
 
-The passes live by family: the row passes (statistics, direct, affine) in bob_rows.py, the
-key-tile (column) pass in bob_cols.py, their sm_90 Gluon versions in gluon/. Which of them
+The passes live by family: the precise row passes (statistics, direct; each with a float32
+shifted form) in bob_row.py, the affine row pass in bob_affine.py, the key-tile (column) pass
+in bob_col.py, their sm_90 Gluon versions in gluon/ (bob_row.py, bob_col.py). Which of them
 run for a call, with which tiles, is decided by ``plan.bob`` (cached per call shape); this
 module allocates the outputs and launches what the plan says.
 
@@ -15,14 +16,14 @@ import torch
 import triton
 
 from . import plan as _plan
-from .bob_cols import _bob_col_kernel
-from .bob_rows import _bob_affine_kernel, _bob_direct_kernel, _bob_stats_kernel
-from .common import (
-    LOG2E,
-)
+from .bob_affine import _bob_affine_kernel
+from .bob_col import _bob_col_kernel
+from .bob_row import (_bob_direct_kernel, _bob_direct_shift_kernel, _bob_stats_kernel,
+                      _bob_stats_shift_kernel)
+from .common import LOG2E
 from .host import (
     block_d,
-    cu_or_dummy,
+    cu_seqlens,
     dot_precision,
     layout,
     long_rows,
@@ -95,22 +96,21 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     else:
         vb = None
     # float32 (p.rowsum): also ρ and, where this call's statistics pass forms them (not with
-    # the caller's statistics nor the affine pass), j*, c, g, b and D − c around each row's
-    # dominant key (bob_rows.py, _bob_stats_shift_sweep)
+    # the caller's statistics nor the affine pass), the shifted statistics SH = (ρ, j*, c, g,
+    # b, D − c) around each row's dominant key (bob_row.py, _bob_stats_shift_sweep)
     shift = p.rowsum and not p.given and p.affine is None
-    shifted = [lse] * 5
+    alpha = ee = rho = sh = None
     if p.given:
         alpha, ee = stats[0].contiguous(), stats[1].contiguous()
-        rho = stats[2].contiguous() if p.rowsum else lse
-    else:
-        if p.with_stats and shift:
-            alpha, ee, rho, *shifted = new_rowvecs(lay, q.device, 8)
-        elif p.with_stats and p.rowsum:
-            alpha, ee, rho = new_rowvecs(lay, q.device, 3)
-        elif p.with_stats:
-            (alpha, ee), rho = new_rowvecs(lay, q.device, 2), lse
-        else:
-            alpha = ee = rho = lse
+        if p.rowsum:
+            rho = stats[2].contiguous()
+    elif p.with_stats and shift:
+        alpha, ee, *rest = new_rowvecs(lay, q.device, 8)
+        sh = tuple(rest)
+    elif p.with_stats and p.rowsum:
+        alpha, ee, rho = new_rowvecs(lay, q.device, 3)
+    elif p.with_stats:
+        alpha, ee = new_rowvecs(lay, q.device, 2)
 
     bd = block_d(lay.head_dim)
     varlen = lay.varlen
@@ -118,17 +118,15 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                  CAUSAL=bool(causal), WINDOW=use_window, IS_VARLEN=varlen,
                  PREC=dot_precision(q.dtype), HAS_UQ=uq is not None, HAS_UK=uk is not None,
                  HAS_UV=uv is not None, HAS_G=uq is not None or uk is not None,
-                 ROWSUM=p.rowsum,
                  LONG=long_rows(lay, q, k, v, o, do, uq, uk, uv, qb, kb, vb, dob))
-    # the kernels' arguments: views of the inputs (a placeholder view for an absent
-    # cotangent), the row vectors with their strides, cu_seqlens, the sizes and scales
-    ins = (view(q, varlen), view(k, varlen), view(v, varlen), view(do, varlen),
-           view(uq, varlen, q), view(uk, varlen, k), view(uv, varlen, v))
-    rows = (lse, delta, alpha, ee, rho, rowvec_strides(lay),
-            (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
-            lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
-    rows_x = (*rows[:5], tuple(shifted), *rows[5:])  # the precise passes' row vectors
-    vb_col = vb if p.col_vb else None
+    # the kernels' arguments: views of the inputs (None for an absent cotangent), then after
+    # each kernel's row vectors: their strides, cu_seqlens, the sizes and scales
+    ins = tuple(view(x, varlen) for x in (q, k, v, do, uq, uk, uv))
+    sizes = (rowvec_strides(lay), cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
+             lay.n_q, lay.n_k, lay.groups, scale, scale * LOG2E, int(window or 0))
+    # a direct pass that sweeps the statistics itself reads α, E + αD only to write them
+    stats_out = (alpha, ee) if not p.stats_first or p.write_stats else (None, None)
+    split = q.dtype != torch.float32
 
     def row_grid(cfg):
         return (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
@@ -146,10 +144,10 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
         cfg = p.affine.tiles
         q_, k_, v_, do_, uq_, uk_, uv_ = ins
         _bob_affine_kernel[row_grid(cfg)](
-            q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen, q),
-            view(dob, varlen, do), *rows,
+            q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen),
+            view(dob, varlen), lse, delta, alpha, ee, rho, *sizes,
             **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, NEED_E=p.need_e,
-                     WRITE_STATS=p.write_stats))
+                     WRITE_STATS=p.write_stats, ROWSUM=p.rowsum))
     if p.stats is not None:
         cfg = p.stats.tiles
         if p.stats.gluon:
@@ -158,8 +156,12 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             _gluon_row.launch_bob_row(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee,
                                       stats=True, consumers=cfg.consumers,
                                       **gluon_kw(cfg))
+        elif shift:
+            _bob_stats_shift_kernel[row_grid(cfg)](*ins, lse, alpha, ee, sh, *sizes,
+                                                   **launch(cfg, NEED_E=p.need_e))
         else:
-            _bob_stats_kernel[row_grid(cfg)](*ins, *rows_x, **launch(cfg, NEED_E=p.need_e))
+            _bob_stats_kernel[row_grid(cfg)](*ins, lse, delta, alpha, ee, *sizes,
+                                             **launch(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
         if p.direct.gluon:
@@ -169,12 +171,16 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       stats=False, out=(qb, dob), consumers=cfg.consumers,
                                       **gluon_kw(cfg))
         else:
-            _bob_direct_kernel[row_grid(cfg)](
-                *ins, view(qb, varlen, q), view(dob, varlen, do), *rows_x,
-                **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
-                         SPLIT=q.dtype != torch.float32 and bool(split_row), SHIFT=shift,
-                         STATS_FIRST=p.stats_first, WRITE_STATS=p.write_stats,
-                         NEED_E=p.need_e))
+            outs = (view(qb, varlen), view(dob, varlen))
+            kw = launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
+                        SPLIT=split and bool(split_row), STATS_FIRST=p.stats_first,
+                        WRITE_STATS=p.write_stats, NEED_E=p.need_e)
+            if shift:
+                _bob_direct_shift_kernel[row_grid(cfg)](*ins, *outs, lse, *stats_out, sh,
+                                                        *sizes, **kw)
+            else:
+                _bob_direct_kernel[row_grid(cfg)](*ins, *outs, lse, delta, *stats_out, rho,
+                                                  *sizes, ROWSUM=p.rowsum, **kw)
     if p.col is not None:
         cfg = p.col.tiles
         if p.col.gluon:
@@ -183,9 +189,11 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
             _gluon_col.launch_bob_col(q, k, v, do, uq, uk, uv, lse, delta, alpha, ee, None,
                                       out=(kb, vb), consumers=cfg.consumers, **gluon_kw(cfg))
         else:
+            vb_col = vb if p.col_vb else None
             _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
-                *ins, view(kb, varlen, k), view(vb_col, varlen, v), *rows_x,
+                *ins, view(kb, varlen), view(vb_col, varlen), lse,
+                None if shift else delta, alpha, ee, None if shift else rho, sh, *sizes,
                 **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
-                         SPLIT=q.dtype != torch.float32 and bool(split_col),
-                         SHIFT=shift, QMAJOR=cfg.qmajor))
+                         SPLIT=split and bool(split_col), ROWSUM=p.rowsum, SHIFT=shift,
+                         QMAJOR=cfg.qmajor))
     return qb, kb, vb, dob

@@ -63,11 +63,12 @@ def _row_off(RS, b64, h64, start64):
 
 
 @triton.jit
-def _seq_info(cu_ptr, b, n_dense, IS_VARLEN: tl.constexpr):
-    """(start token, length) of sequence ``b``: from cu_seqlens, or (0, n_dense)."""
+def _seq_info(CU, side: tl.constexpr, b, n_dense, IS_VARLEN: tl.constexpr):
+    """(start token, length) of sequence ``b``: from cu_seqlens ``CU[side]`` (0: queries, 1:
+    keys; CU is None for dense calls), or (0, n_dense)."""
     if IS_VARLEN:
-        start = tl.load(cu_ptr + b)
-        n = tl.load(cu_ptr + b + 1) - start
+        start = tl.load(CU[side] + b)
+        n = tl.load(CU[side] + b + 1) - start
     else:
         start = b * 0
         n = n_dense + b * 0
@@ -92,8 +93,8 @@ def _row_program(CU, N_Q, N_K, GROUPS, BLOCK_M: tl.constexpr, CAUSAL: tl.constex
     pid_m = _row_tile_id(CAUSAL)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    q_start, n_q = _seq_info(CU, 0, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU, 1, b, N_K, IS_VARLEN)
     return (pid_m * BLOCK_M, n_q, n_k, b.to(tl.int64), h.to(tl.int64),
             (h // GROUPS).to(tl.int64), q_start.to(tl.int64), k_start.to(tl.int64))
 
@@ -105,8 +106,8 @@ def _kt_program(CU, N_Q, N_K, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
     pid_n = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, n_q = _seq_info(CU[0], b, N_Q, IS_VARLEN)
-    k_start, n_k = _seq_info(CU[1], b, N_K, IS_VARLEN)
+    q_start, n_q = _seq_info(CU, 0, b, N_Q, IS_VARLEN)
+    k_start, n_k = _seq_info(CU, 1, b, N_K, IS_VARLEN)
     return (pid_n * BLOCK_N, n_q, n_k, b.to(tl.int64), hk.to(tl.int64), q_start.to(tl.int64),
             k_start.to(tl.int64))
 
@@ -454,23 +455,37 @@ def _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV: tl.constexpr,
 
 
 @triton.jit
-def _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
-    """Write the float32 statistics besides α − g and F: ρ, and j*, c, g, b, D − c into the
-    row vectors ``SH``."""
-    tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
-    _store_index(SH[0] + row_off, offs_m, jstar, m_ok)
-    tl.store(SH[1] + row_off + offs_m, cref, mask=m_ok)
-    tl.store(SH[2] + row_off + offs_m, gref, mask=m_ok)
-    tl.store(SH[3] + row_off + offs_m, bref, mask=m_ok)
-    tl.store(SH[4] + row_off + offs_m, dtil, mask=m_ok)
+def _bob_r(p, g, dp_d, b_tile, e_ad, HAS_G: tl.constexpr, HAS_UV: tl.constexpr):
+    """R = P∘((G − α)∘(dP − D) + B − (E + αD)) of one score-shaped tile from ``g`` = G − α
+    (read with HAS_G), ``dp_d`` = dP − D, ``b_tile`` = B (read with HAS_UV) and ``e_ad`` =
+    E + αD broadcast over the tile (with the shift: the shifted forms, the same identity)."""
+    if HAS_G:
+        r = g * dp_d
+        if HAS_UV:
+            r += b_tile
+    else:
+        r = b_tile
+    return p * (r - e_ad)
 
 
 @triton.jit
-def _bob_load_shift(RHO, SH, row_off, offs_m, m_ok):
+def _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil):
+    """Write the float32 statistics besides α − g and F into the row vectors ``SH`` =
+    (ρ, j*, c, g, b, D − c)."""
+    tl.store(SH[0] + row_off + offs_m, rho, mask=m_ok)
+    _store_index(SH[1] + row_off, offs_m, jstar, m_ok)
+    tl.store(SH[2] + row_off + offs_m, cref, mask=m_ok)
+    tl.store(SH[3] + row_off + offs_m, gref, mask=m_ok)
+    tl.store(SH[4] + row_off + offs_m, bref, mask=m_ok)
+    tl.store(SH[5] + row_off + offs_m, dtil, mask=m_ok)
+
+
+@triton.jit
+def _bob_load_shift(SH, row_off, offs_m, m_ok):
     """Read back what :func:`_bob_store_shift` wrote: (ρ, j*, c, g, b, D − c)."""
-    return (_load_rowvec(RHO + row_off, offs_m, m_ok, True),
-            _load_index(SH[0] + row_off, offs_m, m_ok),
-            _load_rowvec(SH[1] + row_off, offs_m, m_ok, True),
+    return (_load_rowvec(SH[0] + row_off, offs_m, m_ok, True),
+            _load_index(SH[1] + row_off, offs_m, m_ok),
             _load_rowvec(SH[2] + row_off, offs_m, m_ok, True),
             _load_rowvec(SH[3] + row_off, offs_m, m_ok, True),
-            _load_rowvec(SH[4] + row_off, offs_m, m_ok, True))
+            _load_rowvec(SH[4] + row_off, offs_m, m_ok, True),
+            _load_rowvec(SH[5] + row_off, offs_m, m_ok, True))

@@ -98,11 +98,12 @@ def rowvec_strides(lay: Layout):
     return lay.h_q * lay.n_q, lay.n_q
 
 
-def view(x: torch.Tensor, varlen: bool, like: Optional[torch.Tensor] = None) -> tuple:
-    """The kernels' view of a tile tensor: (x, batch stride, head stride, token stride); for
-    an absent ``x`` (None) the view of ``like`` (never read: a constexpr flag says so)."""
+def view(x: Optional[torch.Tensor], varlen: bool) -> Optional[tuple]:
+    """The kernels' view of a tile tensor: (x, batch stride, head stride, token stride); None
+    for an absent ``x`` (a cotangent or tangent not given, an output not wanted: a constexpr
+    flag tells the kernel)."""
     if x is None:
-        x = like
+        return None
     s = x.stride()
     if varlen:
         return x, 0, s[1], s[0]
@@ -149,18 +150,13 @@ def long_rows(lay: Layout, *tensors) -> bool:
     return (n + 256) * stride + 256 >= 2**31
 
 
-_DUMMIES: dict = {}
-
-
-def cu_or_dummy(cu: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """cu_seqlens as int32 on the right device, or a 1-element dummy for dense calls (one
-    per device, made once: dense kernels never read it)."""
-    if cu is None:
-        dummy = _DUMMIES.get(like.device)
-        if dummy is None:
-            dummy = _DUMMIES[like.device] = torch.zeros(1, dtype=torch.int32, device=like.device)
-        return dummy
-    return cu.to(device=like.device, dtype=torch.int32).contiguous()
+def cu_seqlens(cu_q: Optional[torch.Tensor], cu_k: Optional[torch.Tensor],
+               like: torch.Tensor) -> Optional[tuple]:
+    """The kernels' ``CU``: (cu_seqlens_q, cu_seqlens_k) as int32 on ``like``'s device for a
+    varlen call, None for a dense one (its kernels compile without IS_VARLEN)."""
+    if cu_q is None:
+        return None
+    return tuple(cu.to(device=like.device, dtype=torch.int32).contiguous() for cu in (cu_q, cu_k))
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import configs, plan
-from .attn_bwd import attn_bwd
-from .attn_fwd import attn_fwd
-from .attn_jvp import attn_jvp
+from .bwd import attn_bwd
+from .fwd import attn_fwd
+from .jvp import attn_jvp
 from .bob import attn_bob
 from .host import block_d
 

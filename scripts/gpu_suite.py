@@ -160,7 +160,7 @@ def stage_regs(out: str) -> None:
     """Registers, spills, shared memory and warps of every compiled kernel after one chain at
     N=16,384 (non-causal and causal), from Triton's compiled-kernel metadata."""
     from ttt_flash import flash_attention
-    from ttt_flash.kernels import attn_bwd as kb, attn_fwd as kf, bob_cols, bob_rows
+    from ttt_flash.kernels import bob_affine, bob_col, bob_row, dkdv, dq, fwd
 
     for causal in (False, True):
         x = [torch.randn(1, 12, 16384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
@@ -168,7 +168,7 @@ def stage_regs(out: str) -> None:
         _chain(lambda a, b, c: flash_attention(a, b, c, causal=causal), q, k, v, do, x[4:])
     torch.cuda.synchronize()
     lines = [f"{'kernel':<24}{'regs':>6}{'spills':>8}{'shared KiB':>12}{'warps':>7}{'stages':>8}"]
-    for mod in (kf, kb, bob_rows, bob_cols):
+    for mod in (fwd, dq, dkdv, bob_row, bob_affine, bob_col):
         for name in dir(mod):
             fn = getattr(mod, name)
             caches = getattr(fn, "device_caches", None)

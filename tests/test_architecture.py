@@ -406,9 +406,8 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {
     "ttt_flash.kernels.bob.attn_bob": "allocates and launches the BoB passes the plan names; its branches "
                                       "are the plan's cases in launch order",
-    "ttt_flash.kernels.bob_rows._bob_affine_kernel": "a Triton kernel: one program's loop over key tiles, "
+    "ttt_flash.kernels.bob_affine._bob_affine_kernel": "a Triton kernel: one program's loop over key tiles, "
                                                      "its helpers already @triton.jit functions",
-    "ttt_flash.kernels.attn_jvp._attn_jvp_kernel": "a Triton kernel: one program's loop over key tiles",
     "ttt_flash.kernels.tune.main": "the offline sweep's command line: argument parsing and the table it "
                                    "prints, run by maintainers only",
     "ttt_flash.cli._check": "`ttt-flash check`: one linear report of the install, line by line",
@@ -506,3 +505,57 @@ def test_the_gluon_pass_header_is_written_once():
         assert "from .common import *" in text, module
         assert "triton.experimental" not in text.split('"""', 2)[-1], f"{module} imports Gluon itself"
         assert "if _gc.HAVE_GLUON:" not in text and "LOG2E = " not in text, f"{module} repeats the header"
+
+
+# --------------------------------------------------------------------------- one pass, one name
+
+
+def _gluon_stands_in_for():
+    """(Gluon module, Triton kernel, Triton module) from each Gluon pass's docstring: "launches
+    it instead of the Triton ``_kernel`` [/ ``_kernel``] (module.py)"."""
+    import re
+
+    found = []
+    for module in sorted(m for m in MODULES if m.startswith("ttt_flash.kernels.gluon.")):
+        name = module.rpartition(".")[2]
+        if name in ("common", "scope"):
+            continue
+        doc = " ".join(ast.get_docstring(ast.parse(MODULES[module].read_text())).split())
+        hit = re.search(r"instead of the Triton ((?:``\w+``(?: / )?)+) \((\w+)\.py\)", doc)
+        assert hit, f"{module}: its docstring names no Triton kernel it stands in for"
+        for kernel in re.findall(r"``(\w+)``", hit.group(1)):
+            found.append((name, kernel, hit.group(2)))
+    return found
+
+
+def test_triton_and_gluon_passes_share_module_names():
+    # kernels/X.py and kernels/gluon/X.py hold the same pass: the Gluon module's name is the
+    # Triton module's, and that module defines the Triton kernel the Gluon one stands in for
+    triton_modules = {m.rpartition(".")[2]: m for m in MODULES
+                      if m.startswith("ttt_flash.kernels.") and m.count(".") == 2}
+    found = _gluon_stands_in_for()
+    assert {g for g, _, _ in found} == {"fwd", "dq", "dkdv", "bob_row", "bob_col"}
+    for gluon_name, kernel, triton_name in found:
+        assert triton_name == gluon_name, f"gluon/{gluon_name}.py stands in for {triton_name}.py"
+        assert gluon_name in triton_modules, f"kernels/{gluon_name}.py is missing"
+        tree = ast.parse(MODULES[triton_modules[gluon_name]].read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert kernel in defined, f"kernels/{gluon_name}.py does not define {kernel}"
+
+
+def test_the_docs_kernel_tables_name_every_module():
+    # docs/architecture.md's "Inside kernels/" names every module of kernels/ and kernels/gluon/
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Inside `kernels/`"):]
+    section = section[:section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    named = set(re.findall(r"`((?:gluon/)?\w+\.py)`", section))
+    gluon_passes = {m.rpartition(".")[2] + ".py" for m in MODULES
+                    if m.startswith("ttt_flash.kernels.gluon.")} - {"__init__.py"}
+    triton_modules = {m.rpartition(".")[2] + ".py" for m in MODULES
+                      if m.startswith("ttt_flash.kernels.") and m.count(".") == 2
+                      and m != "ttt_flash.kernels.gluon"} | {"__init__.py"}
+    missing = sorted((triton_modules - named) | {f"gluon/{g}" for g in gluon_passes
+                                                  if g not in named and f"gluon/{g}" not in named})
+    assert not missing, f"docs/architecture.md's kernels/ tables miss {missing}"

@@ -24,7 +24,7 @@ from ttt_flash.kernels import attn_bob, attn_fwd, configs, plan
 from ttt_flash.kernels.host import Layout
 from ttt_flash.kernels.gluon import scope
 
-attn_bwd_mod = importlib.import_module("ttt_flash.kernels.attn_bwd")
+attn_bwd_mod = importlib.import_module("ttt_flash.kernels.bwd")
 CUDA0 = torch.device("cuda", 0)
 KINDS = ["fwd", "bwd_dq", "bwd_dkdv", "bob_col", "bob_stats", "bob_direct"]
 

@@ -539,7 +539,7 @@ def test_int64_row_offsets_path(monkeypatch):
     """The LONG (int64 in-sequence row offsets) specialisation, forced on small inputs."""
     import sys
 
-    for mod in ("attn_fwd", "attn_bwd", "bob"):
+    for mod in ("fwd", "bwd", "bob"):
         monkeypatch.setattr(sys.modules[f"ttt_flash.kernels.{mod}"], "long_rows", lambda *a: True)
     for case in (VARLEN[1], DENSE[9]):
         run_fwd(case, torch.float32)
@@ -633,10 +633,11 @@ def test_deterministic_false_runs_the_atomic_free_passes(case, dtype, monkeypatc
     import sys
 
     bob_mod = sys.modules["ttt_flash.kernels.bob"]
-    bwd_mod = sys.modules["ttt_flash.kernels.attn_bwd"]
-    direct = _LaunchCounter(bob_mod._bob_direct_kernel)
+    bwd_mod = sys.modules["ttt_flash.kernels.bwd"]
+    direct_name = "_bob_direct_shift_kernel" if dtype == torch.float32 else "_bob_direct_kernel"
+    direct = _LaunchCounter(getattr(bob_mod, direct_name))
     dq_pass = _LaunchCounter(bwd_mod._attn_bwd_dq_kernel)
-    monkeypatch.setattr(bob_mod, "_bob_direct_kernel", direct)
+    monkeypatch.setattr(bob_mod, direct_name, direct)
     monkeypatch.setattr(bwd_mod, "_attn_bwd_dq_kernel", dq_pass)
     q, k, v, do, uq, uk, uv = _dev(case.tensors(), dtype)
     kw = case.kw()
@@ -766,7 +767,7 @@ def test_jvp_tile_override_reaches_both_kernels(monkeypatch):
 
     from ttt_flash.kernels import attn_jvp, attn_tangent, configs, plan
 
-    mod = sys.modules["ttt_flash.kernels.attn_jvp"]
+    mod = sys.modules["ttt_flash.kernels.jvp"]
     jvp_rec, tan_rec = _TileRecorder(mod._attn_jvp_kernel), _TileRecorder(mod._attn_tangent_kernel)
     monkeypatch.setattr(mod, "_attn_jvp_kernel", jvp_rec)
     monkeypatch.setattr(mod, "_attn_tangent_kernel", tan_rec)

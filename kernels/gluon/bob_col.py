@@ -1,6 +1,6 @@
 """BoB column pass in Gluon (TMA + async wgmma, optional warp specialisation), sm_90.
 
-``attn_bob`` launches it instead of the Triton ``_bob_col_kernel`` (bob_cols.py) where the
+``attn_bob`` launches it instead of the Triton ``_bob_col_kernel`` (bob_col.py) where the
 plan (plan.py, with :func:`..scope.bob_col_reason`) finds the call in its scope, with the
 tiles of ``configs.GLUON``; everywhere else the Triton pass runs. Same inputs and outputs as
 the Triton column pass: from Q, K, V, dO, the cotangents U_Q, U_K, U_V, the forward's L,

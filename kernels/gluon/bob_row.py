@@ -2,7 +2,7 @@
 specialisation), sm_90: the direct pass (Q̄, dŌ) and the statistics pass (α, E + αD).
 
 ``attn_bob`` launches them instead of the Triton ``_bob_stats_kernel`` / ``_bob_direct_kernel``
-(bob_rows.py) where the plan (plan.py, with :func:`..scope.bob_stats_reason` and
+(bob_row.py) where the plan (plan.py, with :func:`..scope.bob_stats_reason` and
 :func:`..scope.bob_direct_reason`) finds the call in their scope, with the tiles of
 ``configs.GLUON``; everywhere else the Triton passes run. Q̄, dŌ are as close to float64
 double backward as the Triton direct pass's, α, E + αD agree with the Triton statistics

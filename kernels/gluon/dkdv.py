@@ -1,6 +1,6 @@
 """First-backward dK/dV pass in Gluon (TMA + async wgmma), sm_90.
 
-``attn_bwd`` launches it instead of the Triton ``_attn_bwd_dkdv_kernel`` (attn_bwd.py) where
+``attn_bwd`` launches it instead of the Triton ``_attn_bwd_dkdv_kernel`` (dkdv.py) where
 the plan (plan.py, with :func:`..scope.dkdv_reason`) finds the call in its scope, with the
 tiles of ``configs.GLUON``; everywhere else the Triton pass runs. It matches float64 autograd
 as closely as the Triton pass (tests/test_gluon_gpu.py); its timings are in

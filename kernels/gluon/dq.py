@@ -1,7 +1,7 @@
 """First-backward dQ pass in Gluon (TMA key-tile ring + async wgmma, optional warp
 specialisation), sm_90: dQ = τ dS K and D = rowsum(dO∘O).
 
-``attn_bwd`` launches it instead of the Triton ``_attn_bwd_dq_kernel`` (attn_bwd.py) where
+``attn_bwd`` launches it instead of the Triton ``_attn_bwd_dq_kernel`` (dq.py) where
 the plan (plan.py, with :func:`..scope.dq_reason`) finds the call in its scope, with the
 tiles of ``configs.GLUON``; everywhere else the Triton pass runs. Its outputs have the
 Triton pass's format and layout, so the dK/dV pass that follows reads them unchanged: dQ

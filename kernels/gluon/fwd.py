@@ -1,7 +1,7 @@
 """Forward pass in Gluon (TMA key-tile ring + async wgmma, optional warp specialisation),
 sm_90: O = softmax(τ Q Kᵀ) V and the row log-sum-exp L.
 
-``attn_fwd`` launches it instead of the Triton ``_attn_fwd_kernel`` (attn_fwd.py) where the
+``attn_fwd`` launches it instead of the Triton ``_attn_fwd_kernel`` (fwd.py) where the
 plan (plan.py, with :func:`..scope.fwd_reason`) finds the call in its scope, with the tiles
 of ``configs.GLUON``; everywhere else the Triton forward runs. Its outputs have the Triton
 forward's format and layout, so every backward pass reads them unchanged: O contiguous

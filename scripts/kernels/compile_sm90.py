@@ -10,6 +10,9 @@ before device time is spent::
 
     python scripts/kernels/compile_sm90.py [--dtype bfloat16] [--head-dim 64] [--causal] [--dump DIR]
 
+``--given qk`` passes only U_Q, U_K (and Q̇, K̇) as cotangents and tangents, the others None,
+so that the kernels compile with those tensors absent (default ``qkv``: all given).
+
 ``--dump DIR`` writes each compiled kernel's PTX (kernel name and constexprs in the file
 name, the ``.version`` / ``.target`` header and comments dropped), so that two source trees'
 kernels can be compared with ``diff -r``.
@@ -32,7 +35,7 @@ from triton.runtime import driver  # noqa: E402
 from ttt_flash.kernels import attn_bob, attn_bwd, attn_fwd, attn_jvp, attn_tangent  # noqa: E402
 from ttt_flash.kernels import configs, plan  # noqa: E402
 
-MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("attn_fwd", "attn_bwd", "bob", "attn_jvp")]
+MODS = [sys.modules[f"ttt_flash.kernels.{m}"] for m in ("fwd", "bwd", "bob", "jvp")]
 
 
 class Recorder:
@@ -111,6 +114,7 @@ def main() -> int:
     p.add_argument("--no-rowsum", action="store_true", help="ROWSUM_CORRECTION off for the dtype")
     p.add_argument("--only", default="", help="comma list of kernel names to compile")
     p.add_argument("--dump", default="", help="folder for each kernel's PTX")
+    p.add_argument("--given", default="qkv", help="which of U_Q, U_K, U_V (Q̇, K̇, V̇) are given")
     a = p.parse_args()
     over = {}
     for o in a.override:
@@ -133,6 +137,7 @@ def main() -> int:
                 setattr(m, name, Recorder(name, obj, rec))
     x = [torch.randn(1, 2, a.n, a.head_dim).to(dtype) for _ in range(7)]
     q, k, v, do, uq, uk, uv = x
+    uq, uk, uv = (u if c in a.given else None for u, c in zip((uq, uk, uv), "qkv"))
     kw = dict(scale=a.head_dim ** -0.5, causal=a.causal, window=None)
     with configs.tile_overrides(over):
         o, lse = attn_fwd(q, k, v, **kw)

@@ -1,4 +1,4 @@
-"""Register and stack (spill) use of the tangent-forward kernels (kernels/attn_jvp.py) for tile
+"""Register and stack (spill) use of the tangent-forward kernels (kernels/jvp.py) for tile
 candidates, compiled offline for sm_90 (no GPU needed): how the ``jvp`` rows of configs.py
 were chosen.
 

@@ -11,7 +11,6 @@ import triton.language as tl
 
 from .common import (
     _key_tile,
-    _row_probs,
     _row_scores,
     LOG2E,
     _NO_SPECIALIZE,
@@ -22,11 +21,10 @@ from .common import (
     _rows,
     _store_tile,
     _tile_base,
-    _visible,
 )
 from .host import (
     block_d,
-    cu_or_dummy,
+    cu_seqlens,
     dot_precision,
     layout,
     long_rows,
@@ -159,7 +157,7 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
     nat = q.element_size() == 4  # float32: scores in natural units (_attn_fwd_inner)
     _attn_fwd_kernel[grid](
         view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),
-        lse, rowvec_strides(lay), (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
+        lse, rowvec_strides(lay), cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
         lay.n_q, lay.n_k, lay.groups, scale if nat else scale * LOG2E, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,

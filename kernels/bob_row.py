@@ -7,18 +7,16 @@ With the cotangents U_Q, U_K, U_V of (dQ, dK, dV), per tile (bob-math.md)
     R = P∘((G−α)∘(dP−D) + B − (E+αD))   H = P∘(G−α)
     Q̄ = τ (dS U_K + R K)   dŌ = H V + P U_V
 
-- ``_bob_stats_kernel``: the row statistics α, E + αD and the row-sum correction ρ
-  (bob-math.md, "Row sums of the recomputed P"), no tile accumulators;
+- ``_bob_stats_kernel``: the row statistics α, E + αD, no tile accumulators;
 - ``_bob_direct_kernel`` (α and E + αD known): Q̄ and dŌ with R and H formed per tile; with
-  ``STATS_FIRST`` the same program first runs the statistics sweep itself (one launch less);
-- ``_bob_affine_kernel`` (``precise=False``): the two-pass affine form of bob-math.md, six
-  α-free accumulators, α and E formed at the end of the row.
+  ``STATS_FIRST`` the same program first runs the statistics sweep itself (one launch less).
 
-The row passes scale their accumulators by ρ at the end. Float32 inputs (ROWSUM) recompute P
-in natural units and shift dP, G, B by their values at each row's dominant key
-(``_bob_stats_shift_sweep``, bob-math.md, "Row sums of the recomputed P"); 16-bit inputs
-compile none of it. A missing cotangent removes its products at compile time (constexpr
-flags).
+Float32 inputs without the caller's statistics run the shifted pair ``_bob_stats_shift_kernel``
+/ ``_bob_direct_shift_kernel``: P is recomputed in natural units and corrected by
+ρ = 1 / rowsum(exp(S − L)), and dP, G, B are shifted by their values at each row's dominant key
+(``_bob_stats_shift_sweep``; bob-math.md, "Row sums of the recomputed P"). The row passes
+scale their accumulators by ρ at the end. The affine form (``precise=False``) is bob_affine.py.
+A missing cotangent removes its products at compile time (constexpr flags).
 """
 
 from __future__ import annotations
@@ -29,9 +27,9 @@ import triton.language as tl
 from .common import (
     _key_tile,
     _row_probs,
-    _row_scores,
     _NO_SPECIALIZE,
     _bob_load_shift,
+    _bob_r,
     _bob_shift_tile,
     _bob_store_shift,
     _dot_acc,
@@ -46,7 +44,6 @@ from .common import (
     _rows,
     _store_view,
     _tile_base,
-    _visible,
 )
 
 
@@ -54,13 +51,18 @@ from .common import (
 
 
 @triton.jit
-def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                      EVEN_D: tl.constexpr, LONG: tl.constexpr, HAS_UQ: tl.constexpr,
-                      ROWSUM: tl.constexpr):
-    """What every row program loads first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
-    lse2, delta), U_Q a placeholder (q) without HAS_UQ; L in log2 units, or with ROWSUM in
-    natural units (common.py, ``_nat_probs``)."""
+def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0,
+                   n_q, n_k, shift, window, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
+                   HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+                   ROWSUM: tl.constexpr):
+    """What every row program sets up first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
+    lse2, k_base, v_base, uk_base, uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi): the
+    query tile's Q, dO (and U_Q; q itself without HAS_UQ, never read then), L in log2 units or
+    with ROWSUM in natural units (common.py, ``_nat_probs``), the key-side bases (K, V, U_K,
+    U_V of its kv head and sequence, with their token strides; K's and V's for an absent
+    cotangent, never read then) and the key tiles it visits."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
@@ -75,23 +77,20 @@ def _bob_row_prologue(Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q,
         lse2 = _lse_nat(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     else:
         lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
-    delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
-    return offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta
-
-
-@triton.jit
-def _bob_key_side(K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr):
-    """The key-side bases of a row program (K, V, U_K, U_V of its kv head and sequence) and
-    the key tiles it visits: (k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi)."""
     k_base = _tile_base(K, b64, hk64, k_start64)
     v_base = _tile_base(V, b64, hk64, k_start64)
-    uk_base = _tile_base(UK, b64, hk64, k_start64)
-    uv_base = _tile_base(UV, b64, hk64, k_start64)
+    uk_base, stride_ukn = k_base, K[3]  # U_K's where given (else never read)
+    if HAS_UK:
+        uk_base = _tile_base(UK, b64, hk64, k_start64)
+        stride_ukn = UK[3]
+    uv_base, stride_uvn = v_base, V[3]
+    if HAS_UV:
+        uv_base = _tile_base(UV, b64, hk64, k_start64)
+        stride_uvn = UV[3]
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
-    return k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi
+    return (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base,
+            uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi)
 
 
 @triton.jit
@@ -139,14 +138,6 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
         g = g * scale
     return k, v, uk, uv, p, dp, g, b_tile
 
-
-@triton.jit
-def _rowsum_scale(r_p, ROWSUM: tl.constexpr):
-    """ρ = 1 / rowsum(P) (1 for rows that see no key, or without ROWSUM)."""
-    if ROWSUM:
-        return 1.0 / tl.where(r_p > 0.0, r_p, 1.0)
-    else:
-        return tl.full(r_p.shape, 1.0, tl.float32)
 
 
 @triton.jit
@@ -259,8 +250,8 @@ def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
 
 
 @triton.jit
-def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base,
-                      v_base, uk_base, uv_base,
+def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, ref, k_base, v_base, uk_base,
+                      uv_base,
                       stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
                       lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -272,8 +263,8 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
     """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
     E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
     ρ for the corrected P). ROWSUM: P in natural units. SHIFT: dP, G, B are shifted by c, g, b
-    (``_bob_shift_tile``) and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g and F
-    (``_bob_stats_shift_sweep``)."""
+    at j* (``_bob_shift_tile``; ``ref`` = (j*, c, g, b), None without SHIFT) and ``delta``,
+    ``alpha``, ``e_ad`` are D − c, α − g and F (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
@@ -283,9 +274,9 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
             window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
             HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, ROWSUM)
         if SHIFT:
-            dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == jstar[:, None]
-            dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G,
-                                            NEED_QB)
+            dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == ref[0][:, None]
+            dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, ref[1], ref[2], ref[3], HAS_UV,
+                                            HAS_G, NEED_QB)
         if HAS_G:
             g = g - alpha[:, None]  # G − α
         if NEED_DOB:
@@ -295,145 +286,29 @@ def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, br
                 a_dob = tl.dot(p.to(uv.dtype), uv, a_dob, input_precision=PREC)
         if NEED_QB:
             dp_d = dp - delta[:, None]
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += b_tile
-            else:
-                r = b_tile
-            r = p * (r - e_ad[:, None])
+            r = _bob_r(p, g, dp_d, b_tile, e_ad[:, None], HAS_G, HAS_UV)
             a_qb = _dot_acc(r, k, a_qb, PREC, SPLIT)
             if HAS_UK:
                 a_qb = tl.dot((p * dp_d).to(uk.dtype), uk, a_qb, input_precision=PREC)
     return a_qb, a_dob
 
 
-@triton.jit
-def _bob_row_stats(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
-                   offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                   LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
-                   HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-                   NEED_E: tl.constexpr, ROWSUM: tl.constexpr):
-    """The statistics sweep of one query tile: (α, E + αD, 1, placeholders..., D) for 16-bit
-    inputs, (α − g, F, ρ, j*, c, g, b, D − c) with ROWSUM (``_bob_stats_shift_sweep``)."""
-    if ROWSUM:
-        return _bob_stats_shift_sweep(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3], offs_m,
-            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
-            HAS_UV, HAS_G, NEED_E)
-    else:
-        alpha, e_ad = _bob_stats_sweep(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], UK[3], UV[3],
-            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
-            HAS_UV, HAS_G, NEED_E)
-        return (alpha, e_ad, tl.full([BLOCK_M], 1.0, tl.float32), offs_m, delta, delta, delta,
-                delta)
-
-
-@triton.jit
-def _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
-                     gref, bref, dtil, ROWSUM: tl.constexpr):
-    """Write what ``_bob_row_stats`` returned for the passes that follow."""
-    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
-    if ROWSUM:
-        _bob_store_shift(RHO, SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
-
 
 # --------------------------------------------------------------------------- row kernels
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bob_stats_kernel(
-    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
-    N_Q, N_K, GROUPS, scale, qk_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
-    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-    NEED_E: tl.constexpr, ROWSUM: tl.constexpr,
-):
-    """Statistics pass: writes α, E + αD of one query tile; with ROWSUM (float32) α − g, F,
-    ρ, j*, c, g, b and D − c instead (``_bob_stats_shift_sweep``; SH = the row vectors of
-    j*, c, g, b, D − c). Tiles: views (common.py); LSE ... RHO and SH: row vectors with strides
-    RS."""
-    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
-        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
-    if m0 >= n_q:
-        return
-    shift = n_k - n_q
-    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
-        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ, ROWSUM)
-    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
-        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-        CAUSAL, WINDOW)
-    alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
-        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m, offs_d,
-        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
-        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
-        NEED_E, ROWSUM)
-    _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar, cref,
-                     gref, bref, delta, ROWSUM)
+@triton.jit
+def _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad):
+    """Write α and E + αD (with the shift: α − g and F) for the passes that follow."""
+    tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
+    tl.store(EE + row_off + offs_m, e_ad, mask=m_ok)
 
 
-@triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bob_direct_kernel(
-    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, SH, RS, CU,
-    N_Q, N_K, GROUPS, scale, qk_scale, window,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
-    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
-    SHIFT: tl.constexpr, STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr,
-    NEED_E: tl.constexpr,
-):
-    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD (ρ
-    with ROWSUM; with SHIFT α − g, F, ρ, j*, c, g, b, D − c: float32 without statistics from
-    the caller) come from the statistics pass, or (STATS_FIRST, which implies SHIFT for
-    float32) from this program's own statistics sweep over the same keys, then written when
-    WRITE_STATS (a key-tile pass follows)."""
-    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
-        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
-    if m0 >= n_q:
-        return
-    shift = n_k - n_q
-    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
-        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ, ROWSUM)
-    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
-        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-        CAUSAL, WINDOW)
-    jstar, cref, gref, bref = offs_m, delta, delta, delta  # placeholders, read with SHIFT only
-    if STATS_FIRST:
-        alpha, e_ad, rho, jstar, cref, gref, bref, delta = _bob_row_stats(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K, V, UK, UV, offs_m,
-            offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
-            HAS_UV, HAS_G, NEED_E, ROWSUM)
-        if WRITE_STATS:
-            _bob_write_stats(ALPHA, EE, RHO, SH, row_off, offs_m, m_ok, alpha, e_ad, rho, jstar,
-                             cref, gref, bref, delta, ROWSUM)
-    else:
-        alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
-        e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
-        if SHIFT:
-            rho, jstar, cref, gref, bref, delta = _bob_load_shift(RHO, SH, row_off, offs_m, m_ok)
-        elif ROWSUM:
-            rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
-        else:
-            rho = tl.full([BLOCK_M], 1.0, tl.float32)
-    a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, delta, alpha, e_ad, jstar, cref, gref, bref, k_base, v_base, uk_base,
-        uv_base, K[3], V[3], UK[3], UV[3], offs_m, offs_d,
-        lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, SHIFT)
+@triton.jit
+def _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
+                      HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, NEED_QB: tl.constexpr,
+                      NEED_DOB: tl.constexpr):
+    """Q̄ = τ ρ a_qb and dŌ = ρ a_dob of one query tile, stored where wanted."""
     if NEED_QB:
         qb = a_qb * (rho * scale)[:, None]
         _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -443,96 +318,162 @@ def _bob_direct_kernel(
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
-def _bob_affine_kernel(
-    Q, K, V, O, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+def _bob_stats_kernel(
+    Q, K, V, DO, UQ, UK, UV, LSE, DELTA, ALPHA, EE, RS, CU,
     N_Q, N_K, GROUPS, scale, qk_scale, window,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
     HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, NEED_E: tl.constexpr,
-    WRITE_STATS: tl.constexpr, ROWSUM: tl.constexpr,
+    NEED_E: tl.constexpr,
 ):
-    """Affine row pass (bob-math.md, "Why two passes suffice"): six α-free accumulators
-
-        dS U_K,  (P∘(G∘(dP−D)+B)) K,  (P∘dP) K,  P K,  (P∘G) V,  P U_V
-
-    and the row sums rowsum(P), α, rowsum(P∘G∘dP), rowsum(P∘B); at the end of the row
-    Q̄ = τ [dS U_K + (P∘(G∘(dP−D)+B)) K − α (P∘dP) K − E (P K)], dŌ = (P∘G) V + P U_V − α O.
-    Writes α, E + αD, ρ when WRITE_STATS (the column pass follows). NEED_E: dP and B are
-    needed (for Q̄ or for E)."""
+    """Statistics pass: writes α, E + αD of one query tile (``_bob_stats_sweep``). Tiles:
+    views (common.py); LSE, DELTA, ALPHA, EE: row vectors with strides RS."""
     m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, delta = _bob_row_prologue(
-        Q, DO, UQ, LSE, DELTA, RS, b64, h64, q_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D,
-        EVEN_D, LONG, HAS_UQ, ROWSUM)
-    k_base, v_base, uk_base, uv_base, lo, mid_lo, mid_hi, hi = _bob_key_side(
-        K, V, UK, UV, b64, hk64, k_start64, m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
-        CAUSAL, WINDOW)
-    a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    a_pdpk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    a_pk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    a_pgv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    a_puv = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    r_p = tl.zeros([BLOCK_M], dtype=tl.float32)
-    r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
-    r_gdp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
-            UK[3], UV[3], offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
-        if ROWSUM:
-            r_p += tl.sum(p, 1)
-        pg = p
-        pb = p
-        if HAS_G:
-            pg = p * g
-            r_alpha += tl.sum(pg, 1)
-            if NEED_E:
-                r_gdp += tl.sum(pg * dp, 1)
-        if HAS_UV:
-            if NEED_E:
-                pb = p * b_tile
-                r_b += tl.sum(pb, 1)
-        if NEED_QB:
-            if HAS_UK:
-                ds = p * (dp - delta[:, None])
-                a_dsuk = tl.dot(ds.to(uk.dtype), uk, a_dsuk, input_precision=PREC)
-            if HAS_G:
-                t = pg * (dp - delta[:, None])
-                if HAS_UV:
-                    t += pb
-                a_pdpk = tl.dot((p * dp).to(k.dtype), k, a_pdpk, input_precision=PREC)
-            else:
-                t = pb
-            a_tk = tl.dot(t.to(k.dtype), k, a_tk, input_precision=PREC)
-            a_pk = tl.dot(p.to(k.dtype), k, a_pk, input_precision=PREC)
-        if NEED_DOB:
-            if HAS_G:
-                a_pgv = tl.dot(pg.to(v.dtype), v, a_pgv, input_precision=PREC)
-            if HAS_UV:
-                a_puv = tl.dot(p.to(uv.dtype), uv, a_puv, input_precision=PREC)
-    rho = _rowsum_scale(r_p, ROWSUM)
-    alpha = r_alpha * rho
-    e = (r_gdp + r_b) * rho - 2.0 * alpha * delta  # E
-    if NEED_QB:
-        qb = (a_dsuk + a_tk - alpha[:, None] * a_pdpk - e[:, None] * a_pk) * (rho * scale)[:, None]
-        _store_view(QB, b64, h64, q_start64, rows_m, qb, m_ok, offs_d, HEAD_DIM, EVEN_D)
-    if NEED_DOB:
-        dob = (a_pgv + a_puv) * rho[:, None]
-        if HAS_G:
-            o = _load_view(O, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
-            dob -= alpha[:, None] * o.to(tl.float32)
-        _store_view(DOB, b64, h64, q_start64, rows_m, dob, m_ok, offs_d, HEAD_DIM, EVEN_D)
-    if WRITE_STATS:
-        tl.store(ALPHA + row_off + offs_m, alpha, mask=m_ok)
-        tl.store(EE + row_off + offs_m, e + alpha * delta, mask=m_ok)  # E + αD
-        if ROWSUM:
-            tl.store(RHO + row_off + offs_m, rho, mask=m_ok)
+    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+        Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
+        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
+        HAS_UQ, HAS_UK, HAS_UV, False)
+    delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    alpha, e_ad = _bob_stats_sweep(
+        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
+        stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
+        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+        HAS_UV, HAS_G, NEED_E)
+    _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_stats_shift_kernel(
+    Q, K, V, DO, UQ, UK, UV, LSE, ALPHA, EE, SH, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_E: tl.constexpr,
+):
+    """Statistics pass with the float32 shift (``_bob_stats_shift_sweep``): writes α − g, F
+    and SH = (ρ, j*, c, g, b, D − c) of one query tile. Tiles: views (common.py); LSE, ALPHA,
+    EE and SH: row vectors with strides RS."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+        Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
+        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
+        HAS_UQ, HAS_UK, HAS_UV, True)
+    alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
+        q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
+        offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
+        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
+        NEED_E)
+    _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
+    _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_direct_kernel(
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, DELTA, ALPHA, EE, RHO, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr, ROWSUM: tl.constexpr,
+    STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
+):
+    """Direct row pass: Q̄ and dŌ of one query tile, R and H formed per tile. α, E + αD come
+    from the statistics pass or the caller (with ROWSUM, float32, ρ too: RHO, None otherwise),
+    or (STATS_FIRST, without ROWSUM) from this program's own statistics sweep over the same
+    keys, then written to ALPHA, EE when WRITE_STATS (a key-tile pass follows; None
+    otherwise)."""
+    tl.static_assert(not (STATS_FIRST and ROWSUM), "float32 statistics sweeps are shifted")
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+        Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
+        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
+        HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
+    delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
+    if STATS_FIRST:
+        alpha, e_ad = _bob_stats_sweep(
+            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
+            stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
+            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ,
+            HAS_UK, HAS_UV, HAS_G, NEED_E)
+        if WRITE_STATS:
+            _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
+    else:
+        alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
+        e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
+    if ROWSUM:
+        rho = _load_rowvec(RHO + row_off, offs_m, m_ok, True)
+    else:
+        rho = tl.full([BLOCK_M], 1.0, tl.float32)
+    a_qb, a_dob = _bob_direct_sweep(
+        q, do, uq, lse2, delta, alpha, e_ad, None, k_base, v_base, uk_base, uv_base, K[3], V[3],
+        stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
+        scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, False)
+    _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
+                      HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)
+
+
+@triton.jit(do_not_specialize=_NO_SPECIALIZE)
+def _bob_direct_shift_kernel(
+    Q, K, V, DO, UQ, UK, UV, QB, DOB, LSE, ALPHA, EE, SH, RS, CU,
+    N_Q, N_K, GROUPS, scale, qk_scale, window,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    IS_VARLEN: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+    HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+    NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr,
+    STATS_FIRST: tl.constexpr, WRITE_STATS: tl.constexpr, NEED_E: tl.constexpr,
+):
+    """Direct row pass with the float32 shift: Q̄ and dŌ of one query tile from α − g, F and
+    SH = (ρ, j*, c, g, b, D − c) (row vectors with strides RS) of the shifted statistics pass,
+    or (STATS_FIRST) of this program's own shifted statistics sweep, then written when
+    WRITE_STATS (a key-tile pass follows)."""
+    m0, n_q, n_k, b64, h64, hk64, q_start64, k_start64 = _row_program(
+        CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
+    if m0 >= n_q:
+        return
+    shift = n_k - n_q
+    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
+     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+        Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
+        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
+        HAS_UQ, HAS_UK, HAS_UV, True)
+    if STATS_FIRST:
+        alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
+            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
+            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
+            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
+            HAS_G, NEED_E)
+        if WRITE_STATS:
+            _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
+            _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
+    else:
+        alpha = _load_rowvec(ALPHA + row_off, offs_m, m_ok, True)
+        e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
+        rho, jstar, cref, gref, bref, dtil = _bob_load_shift(SH, row_off, offs_m, m_ok)
+    a_qb, a_dob = _bob_direct_sweep(
+        q, do, uq, lse2, dtil, alpha, e_ad, (jstar, cref, gref, bref), k_base, v_base, uk_base,
+        uv_base, K[3], V[3], stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
+        n_k, shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW,
+        EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, True, True)
+    _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
+                      HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)

@@ -5,7 +5,7 @@ From the row statistics α, E + αD (and ρ) of the statistics pass, per tile (b
 
     K̄ = τ (dSᵀ U_Q + Rᵀ Q)   V̄ = Hᵀ dO
 
-with R and H as in bob_rows.py and P scaled by ρ per tile. Score-shaped tiles are
+with R and H as in bob_row.py and P scaled by ρ per tile. Score-shaped tiles are
 (keys x queries) or, with ``QMAJOR``, (queries x keys) (common.py, ``_kt_*``).
 """
 
@@ -16,6 +16,7 @@ import triton.language as tl
 
 from .common import (
     _NO_SPECIALIZE,
+    _bob_r,
     _dot_acc,
     _kt_dot,
     _kt_probs,
@@ -42,9 +43,8 @@ from .common import (
 
 @triton.jit
 def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base, e_base,
-                 r_base, j_base, c_base, g_base, b_base, t_base, stride_qn, stride_dn,
-                 stride_uqn, offs_m, offs_n, offs_d, start_m,
-                 mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
+                 r_base, sh_rows, stride_qn, stride_dn, stride_uqn, offs_m, offs_n, offs_d,
+                 start_m, mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
                  HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                  EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
                  HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
@@ -55,8 +55,9 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
     P·ρ, H = P·ρ∘(G−α) (HAS_G), and with NEED_R R = P·ρ∘((G−α)∘(dP−D) + B − (E+αD)) and
     dP − D. ROWSUM (float32): P in natural units, scaled by ρ; SHIFT (and the statistics pass
     ran): dP, G, B are shifted by c, g, b at each row's dominant key j* and α, E + αD, D are
-    read as α − g, F, D − c (bob_rows.py, ``_bob_stats_shift_sweep``). Absent values are
-    placeholders."""
+    read as α − g, F, D − c (bob_row.py, ``_bob_stats_shift_sweep``): ``sh_rows`` = the rows'
+    (j*, c, g, b, D − c), None without SHIFT (``d_base``, D, is None with it; ``r_base``, ρ,
+    None without ROWSUM). Absent values are placeholders."""
     m_ok = offs_m < n_q
     rows = _rows(offs_m, LONG)
     q = _load_tile(q_base, rows, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
@@ -72,7 +73,7 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
     if ROWSUM:
         p = p * _kt_q(_load_rowvec(r_base, offs_m, m_ok, True), QMAJOR)
     if SHIFT:
-        dom = _kt_q(_load_index(j_base, offs_m, m_ok), QMAJOR) == _kt_k(offs_n, QMAJOR)
+        dom = _kt_q(_load_index(sh_rows[0], offs_m, m_ok), QMAJOR) == _kt_k(offs_n, QMAJOR)
     uq = q
     if HAS_UQ:
         uq = _load_tile(uq_base, rows, stride_uqn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
@@ -87,7 +88,7 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
         else:
             g = _kt_dot(uk, q, None, PREC, QMAJOR)
         if SHIFT:
-            g = tl.where(dom, 0.0, g * scale - _kt_q(_load_rowvec(g_base, offs_m, m_ok, True),
+            g = tl.where(dom, 0.0, g * scale - _kt_q(_load_rowvec(sh_rows[2], offs_m, m_ok, True),
                                                      QMAJOR)) - _kt_q(alpha, QMAJOR)
         else:
             g = g * scale - _kt_q(alpha, QMAJOR)  # G − α
@@ -98,28 +99,19 @@ def _bob_kt_tile(k, v, uk, uv, q_base, do_base, uq_base, l_base, d_base, a_base,
         e_ad = _load_rowvec(e_base, offs_m, m_ok, True)
         if SHIFT:
             dp_d = tl.where(dom, 0.0, _kt_dot(v, do, None, PREC, QMAJOR)
-                            - _kt_q(_load_rowvec(c_base, offs_m, m_ok, True), QMAJOR))
-            dp_d = dp_d - _kt_q(_load_rowvec(t_base, offs_m, m_ok, True), QMAJOR)
+                            - _kt_q(_load_rowvec(sh_rows[1], offs_m, m_ok, True), QMAJOR))
+            dp_d = dp_d - _kt_q(_load_rowvec(sh_rows[4], offs_m, m_ok, True), QMAJOR)
             b_tile = dp_d
             if HAS_UV:
                 b_tile = tl.where(dom, 0.0, _kt_dot(uv, do, None, PREC, QMAJOR)
-                                  - _kt_q(_load_rowvec(b_base, offs_m, m_ok, True), QMAJOR))
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += b_tile
-            else:
-                r = b_tile
+                                  - _kt_q(_load_rowvec(sh_rows[3], offs_m, m_ok, True), QMAJOR))
         else:
             delta = _load_rowvec(d_base, offs_m, m_ok, True)
             dp_d = _kt_dot(v, do, None, PREC, QMAJOR) - _kt_q(delta, QMAJOR)
-            if HAS_G:
-                r = g * dp_d
-                if HAS_UV:
-                    r += _kt_dot(uv, do, None, PREC, QMAJOR)
-            else:
-                r = _kt_dot(uv, do, None, PREC, QMAJOR)
-        r = p * (r - _kt_q(e_ad, QMAJOR))
+            b_tile = dp_d
+            if HAS_UV:
+                b_tile = _kt_dot(uv, do, None, PREC, QMAJOR)
+        r = _bob_r(p, g, dp_d, b_tile, _kt_q(e_ad, QMAJOR), HAS_G, HAS_UV)
     return q, do, uq, p, h, r, dp_d
 
 
@@ -135,9 +127,9 @@ def _bob_col_kernel(
     SHIFT: tl.constexpr, QMAJOR: tl.constexpr,
 ):
     """Column pass: K̄ = τ (dSᵀ U_Q + Rᵀ Q) and V̄ = Hᵀ dO of one key tile, summed over the
-    query tiles and the query heads of its group. Tiles: views (common.py); LSE ... RHO and
-    SH = (j*, c, g, b, D − c): row vectors with strides RS (SH read with SHIFT only: the
-    precise float32 path)."""
+    query tiles and the query heads of its group. Tiles: views (common.py); row vectors with
+    strides RS: LSE, ALPHA, EE, and without SHIFT DELTA (and with ROWSUM RHO), with SHIFT (the
+    precise float32 path) SH = (ρ, j*, c, g, b, D − c); the others are None."""
     n0, n_q, n_k, b64, hk64, q_start64, k_start64 = _kt_program(CU, N_Q, N_K, BLOCK_N,
                                                                  IS_VARLEN)
     if n0 >= n_k:
@@ -155,18 +147,33 @@ def _bob_col_kernel(
     vb = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo, mid_lo, mid_hi, hi = _query_tile_range(n0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                                CAUSAL, WINDOW)
+    stride_uqn = None
+    if HAS_UQ:
+        stride_uqn = UQ[3]
     for grp in range(0, GROUPS):
         h64 = hk64 * GROUPS + grp
         q_base = _tile_base(Q, b64, h64, q_start64)
         do_base = _tile_base(DO, b64, h64, q_start64)
-        uq_base = _tile_base(UQ, b64, h64, q_start64)
+        uq_base = None
+        if HAS_UQ:
+            uq_base = _tile_base(UQ, b64, h64, q_start64)
         row_off = _row_off(RS, b64, h64, q_start64)
+        d_rows = None
+        r_rows = None
+        sh_rows = None
+        if SHIFT:
+            r_rows = SH[0] + row_off
+            sh_rows = (SH[1] + row_off, SH[2] + row_off, SH[3] + row_off, SH[4] + row_off,
+                       SH[5] + row_off)
+        else:
+            d_rows = DELTA + row_off
+            if ROWSUM:
+                r_rows = RHO + row_off
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             q, do, uq, p, h, r, dp_d = _bob_kt_tile(
-                k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, DELTA + row_off,
-                ALPHA + row_off, EE + row_off, RHO + row_off, SH[0] + row_off, SH[1] + row_off,
-                SH[2] + row_off, SH[3] + row_off, SH[4] + row_off, Q[3], DO[3], UQ[3],
+                k, v, uk, uv, q_base, do_base, uq_base, LSE + row_off, d_rows, ALPHA + row_off,
+                EE + row_off, r_rows, sh_rows, Q[3], DO[3], stride_uqn,
                 offs_m, offs_n, offs_d, start_m, mid_lo, mid_hi, n_q, n_k, shift, window, scale,
                 qk_scale, HEAD_DIM, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
                 HAS_G, NEED_KB, ROWSUM, SHIFT, QMAJOR)

@@ -36,17 +36,17 @@ from .common import (
     _key_tile_range,
     _load_rowvec,
     _load_tile,
+    _load_view,
     _lse_log2,
     _row_off,
     _row_program,
     _rows,
     _store_tile,
     _tile_base,
-    _visible,
 )
 from .host import (
     block_d,
-    cu_or_dummy,
+    cu_seqlens,
     dot_precision,
     layout,
     long_rows,
@@ -66,18 +66,24 @@ __all__ = ["attn_jvp", "attn_tangent"]
 def _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64, k_start64,
                       m0, n_q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                      HAS_QD: tl.constexpr):
+                      HAS_QD: tl.constexpr, HAS_KD: tl.constexpr, HAS_VD: tl.constexpr):
     """What both tangent programs set up first: the bases of O, Ȯ, the row vectors and the
-    key side, the query tile's offsets, and its Q (and Q̇; a placeholder without HAS_QD)."""
+    key side (K̇, V̇ with their token strides; K's and V's for an absent tangent, never read
+    then), the query tile's offsets, and its Q (and Q̇; q itself without HAS_QD)."""
     q_base = _tile_base(Q, b64, h64, q_start64)
-    qd_base = _tile_base(QD, b64, h64, q_start64)
     o_base = _tile_base(O, b64, h64, q_start64)
     od_base = _tile_base(OD, b64, h64, q_start64)
     l_off = _row_off(RS, b64, h64, q_start64)
     k_base = _tile_base(K, b64, hk64, k_start64)
     v_base = _tile_base(V, b64, hk64, k_start64)
-    kd_base = _tile_base(KD, b64, hk64, k_start64)
-    vd_base = _tile_base(VD, b64, hk64, k_start64)
+    kd_base, stride_kdn = k_base, K[3]  # K̇'s where given (else never read)
+    if HAS_KD:
+        kd_base = _tile_base(KD, b64, hk64, k_start64)
+        stride_kdn = KD[3]
+    vd_base, stride_vdn = v_base, V[3]
+    if HAS_VD:
+        vd_base = _tile_base(VD, b64, hk64, k_start64)
+        stride_vdn = VD[3]
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < n_q
@@ -85,9 +91,31 @@ def _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
     q = _load_tile(q_base, rows_m, Q[3], m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     qd = q
     if HAS_QD:
-        qd = _load_tile(qd_base, rows_m, QD[3], m_ok, offs_d, HEAD_DIM, True, EVEN_D)
-    return (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok,
-            rows_m, q, qd)
+        qd = _load_view(QD, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
+    return (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, stride_kdn, stride_vdn,
+            offs_m, offs_d, m_ok, rows_m, q, qd)
+
+
+@triton.jit
+def _tangent_psd(q, qd, k, p, p_sum, ref, has_ref, kd_base, rows, stride_kdn, n_ok, offs_d, scale,
+                 HEAD_DIM: tl.constexpr, EVEN_D: tl.constexpr, PREC: tl.constexpr,
+                 HAS_QD: tl.constexpr, HAS_KD: tl.constexpr):
+    """P∘(Ṡ − c) of one key tile, Ṡ = τ (Q̇ Kᵀ + Q K̇ᵀ), with the row reference c fixed at the
+    first tile where the row has mass: (P∘(Ṡ − c), c, 1 where c is fixed)."""
+    if HAS_QD:
+        sd = tl.dot(qd, tl.trans(k), input_precision=PREC)
+        if HAS_KD:
+            kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+            sd = tl.dot(q, tl.trans(kd), sd, input_precision=PREC)
+    else:
+        kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
+        sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
+    psd = p * (sd * scale)
+    first = (has_ref == 0.0) & (p_sum > 0.0)
+    ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
+    has_ref = tl.where(first, 1.0, has_ref)
+    psd = psd - p * ref[:, None]
+    return psd, ref, has_ref
 
 
 @triton.jit(do_not_specialize=_NO_SPECIALIZE)
@@ -105,12 +133,12 @@ def _attn_jvp_kernel(
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok, rows_m,
-     q, qd) = _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
-                                k_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LONG,
-                                HAS_QD)
+    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, stride_kdn, stride_vdn, offs_m,
+     offs_d, m_ok, rows_m, q, qd) = _tangent_prologue(
+        Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, HEAD_DIM,
+        BLOCK_M, BLOCK_D, EVEN_D, LONG, HAS_QD, HAS_KD, HAS_VD)
     stride_on, stride_odn = O[3], OD[3]
-    stride_kn, stride_vn, stride_kdn, stride_vdn = K[3], V[3], KD[3], VD[3]
+    stride_kn, stride_vn = K[3], V[3]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -139,20 +167,9 @@ def _attn_jvp_kernel(
         acc_t = acc_t * corr[:, None]
         sbar = sbar * corr
         if HAS_QD or HAS_KD:
-            if HAS_QD:
-                sd = tl.dot(qd, tl.trans(k), input_precision=PREC)
-                if HAS_KD:
-                    kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                    sd = tl.dot(q, tl.trans(kd), sd, input_precision=PREC)
-            else:
-                kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
-            sd = sd * scale
-            psd = p * sd
-            first = (has_ref == 0.0) & (p_sum > 0.0)
-            ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
-            has_ref = tl.where(first, 1.0, has_ref)
-            psd = psd - p * ref[:, None]
+            psd, ref, has_ref = _tangent_psd(q, qd, k, p, p_sum, ref, has_ref, kd_base, rows,
+                                             stride_kdn, n_ok, offs_d, scale, HEAD_DIM, EVEN_D,
+                                             PREC, HAS_QD, HAS_KD)
             sbar = sbar + tl.sum(psd, 1)
             acc_t = tl.dot(psd.to(v.dtype), v, acc_t, input_precision=PREC)
         p16 = p.to(v.dtype)
@@ -195,12 +212,12 @@ def _attn_tangent_kernel(
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, offs_m, offs_d, m_ok, rows_m,
-     q, qd) = _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
-                                k_start64, m0, n_q, HEAD_DIM, BLOCK_M, BLOCK_D, EVEN_D, LONG,
-                                HAS_QD)
+    (o_base, od_base, l_off, k_base, v_base, kd_base, vd_base, stride_kdn, stride_vdn, offs_m,
+     offs_d, m_ok, rows_m, q, qd) = _tangent_prologue(
+        Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, HEAD_DIM,
+        BLOCK_M, BLOCK_D, EVEN_D, LONG, HAS_QD, HAS_KD, HAS_VD)
     stride_on, stride_odn = O[3], OD[3]
-    stride_kn, stride_vn, stride_kdn, stride_vdn = K[3], V[3], KD[3], VD[3]
+    stride_kn, stride_vn = K[3], V[3]
     lse2 = _lse_log2(_load_rowvec(LSE + l_off, offs_m, m_ok, True))
 
     acc_t = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # Σ (P∘(Ṡ − c)) V + P V̇
@@ -220,19 +237,9 @@ def _attn_tangent_kernel(
         p_sum = tl.sum(p, 1)
         r_p += p_sum
         if HAS_QD or HAS_KD:
-            if HAS_QD:
-                sd = tl.dot(qd, tl.trans(k), input_precision=PREC)
-                if HAS_KD:
-                    kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                    sd = tl.dot(q, tl.trans(kd), sd, input_precision=PREC)
-            else:
-                kd = _load_tile(kd_base, rows, stride_kdn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
-                sd = tl.dot(q, tl.trans(kd), input_precision=PREC)
-            psd = p * (sd * scale)
-            first = (has_ref == 0.0) & (p_sum > 0.0)
-            ref = tl.where(first, tl.sum(psd, 1) / tl.where(first, p_sum, 1.0), ref)
-            has_ref = tl.where(first, 1.0, has_ref)
-            psd = psd - p * ref[:, None]
+            psd, ref, has_ref = _tangent_psd(q, qd, k, p, p_sum, ref, has_ref, kd_base, rows,
+                                             stride_kdn, n_ok, offs_d, scale, HEAD_DIM, EVEN_D,
+                                             PREC, HAS_QD, HAS_KD)
             sbar += tl.sum(psd, 1)
             v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
             acc_t = tl.dot(psd.to(v.dtype), v, acc_t, input_precision=PREC)
@@ -285,10 +292,9 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_jvp_kernel[grid](
-        *(view(x, lay.varlen, like) for x, like in ((q, q), (k, k), (v, v), (qd, q), (kd, k),
-                                                     (vd, v), (o, o), (od, od))),
+        *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),
         lse, lsed, rowvec_strides(lay),
-        (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
+        cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
         lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
@@ -330,10 +336,9 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     _attn_tangent_kernel[grid](
-        *(view(x, lay.varlen, like) for x, like in ((q, q), (k, k), (v, v), (qd, q), (kd, k),
-                                                     (vd, v), (o, o), (od, od))),
+        *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),
         lse, lsed, rho, rowvec_strides(lay),
-        (cu_or_dummy(cu_seqlens_q, q), cu_or_dummy(cu_seqlens_k, q)),
+        cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
         lay.n_q, lay.n_k, lay.groups, scale, int(window or 0),
         HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
         EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,

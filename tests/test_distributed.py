@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from ttt_flash.distributed import all_reduce_mean_, average_gradients, is_distributed, world_size
 from ttt_flash.lightning import MAML, GradMemKV, LanguageModel
+from ttt_flash.memory import GradMem
 from ttt_flash.models import NetConfig
 from ttt_flash.models import GPTConfig
 from ttt_flash.tasks import AssociativeRecallTasks, SinusoidTasks
@@ -123,8 +124,8 @@ def test_gradmem_meta_gradient_ddp_equals_one_process(tmp_path):
     g = torch.Generator().manual_seed(1)
     tasks = AssociativeRecallTasks(num_keys=8, num_values=8, num_pairs=3)
     shards = [tasks.sample(2, generator=g), tasks.sample(3, generator=g)]  # 2 and 3 sequences
-    model = GradMemKV(vocab_size=17, n_layer=1, n_head=2, d_model=16, memory_tokens=2, inner_steps=1,
-                      warmup_steps=0)
+    model = GradMemKV(GradMem(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16), memory_tokens=2,
+                              inner_steps=1), warmup_steps=0)
     _compare(model, shards, tmp_path)
 
 

@@ -17,7 +17,8 @@ from ttt_flash.lightning import InContextRegressionDataModule
 from ttt_flash.lightning.curriculum import LengthCurriculum
 from ttt_flash.lightning.curves import PLOT_EXTRA_MESSAGE, Series, plot_curves, read_curve
 from ttt_flash.lightning.memory import AssociativeRecallDataModule, GradMemKV
-from ttt_flash.memory import GradientMemoryAttention
+from ttt_flash.memory import GradientMemoryAttention, GradMem
+from ttt_flash.models import GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -106,7 +107,8 @@ def test_write_gate_starts_as_the_ungated_layer_and_learns():
 
 
 def test_gradmem_rope_base_reaches_the_gpt():
-    assert GradMemKV(rope_base=1e6).net.model.config.rope_base == 1e6
+    net = GradMem(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16, rope_base=1e6))
+    assert GradMemKV(net).net.model.config.rope_base == 1e6
 
 
 # --------------------------------------------------------------------------- curves

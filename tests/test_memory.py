@@ -181,9 +181,10 @@ def test_lightning_modules_log_pre_and_post_under_inference_mode():
     from ttt_flash.lightning.memory import GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 
     batch = _batch(2)
-    small = dict(vocab_size=V, n_layer=1, d_model=16)
-    for module in (GradMemKV(n_head=2, memory_tokens=2, **small), TTTE2EMQAR(n_head=2, window=2, chunk_size=4, **small),
-                   MemoryLayerMQAR(heads=2, memory_slots=2, chunk_size=4, **small)):
+    gpt = dict(vocab_size=V, n_layer=1, d_model=16, n_head=2)
+    for module in (GradMemKV(GradMem(GPTConfig(**gpt), memory_tokens=2)),
+                   TTTE2EMQAR(FastWeightTTT(GPTConfig(**gpt, window=2), chunk_size=4)),
+                   MemoryLayerMQAR(MemoryLM(V, 16, 1, 2, memory_slots=2, chunk_size=4))):
         train = module._metrics(batch, train=True)
         assert {"loss_pre", "acc_pre", "loss_post", "acc_post"} <= set(train)
         assert train["loss_post"].requires_grad and not train["loss_pre"].requires_grad

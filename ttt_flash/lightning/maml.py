@@ -106,7 +106,7 @@ class MAML(LightningModule):
             ttt_flash.models.SinusoidMLP, init_args: ...}``, any network the inner loop can
             differentiate through), or a :class:`ttt_flash.models.NetConfig` that builds one of
             the library's (an MLP or a transformer whose attention is
-            ``ttt_flash.flash_attention``).
+            ``ttt_flash.flash_attention``). None: ``NetConfig()`` (the sinusoid MLP).
         inner_steps: inner (adaptation) steps per task during training.
         inner_lr: inner step size (initial value of the Meta-SGD step sizes with ``meta_sgd``).
         first_order: first-order MAML (no second derivatives in the meta-gradient).
@@ -152,7 +152,7 @@ class MAML(LightningModule):
 
     def __init__(
         self,
-        net: Union[NetConfig, nn.Module] = NetConfig(),
+        net: Optional[Union[nn.Module, NetConfig]] = None,
         inner_steps: int = 1,
         inner_lr: float = 0.01,
         first_order: bool = False,
@@ -176,6 +176,8 @@ class MAML(LightningModule):
         if cuda_graph and algorithm != "maml":
             raise ValueError(f"cuda_graph=true applies to algorithm='maml' only (the {algorithm} step runs "
                              "eagerly); set cuda_graph: false")
+        if net is None:
+            net = NetConfig()
         if isinstance(net, Mapping):  # hparams of a checkpoint written through LightningCLI
             net = NetConfig(**net)
         if not isinstance(net, (NetConfig, nn.Module)):
@@ -309,11 +311,15 @@ class MAML(LightningModule):
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, MetaBatch):
             raise TypeError(f"MAML expects ttt_flash.tasks.MetaBatch batches, got {type(batch).__name__}")
-        want = None if self.net_config is None else self.net_config.in_dim
+        if self.net_config is not None:
+            want, key = self.net_config.in_dim, "net.in_dim"
+        else:  # an injected network whose input map is a Linear named embed (TinyTransformer, MemoryRegressor, ...)
+            embed = getattr(self.net, "embed", None)
+            want, key = (embed.in_features, "net.init_args.in_dim") if isinstance(embed, nn.Linear) else (None, "")
         if want is not None and batch.support_inputs.shape[-1] != want:
             raise ValueError(
-                f"the data's inputs have width {batch.support_inputs.shape[-1]} but net.in_dim is "
-                f"{want}; for in-context regression set net.in_dim to the data's dim + 2"
+                f"the data's inputs have width {batch.support_inputs.shape[-1]} but {key} is "
+                f"{want}; for in-context regression set {key} to the data's dim + 2"
             )
 
     def on_train_start(self) -> None:

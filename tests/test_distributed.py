@@ -152,7 +152,7 @@ class _RecordTasks(Callback):
 
 def test_datamodule_gives_each_process_distinct_meta_batches(tmp_path):
     from ttt_flash.lightning import SinusoidDataModule
-    from ttt_flash.lightning.data import _MetaBatches
+    from ttt_flash.lightning.data import SeededBatches
 
     dm = SinusoidDataModule(meta_batch_size=2, train_batches=4, val_batches=1, test_batches=1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
@@ -162,7 +162,7 @@ def test_datamodule_gives_each_process_distinct_meta_batches(tmp_path):
     trainer.fit(MAML(net=NetConfig(kind="mlp", hidden=8, depth=1)), dm)
     seen = [torch.load(os.path.join(tmp_path, f"tasks{r}.pt")) for r in range(2)]
     assert [len(s) for s in seen] == [2, 2]
-    epoch = [_MetaBatches(dm.tasks, 2, 0, "train")[i].task_params for i in range(4)]
+    epoch = [SeededBatches(dm.tasks, 2, 0, "train")[i].task_params for i in range(4)]
     index = [[next(i for i, e in enumerate(epoch) if torch.equal(e, t)) for t in s] for s in seen]
     assert sorted(index[0] + index[1]) == [0, 1, 2, 3]
 

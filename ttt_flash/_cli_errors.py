@@ -408,38 +408,33 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _find_class(tree, class_path: str, path: str = "") -> Optional[str]:
+def _find(tree, found, path: str = "") -> Optional[str]:
+    """The dotted path of the first place in the plain config ``tree`` (depth first, list items
+    in order) for which ``found(node, path)`` returns a path."""
+    if isinstance(tree, dict):
+        hit = found(tree, path)
+        if hit is not None:
+            return hit
+        for k, v in tree.items():
+            hit = _find(v, found, f"{path}.{k}" if path else str(k))
+            if hit is not None:
+                return hit
+    elif isinstance(tree, list):
+        for v in tree:
+            hit = _find(v, found, path)
+            if hit is not None:
+                return hit
+    return None
+
+
+def _find_class(tree, class_path: str) -> Optional[str]:
     """The dotted path of the (first) dict in the plain config ``tree`` naming ``class_path``."""
-    if isinstance(tree, dict):
-        if tree.get("class_path") == class_path:
-            return path
-        for k, v in tree.items():
-            found = _find_class(v, class_path, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for v in tree:
-            found = _find_class(v, class_path, path)
-            if found is not None:
-                return found
-    return None
+    return _find(tree, lambda node, path: path if node.get("class_path") == class_path else None)
 
 
-def _find_key(tree, leaf: str, path: str = "") -> Optional[str]:
+def _find_key(tree, leaf: str) -> Optional[str]:
     """The dotted path of the first key ``leaf`` in the plain config ``tree``."""
-    if isinstance(tree, dict):
-        if leaf in tree:
-            return f"{path}.{leaf}" if path else leaf
-        for k, v in tree.items():
-            found = _find_key(v, leaf, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for v in tree:
-            found = _find_key(v, leaf, path)
-            if found is not None:
-                return found
-    return None
+    return _find(tree, lambda node, path: (f"{path}.{leaf}" if path else leaf) if leaf in node else None)
 
 
 def refused_message(error: BaseException, config: dict, argv: Sequence[str], prog: str = "ttt-flash") -> Optional[str]:

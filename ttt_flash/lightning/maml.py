@@ -381,6 +381,10 @@ class MAML(LightningModule):
         sums = {k: v.clone() for k, v in sums.items()}  # the graph's outputs are overwritten by the next replay
         lopt._on_before_step()  # the step counts of Lightning's manual-optimization loop (global_step)
         lopt._on_after_step()
+        return self._end_training_step(batch, sums, cuda)
+
+    def _end_training_step(self, batch: MetaBatch, sums: Dict[str, Tensor], cuda: bool) -> Tensor:
+        """The step's time and metrics logged; its mean post-adaptation loss."""
         tasks = batch.num_tasks
         self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
@@ -412,10 +416,7 @@ class MAML(LightningModule):
         if self.hparams.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.hparams.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
-        self._timer.log(self, cuda, tasks)
-        self._log("train", sums, tasks)
-        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
-        return sums["loss_post"] / tasks
+        return self._end_training_step(batch, sums, cuda)
 
     def _evaluate(self, batch: MetaBatch, stage: str) -> None:
         self._check_batch(batch)

@@ -29,50 +29,26 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
 
 from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
 from .context_parallel import ContextParallelPlan
-from .curriculum import StagedTasks, staged
-from .resume import EpochSampler, ResumableLoader
-from ..attention.registry import AttentionName
-from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
-from ..memory.attention_layer import SlotQuery, WriteRule
-from ..models import GPT, GPTConfig
+from .curriculum import staged
+from .data import GeneratedDataModule
+from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
 __all__ = ["AssociativeRecallDataModule", "GradMemKV", "TTTE2EMQAR", "MemoryLayerMQAR"]
 
-_SPLITS = {"train": 0, "val": 1, "test": 2}
-
-
 # --------------------------------------------------------------------------- data
 
 
-class _RecallBatches(Dataset):
-    """Index ``i`` → the ``i``-th batch of a split, from a generator seeded by (seed, split, i)
-    (with ``staged``: from the curriculum stage's tasks of batch ``i``)."""
-
-    def __init__(self, tasks: AssociativeRecallTasks, batch_size: int, seed: int, split: str,
-                 staged: Optional[StagedTasks] = None):
-        self.tasks, self.batch_size, self.seed, self.split = tasks, batch_size, seed, _SPLITS[split]
-        self.staged = staged
-
-    def __getitem__(self, i: int) -> RecallBatch:
-        state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
-        tasks = self.tasks if self.staged is None else self.staged.at(int(i))
-        return tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
-
-
-class AssociativeRecallDataModule(LightningDataModule):
+class AssociativeRecallDataModule(GeneratedDataModule):
     """Associative-recall batches (:class:`ttt_flash.tasks.AssociativeRecallTasks`):
     ``num_queries: 1`` is key–value retrieval, more is MQAR.
 
@@ -112,19 +88,12 @@ class AssociativeRecallDataModule(LightningDataModule):
         num_workers: int = 0,
         curriculum: Optional[List[List[int]]] = None,
     ):
-        super().__init__()
-        for name, value in (("batch_size", batch_size), ("train_batches", train_batches),
-                            ("val_batches", val_batches), ("test_batches", test_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
+                                       num_queries=num_queries, context_len=context_len)
+        super().__init__(tasks, batch_size, train_batches, val_batches, test_batches, seed, num_workers,
+                         batch_size_name="batch_size")
         self.save_hyperparameters()
-        self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
-                                            num_queries=num_queries, context_len=context_len)
         self.staged = staged(curriculum, lambda n: dataclasses.replace(self.tasks, context_len=n))
-        self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
-        self._train_indices = EpochSampler(train_batches, fresh=True)
 
     @property
     def vocab_size(self) -> int:
@@ -133,32 +102,6 @@ class AssociativeRecallDataModule(LightningDataModule):
     @property
     def chance(self) -> float:
         return self.tasks.chance
-
-    def _loader(self, split: str) -> DataLoader:
-        indices = self._train_indices if split == "train" else EpochSampler(self.batches[split], fresh=False)
-        batches = _RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split,
-                                 self.staged if split == "train" else None)
-        return ResumableLoader(batches,
-                               batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
-                               persistent_workers=self.hparams.num_workers > 0,
-                               generator=torch.Generator().manual_seed(self.hparams.seed))
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The training order's position (epoch, batches delivered), saved in checkpoints."""
-        return {"train_order": self._train_indices.state_dict()}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "train_order" in state_dict:
-            self._train_indices.load_state_dict(state_dict["train_order"])
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
 
 
 # --------------------------------------------------------------------------- shared module logic

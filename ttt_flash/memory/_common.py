@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..distributed.context_parallel import group_size_rank, all_reduce_sum, block_bounds
-from ..models import GPT, GPTConfig
 from ..second_order import second_order_grad
 
 __all__ = ["masked_lm_loss", "masked_lm_loss_part", "inner_step", "inner_grad_mode", "log_lr_parameter",
-           "ContextParallelShard", "context_parallel_of", "gpt_of"]
-
-
-def gpt_of(model: Union[GPT, GPTConfig, Mapping]) -> GPT:
-    """``model`` itself when it is a :class:`~ttt_flash.models.GPT`, else the GPT its
-    :class:`~ttt_flash.models.GPTConfig` (or a mapping of its fields) builds."""
-    if isinstance(model, Mapping):
-        model = GPTConfig(**model)
-    if isinstance(model, GPTConfig):
-        return GPT(model)
-    if not isinstance(model, GPT):
-        raise TypeError(f"model must be a ttt_flash.models.GPT or a GPTConfig, got {type(model).__name__}")
-    return model
+           "ContextParallelShard", "context_parallel_of"]
 
 
 def log_lr_parameter(inner_lr: float, learn: bool) -> nn.Parameter:

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 from .._checks import check_int
 from ..models import GPT, GPTConfig
-from ._common import gpt_of, inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
+from ._gpt import gpt_of
+from ._common import inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["GradMem"]
 

@@ -22,7 +22,7 @@ from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 
-__all__ = ["SinusoidDataModule", "InContextRegressionDataModule"]
+__all__ = ["SinusoidDataModule", "InContextRegressionDataModule", "GeneratedDataModule", "SeededBatches"]
 
 _SPLITS = {"train": 0, "val": 1, "test": 2}
 

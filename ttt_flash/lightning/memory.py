@@ -8,6 +8,10 @@
 * :class:`MemoryLayerMQAR`: a :class:`ttt_flash.memory.MemoryLM` (every token mixer a
   :class:`ttt_flash.memory.GradientMemoryAttention`).
 
+Each module takes its network as ``net`` (in a recipe ``net: {class_path: ..., init_args:
+...}``, composed by the CLI) and holds only the training settings: ``lr``, ``weight_decay``,
+``warmup_steps``, ``context_parallel``, ``cuda_graph``.
+
 Each module scores the queries of a batch twice and logs, per stage (``train``, ``val``,
 ``test``):
 

@@ -142,3 +142,35 @@ def test_memory_recipe_builds_the_network_it_writes_out(path, capsys, monkeypatc
     built_logits = model._query_logits(batch, write=True)[0]
     model.net = net
     torch.testing.assert_close(built_logits, model._query_logits(batch, write=True)[0], rtol=0, atol=0)
+
+
+_NET = "--model.init_args.net.init_args."
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("gradmem_kv", [_NET + "model.attention=math", _NET + "model.n_layer=1", "--data.init_args.batch_size=2"]),
+    ("maml_sinusoid", [_NET + "hidden=8", "--data.init_args.meta_batch_size=2"]),
+], ids=["gradmem_kv", "maml_sinusoid"])
+def test_a_checkpoint_rebuilds_its_injected_network(recipe, overrides, monkeypatch, tmp_path):
+    """A run's checkpoint keeps the network's ``class_path`` and ``init_args`` (set from the
+    command line too): ``load_from_checkpoint`` rebuilds the same network with the same weights."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(RECIPE_DIR / f"{recipe}.yaml"), *overrides, "--trainer.max_steps=2",
+                 "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1.0",
+                 "--trainer.enable_progress_bar=false"]) == 0
+    path = tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    net = checkpoint["hyper_parameters"]["net"]
+    assert net["class_path"] in ("ttt_flash.memory.GradMem", "ttt_flash.models.SinusoidMLP")
+    model = _module_class(checkpoint).load_from_checkpoint(path)
+    assert type(model.net).__name__ == net["class_path"].rsplit(".", 1)[1]
+    state = model.state_dict()
+    assert state.keys() == checkpoint["state_dict"].keys()
+    assert all(torch.equal(state[k], v) for k, v in checkpoint["state_dict"].items())
+
+
+def _module_class(checkpoint):
+    import importlib
+
+    module, _, name = checkpoint["hyper_parameters"]["_class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)

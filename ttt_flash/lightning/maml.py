@@ -38,6 +38,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from ._step import GraphedTraining, LocalGradients, StepTimer
+from .checkpoint_io import save_hyperparameters_with_net
 from .fsdp2 import FSDP2Steps
 from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
                     proximal_inner_loop, reptile_meta_gradient, select_adapted)
@@ -194,8 +195,7 @@ class MAML(LightningModule):
             raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
-        # an injected network is saved with the weights, not as a hyperparameter
-        self.save_hyperparameters(ignore=["net"] if isinstance(net, nn.Module) else None)
+        save_hyperparameters_with_net(self, net)
         self._cg_warned = False
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()

@@ -41,6 +41,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
+from .checkpoint_io import save_hyperparameters_with_net
 from .context_parallel import ContextParallelPlan
 from .curriculum import staged
 from .data import GeneratedDataModule
@@ -141,6 +142,7 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        save_hyperparameters_with_net(self, net)
         self.net = net
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
@@ -333,7 +335,6 @@ class GradMemKV(_RecallModule):
         cuda_graph: bool = False,
     ):
         super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
-        self.save_hyperparameters(ignore=["net"])  # the network is saved with the weights
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -373,7 +374,6 @@ class TTTE2EMQAR(_RecallModule):
         cuda_graph: bool = False,
     ):
         super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
-        self.save_hyperparameters(ignore=["net"])  # the network is saved with the weights
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -421,7 +421,6 @@ class MemoryLayerMQAR(_RecallModule):
                 "GradMemKV / TTTE2EMQAR, which take context_parallel"
             )
         super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
-        self.save_hyperparameters(ignore=["net"])  # the network is saved with the weights
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()

@@ -29,6 +29,7 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import check_int
 from ..attention.registry import ATTENTION_IMPLS, AttentionName, attend, check_attention
 from .gpt import GPT, GPTConfig
 
@@ -44,6 +45,9 @@ class SinusoidMLP(nn.Module):
 
     def __init__(self, in_dim: int = 1, out_dim: int = 1, hidden: int = 40, depth: int = 2):
         super().__init__()
+        for name, value, least in (("in_dim", in_dim, 1), ("out_dim", out_dim, 1), ("hidden", hidden, 1),
+                                   ("depth", depth, 0)):
+            check_int(name, value, least)
         layers, width = [], in_dim
         for _ in range(depth):
             layers += [nn.Linear(width, hidden), nn.ReLU()]

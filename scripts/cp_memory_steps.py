@@ -42,7 +42,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 # ``--cpu``: tiny settings that run every code path of ``all`` in seconds on the CPU.
-CPU_MODEL = ["vocab_size=13", "n_layer=1", "n_head=2", "d_model=16", "memory_tokens=3", "checkpoint=true"]
+_GPT = "net.init_args.model."  # the GradMem's GPT in the recipe's model.init_args
+CPU_MODEL = [_GPT + "vocab_size=13", _GPT + "n_layer=1", _GPT + "n_head=2", _GPT + "d_model=16",
+             "net.init_args.memory_tokens=3", _GPT + "checkpoint=true"]
 CPU_DATA = ["num_keys=8", "num_values=4", "num_pairs=2", "context_len=30"]
 CPU_BENCH = ["--device", "cpu", "--seq-lens", "33,65", "--heads", "2", "--head-dim", "8", "--dtype", "float64",
              "--rep-ms", "1"]
@@ -57,14 +59,33 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _overrides(pairs):
-    out = {}
+def _overridden(args: dict, pairs) -> dict:
+    """``args`` with each ``dotted.key=value`` of ``pairs`` set (YAML values; nested keys such as
+    ``net.init_args.memory_tokens`` reach into the recipe's network)."""
+    import copy
+
+    out = copy.deepcopy(args)
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"an override must be key=value, got {pair!r}")
-        out[key] = yaml.safe_load(value)
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
     return out
+
+
+def _module(class_path: str, init_args: dict):
+    """The LightningModule as the CLI composes it (its ``net:`` built from class_path and init_args)."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningModule, "model")
+    config = parser.parse_object({"model": {"class_path": class_path, "init_args": init_args}})
+    return parser.instantiate_classes(config).model
 
 
 def _step_stats_callback(path: str, meta: dict):
@@ -127,15 +148,15 @@ def run_steps(a) -> int:
 
     recipe = yaml.safe_load(Path(a.config).read_text())
     model_cfg, data_cfg = recipe["model"], recipe["data"]
-    model_args = dict(model_cfg.get("init_args") or {}, **_overrides(a.model_arg))
-    data_args = dict(data_cfg.get("init_args") or {}, **_overrides(a.data_arg))
+    model_args = _overridden(model_cfg.get("init_args") or {}, a.model_arg)
+    data_args = _overridden(data_cfg.get("init_args") or {}, a.data_arg)
     if a.context_parallel > 1:
         model_args["context_parallel"] = a.context_parallel
     # one batch per rank and step; a group trains on its first rank's batch
     data_args["train_batches"] = max(int(data_args.get("train_batches", 1)), a.steps * a.devices)
     precision = a.precision or (recipe.get("trainer") or {}).get("precision", "32-true")
     pl.seed_everything(int(recipe.get("seed_everything", 0)))
-    model = _import(model_cfg["class_path"])(**model_args)
+    model = _module(model_cfg["class_path"], model_args)
     data = _import(data_cfg["class_path"])(**data_args)
     meta = dict(config=str(a.config), devices=a.devices, context_parallel=a.context_parallel, precision=precision,
                 model=model_cfg["class_path"], model_args=model_args, data_args=data_args)
@@ -268,7 +289,7 @@ def main(argv=None) -> int:
     s.add_argument("--steps", type=int, default=20)
     s.add_argument("--accelerator", default="gpu")
     s.add_argument("--precision", default=None, help="default: the recipe's trainer.precision")
-    s.add_argument("--model-arg", nargs="*", help="init_args overrides, key=value (YAML values)")
+    s.add_argument("--model-arg", nargs="*", help="model.init_args overrides, dotted.key=value (YAML values)")
     s.add_argument("--data-arg", nargs="*", help="init_args overrides, key=value (YAML values)")
     s.add_argument("--json", required=True)
     s = sub.add_parser("all", help="everything for one nvidia-h200-x2 call")

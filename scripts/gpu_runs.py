@@ -43,8 +43,8 @@ def plans(steps_long: int):
                 ("maml_second_order", MAML, maml, 200),
                 ("maml_first_order", MAML, maml + ["--model.init_args.first_order=true"], 120),
                 ("maml_math", MAML, maml + ["--model.init_args.net.attention=math"], 90),
-                ("gradmem_math", GRADMEM, ["--trainer.max_steps=2", "--model.init_args.attention=math"], 90),
-                ("ttt_e2e_math", TTT, ["--trainer.max_steps=2", "--model.init_args.attention=math"], 120),
+                ("gradmem_math", GRADMEM, ["--trainer.max_steps=2", "--model.init_args.net.init_args.model.attention=math"], 90),
+                ("ttt_e2e_math", TTT, ["--trainer.max_steps=2", "--model.init_args.net.init_args.model.attention=math"], 120),
             ]),
             ("1", [
                 ("gradmem_probe", GRADMEM, ["--trainer.max_steps=6"], 200),

@@ -72,22 +72,22 @@ _TINY_COMMON = ["--trainer.accelerator=cpu", "--trainer.max_steps=4", "--trainer
 
 RECIPES: Dict[str, Recipe] = {r.key: r for r in [
     Recipe("ttt", "ttt_e2e_mqar_long.yaml", "TTT-E2E MQAR", "val/acc_post", "acc",
-           ["--model.init_args.attention=math", "--model.init_args.chunk_size=16", "--model.init_args.window=4",
+           ["--model.init_args.net.init_args.model.attention=math", "--model.init_args.net.init_args.chunk_size=16", "--model.init_args.net.init_args.model.window=4",
             "--data.init_args.context_len=64", "--data.init_args.curriculum=[[0,32],[2,64]]",
             "--data.init_args.batch_size=2"]),
     Recipe("gradmem", "gradmem_kv_long.yaml", "GradMem KV retrieval", "val/acc_post", "acc",
-           ["--trainer.precision=32-true", "--model.init_args.attention=math", "--data.init_args.context_len=64",
+           ["--trainer.precision=32-true", "--model.init_args.net.init_args.model.attention=math", "--data.init_args.context_len=64",
             "--data.init_args.curriculum=[[0,16],[2,64]]", "--data.init_args.batch_size=2"]),
     Recipe("memlayer", "memory_layer_mqar_long.yaml", "GradientMemoryAttention MQAR", "val/acc_post", "acc",
-           ["--model.init_args.attention=math", "--model.init_args.chunk_size=16",
-            "--model.init_args.memory_slots=8", "--data.init_args.context_len=64",
+           ["--model.init_args.net.init_args.attention=math", "--model.init_args.net.init_args.chunk_size=16",
+            "--model.init_args.net.init_args.memory_slots=8", "--data.init_args.context_len=64",
             "--data.init_args.curriculum=[[0,32],[2,64]]", "--data.init_args.batch_size=2"]),
     Recipe("maml", "maml_transformer_long.yaml", "MAML in-context regression", "val/loss_post", "maml",
            ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
             "--data.init_args.curriculum=[[0,16],[2,32]]"]),
 ]}
 
-OFF = ["--model.init_args.inner_steps=0"]
+OFF = ["--model.init_args.net.init_args.inner_steps=0"]
 
 # GPU 0 holds second-order MAML (compute-bound, float32) and small launch-bound runs; GPU 1
 # holds GradMem (compute-bound: full attention at 32,768), first-order MAML and the memory
@@ -102,7 +102,7 @@ RUNS: List[Run] = [
     Run("memlayer", "memlayer", "method", 1, [], "inner_steps 1"),
     Run("memlayer_base", "memlayer", "baseline", 0, OFF, "inner_steps 0"),
     Run("memlayer_grad", "memlayer", "variant", 1,
-        ["--model.init_args.write_rule=gradient"], "plain gradient write"),
+        ["--model.init_args.net.init_args.write_rule=gradient"], "plain gradient write"),
 ]
 
 

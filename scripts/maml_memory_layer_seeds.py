@@ -2,9 +2,9 @@
 
 Runs recipes/maml_memory_layer.yaml (CPU) once per seed and write order:
 
-  exact        memory_first_order=false: the writes keep their graph, the meta-gradient is the
+  exact        first_order=false (the network's): the writes keep their graph, the meta-gradient is the
                exact third derivative through attention
-  first_order  memory_first_order=true: the write gradients are constants (MAML stays second
+  first_order  first_order=true (the network's): the write gradients are constants (MAML stays second
                order everywhere else)
 
 Each run seeds the weights and the tasks with the seed. Reads every run's CSV log and reports
@@ -12,7 +12,7 @@ the last validation losses before (loss_pre) and after (loss_post) adaptation, a
 the last 20 training loss_post values; prints a table and writes JSON to --out.
 
     python scripts/maml_memory_layer_seeds.py --seeds 0,1,2 --out runs/maml_memory_layer_seeds
-    python scripts/maml_memory_layer_seeds.py --out runs/mm_chunk4 -- --model.init_args.net.memory_chunk=4
+    python scripts/maml_memory_layer_seeds.py --out runs/mm_chunk4 -- --model.init_args.net.init_args.chunk_size=4
 
 Arguments after ``--`` are passed to every ``ttt-flash fit`` run (recipe overrides).
 """
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             argv_run = [
                 "fit", "--config", str(RECIPE), f"--seed_everything={seed}", f"--data.init_args.seed={seed}",
-                f"--model.init_args.net.memory_first_order={first_order}",
+                f"--model.init_args.net.init_args.first_order={first_order}",
                 f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.version={version}",
                 f"--trainer.default_root_dir={out}", "--trainer.enable_progress_bar=false",
                 "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",

@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from ttt_flash.lightning.memory import MemoryLayerMQAR
+from ttt_flash.memory import MemoryLM
 from ttt_flash.tasks import AssociativeRecallTasks, RecallBatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = yaml.safe_load(open(args.recipe))
-    model_args = dict(cfg["model"]["init_args"])
+    model_args = dict(cfg["model"]["init_args"]["net"]["init_args"])
     data_args = cfg["data"]["init_args"]
     batch_size = args.batch or data_args["batch_size"]
     variants = {"recipe": {}, "stepwise": {"parallel_write": False},
@@ -81,9 +82,9 @@ def main() -> None:
                                        context_len=length)
         batch = RecallBatch(*(t.to(device) for t in tasks.sample(batch_size, generator=torch.Generator().manual_seed(0))))
         for name in names:
-            kw = {**model_args, **variants[name.split("+")[0]], "cuda_graph": False}
+            kw = {**model_args, **variants[name.split("+")[0]]}
             torch.manual_seed(0)
-            module = MemoryLayerMQAR(**kw).to(device)
+            module = MemoryLayerMQAR(MemoryLM(**kw)).to(device)
             params = [p for p in module.parameters() if p.requires_grad]
 
             def step(*fields):

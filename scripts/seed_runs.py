@@ -57,14 +57,14 @@ _TINY_COMMON = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--t
 # Tiny CPU shapes per model class (the curriculum's last stage starts at step 2, so both stages run).
 _TINY = {
     "ttt_flash.lightning.memory.TTTE2EMQAR": [
-        "--model.init_args.attention=math", "--model.init_args.chunk_size=16", "--model.init_args.window=4",
+        "--model.init_args.net.init_args.model.attention=math", "--model.init_args.net.init_args.chunk_size=16", "--model.init_args.net.init_args.model.window=4",
         "--data.init_args.context_len=64", "--data.init_args.curriculum=[[0,32],[2,64]]",
         "--data.init_args.batch_size=2"],
     "ttt_flash.lightning.memory.GradMemKV": [
-        "--model.init_args.attention=math", "--data.init_args.context_len=64",
+        "--model.init_args.net.init_args.model.attention=math", "--data.init_args.context_len=64",
         "--data.init_args.curriculum=[[0,16],[2,64]]", "--data.init_args.batch_size=2"],
     "ttt_flash.lightning.memory.MemoryLayerMQAR": [
-        "--model.init_args.attention=math", "--model.init_args.chunk_size=16", "--model.init_args.memory_slots=8",
+        "--model.init_args.net.init_args.attention=math", "--model.init_args.net.init_args.chunk_size=16", "--model.init_args.net.init_args.memory_slots=8",
         "--data.init_args.context_len=64", "--data.init_args.curriculum=[[0,32],[2,64]]",
         "--data.init_args.batch_size=2"],
     _MAML: ["--model.init_args.net.attention=math", "--data.init_args.seq_len=32",
@@ -107,7 +107,7 @@ class Recipe:
                        ["--model.init_args.first_order=true"], "first order", context, None,
                        data.get("curriculum") or [[0, context]], int(data["train_batches"]))
         return cls(path, path.stem, model_class, "acc", "val/acc_post", "val/acc_pre",
-                   ["--model.init_args.inner_steps=0"], "inner_steps 0", context, 1.0 / data["num_values"],
+                   ["--model.init_args.net.init_args.inner_steps=0"], "inner_steps 0", context, 1.0 / data["num_values"],
                    data.get("curriculum") or [[0, context]], int(data["train_batches"]))
 
     def tiny_context(self) -> int:

@@ -22,6 +22,16 @@ SHIPPED = sorted(p.stem for p in RECIPES.glob("*_131k.yaml"))
 def _config(name):
     return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
 
+def _model_args(config):
+    """The module's arguments and its network's (a GPT's included) in one dict: the recipe's
+    ``model.init_args`` with ``net.init_args`` (and its ``model``), or a ``NetConfig`` ``net``,
+    spread into it."""
+    args = dict(config["model"]["init_args"])
+    net = dict(args.pop("net", None) or {})
+    net = dict(net.get("init_args") or {}) if "class_path" in net else net
+    return {**args, **{k: v for k, v in net.items() if k != "model"}, **(net.get("model") or {})}
+
+
 
 def _seconds(max_time: str) -> int:
     days, hours, minutes, seconds = (int(x) for x in max_time.split(":"))
@@ -37,7 +47,7 @@ def test_the_four_methods_have_a_131k_recipe_with_tiny_overrides():
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_131k_recipe_trains_up_to_and_validates_at_131072(name):
     config = _config(name)
-    data, model, trainer = config["data"]["init_args"], config["model"]["init_args"], config["trainer"]
+    data, model, trainer = config["data"]["init_args"], _model_args(config), config["trainer"]
     final = data.get("context_len") or data["seq_len"]
     stages = LengthCurriculum(data["curriculum"]).as_list()
     assert final == 131072
@@ -52,7 +62,7 @@ def test_131k_recipe_trains_up_to_and_validates_at_131072(name):
     if name == "ttt_e2e_mqar_131k":  # attention sees a sliver of the context: the fast weights must carry it
         assert model["window"] * 1000 < final
     if name == "gradmem_kv_131k":  # the slowest RoPE rotations stay below those of the 32K recipe at 32,768
-        long_base = _config("gradmem_kv_long")["model"]["init_args"]["rope_base"]
+        long_base = _model_args(_config("gradmem_kv_long"))["rope_base"]
         assert model["rope_base"] ** (-13 / 16) * final <= long_base ** (-13 / 16) * 32768
 
 
@@ -62,8 +72,10 @@ def test_131k_recipe_is_the_long_recipe_stretched(name):
     lengths, the batch, the step budget and (GradMem) the RoPE base differ."""
     ours, theirs = _config(name), _config(name.replace("_131k", "_long"))
     assert ours["model"]["class_path"] == theirs["model"]["class_path"]
+    assert ours["model"]["init_args"]["net"].get("class_path") == theirs["model"]["init_args"]["net"].get("class_path")
     assert ours["data"]["class_path"] == theirs["data"]["class_path"]
     allowed = {"rope_base", "context_parallel"}
-    for key, value in theirs["model"]["init_args"].items():
+    ours_args, theirs_args = _model_args(ours), _model_args(theirs)
+    for key, value in theirs_args.items():
         if key not in allowed:
-            assert ours["model"]["init_args"][key] == value, key
+            assert ours_args[key] == value, key

@@ -189,10 +189,10 @@ def _recipe_with(tmp_path, old, new):
 
 
 def test_nested_and_group_level_typos_name_the_full_key_and_line(tmp_path, capsys):
-    bad, line = _recipe_with(tmp_path, "      hidden: 40 ", "      hiddn: 40 ")
+    bad, line = _recipe_with(tmp_path, "        hidden: 40 ", "        hiddn: 40 ")
     err = _error_lines(capsys, ["fit", "--config", str(bad)])
-    assert "'model.init_args.net.hiddn'" in err[0] and f"{bad}:{line}" in err[0]
-    assert err[1].endswith(": hidden")  # NetConfig's keys, not the root's
+    assert "'model.init_args.net.init_args.hiddn' of ttt_flash.models.SinusoidMLP" in err[0] and f"{bad}:{line}" in err[0]
+    assert err[1].endswith(": hidden")  # the network's keys, not the root's
     bad, line = _recipe_with(tmp_path, "  init_args:                         # its typed __init__ arguments\n    net:",
                              "  init_argz:                         # its typed __init__ arguments\n    net:")
     err = _error_lines(capsys, ["fit", "--config", str(bad)])
@@ -207,8 +207,37 @@ def test_a_command_line_typo_is_blamed_on_the_command_line(capsys):
     recipe = str(RECIPES / "maml_sinusoid.yaml")
     err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.hidden=3"])  # 'hidden' is in the YAML
     assert "'model.init_args.hidden'" in err[0] and err[0].endswith("in the command line")
-    err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.net.hiddn=3"])
-    assert "'model.init_args.net.hiddn'" in err[0] and "the command line" in err[0] and err[1].endswith(": hidden")
+    err = _error_lines(capsys, ["fit", "--config", recipe, "--model.init_args.net.init_args.hiddn=3"])
+    assert "'model.init_args.net.init_args.hiddn'" in err[0] and "the command line" in err[0]
+    assert err[1].endswith(": hidden")
+
+
+@pytest.mark.parametrize("recipe,old,new,key,owner,closest", [
+    ("memory_layer_mqar", "        memory_slots: 8 ", "        memory_slotz: 8 ",
+     "model.init_args.net.init_args.memory_slotz", "ttt_flash.memory.MemoryLM", "memory_slots"),
+    ("gradmem_kv", "        memory_tokens: 4 ", "        memory_tokenz: 4 ",
+     "model.init_args.net.init_args.memory_tokenz", "ttt_flash.memory.GradMem", "memory_tokens"),
+    ("gradmem_kv", "          n_layer: 2 ", "          n_layr: 2 ",
+     "model.init_args.net.init_args.model.n_layr", "ttt_flash.models.GPTConfig", "n_layer"),
+    ("maml_memory_layer", "        write_lr: 1.0 ", "        write_lrr: 1.0 ",
+     "model.init_args.net.init_args.write_lrr", "ttt_flash.models.MemoryRegressor", "write_lr"),
+], ids=["memory_layer-net", "gradmem-net", "gradmem-net-gpt", "maml-net"])
+def test_typos_under_a_net_class_path_name_the_full_key(recipe, old, new, key, owner, closest, tmp_path, capsys):
+    """A key misspelt inside ``net: {class_path, init_args}`` (and one level deeper, the GPT of
+    GradMem) is named with its full dotted path, the class that refused it, the recipe line or
+    the command line, and the closest key of that class."""
+    text = (RECIPES / f"{recipe}.yaml").read_text()
+    assert old in text
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(text.replace(old, new, 1))
+    line = next(n for n, row in enumerate(bad.read_text().splitlines(), 1) if new in row)
+    err = _error_lines(capsys, ["fit", "--config", str(bad)])
+    assert err[0] == f"ttt-flash fit: error: unknown key '{key}' of {owner} in {bad}:{line}", err
+    assert err[1] == f"  closest valid keys: {closest}", err
+    flag = f"--{key}=2"  # the same typo on the command line
+    err = _error_lines(capsys, ["fit", "--config", str(RECIPES / f"{recipe}.yaml"), flag])
+    assert err[0] == f"ttt-flash fit: error: unknown key '{key}' of {owner} in the command line", err
+    assert err[1] == f"  closest valid keys: {closest}", err
 
 
 def test_wrong_types_get_the_typo_treatment(tmp_path, capsys):
@@ -286,7 +315,7 @@ def test_class_path_typo_names_the_line_and_the_class(tmp_path, capsys):
 
 @pytest.mark.parametrize("old,new,key,words", [
     ("    inner_lr: 0.01 ", "    inner_lr: -0.5 ", "model.init_args.inner_lr", "inner_lr must be >= 0, got -0.5"),
-    ("      hidden: 40 ", "      hidden: 0 ", "model.init_args.net.hidden", "hidden must be a positive int, got 0"),
+    ("        hidden: 40 ", "        hidden: 0 ", "model.init_args.net.init_args.hidden", "hidden must be >= 1, got 0"),
     ("    k_shot: 10 ", "    k_shot: 0 ", "data.init_args.k_shot", "k_shot must be >= 1, got 0"),
 ], ids=["inner_lr", "hidden", "k_shot"])
 def test_values_refused_by_a_class_name_the_key_and_line(old, new, key, words, tmp_path, capsys):

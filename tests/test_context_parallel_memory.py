@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback
 
 from ttt_flash.distributed import all_reduce_sum
-from ttt_flash.memory import FastWeightTTT, GradientMemoryAttention, GradMem
+from ttt_flash.memory import FastWeightTTT, GradientMemoryAttention, GradMem, MemoryLM
 from ttt_flash.models import GPT, GPTConfig
 from ttt_flash.tasks import RecallBatch
 
@@ -195,11 +195,10 @@ def test_lightning_gradmem_context_parallel_step_equals_one_process(tmp_path):
     for seed in (1, 2):  # 2 + 11 = 13 written tokens: blocks of 6 and 7
         context, targets, query, query_targets = _data(11, 2, seed)
         batches.append(RecallBatch(context, targets, query, query_targets))
-    kw = dict(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16, checkpoint=True, memory_tokens=2, inner_steps=1,
-              warmup_steps=0)
+    config = GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=2, d_model=16, checkpoint=True)
     torch.manual_seed(0)
-    model = GradMemKV(**kw, context_parallel=2)
-    twin = GradMemKV(**kw)
+    model = GradMemKV(GradMem(config, memory_tokens=2, inner_steps=1), warmup_steps=0, context_parallel=2)
+    twin = GradMemKV(GradMem(config, memory_tokens=2, inner_steps=1), warmup_steps=0)
     twin.load_state_dict(model.state_dict())
     dist_out = _fit(model, batches, str(tmp_path), devices=2)
     (single,) = _fit(twin, batches[:1], str(tmp_path), devices=1)
@@ -221,7 +220,7 @@ def test_memory_layer_refuses_context_parallel():
     from ttt_flash.lightning import MemoryLayerMQAR
 
     with pytest.raises(ValueError, match="MemoryLayerMQAR does not take context_parallel=2"):
-        MemoryLayerMQAR(context_parallel=2)
+        MemoryLayerMQAR(MemoryLM(17), context_parallel=2)
 
 
 def test_gpt_with_a_memory_layer_refuses_context_parallel():
@@ -235,4 +234,4 @@ def test_gradmem_context_parallel_needs_a_multiple_of_processes():
     from ttt_flash.lightning import GradMemKV
 
     with pytest.raises(ValueError, match="needs a multiple of 2 processes"):
-        GradMemKV(context_parallel=2).setup("fit")
+        GradMemKV(GradMem(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16)), context_parallel=2).setup("fit")

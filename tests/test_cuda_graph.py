@@ -379,12 +379,15 @@ def _memory_run(cls, cuda_graph: bool, accelerator: str, steps: int = 3):
     import lightning.pytorch as pl
 
     from ttt_flash.lightning.memory import AssociativeRecallDataModule
+    from ttt_flash.memory import FastWeightTTT, GradMem, MemoryLM
+    from ttt_flash.models import GPTConfig
 
     pl.seed_everything(0, verbose=False)
-    small = dict(vocab_size=9, n_layer=1, d_model=16, warmup_steps=1, cuda_graph=cuda_graph)
-    extra = {"GradMemKV": dict(n_head=2, memory_tokens=2), "TTTE2EMQAR": dict(n_head=2, window=2, chunk_size=4),
-             "MemoryLayerMQAR": dict(heads=2, memory_slots=2, chunk_size=4)}[cls.__name__]
-    model = cls(**small, **extra)
+    gpt = dict(vocab_size=9, n_layer=1, n_head=2, d_model=16)
+    net = {"GradMemKV": lambda: GradMem(GPTConfig(**gpt), memory_tokens=2),
+           "TTTE2EMQAR": lambda: FastWeightTTT(GPTConfig(**gpt, window=2), chunk_size=4),
+           "MemoryLayerMQAR": lambda: MemoryLM(9, 16, 1, 2, memory_slots=2, chunk_size=4)}[cls.__name__]()
+    model = cls(net, warmup_steps=1, cuda_graph=cuda_graph)
     data = AssociativeRecallDataModule(num_keys=4, num_values=4, num_pairs=2, num_queries=2, context_len=8,
                                        batch_size=2, train_batches=steps, val_batches=1)
     return _fit_losses(model, data, accelerator, steps, "train/loss_post")

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader
 
 from ttt_flash.distributed import all_reduce_mean_, average_gradients, is_distributed, world_size
 from ttt_flash.lightning import MAML, GradMemKV, LanguageModel
+from ttt_flash.memory import GradMem
 from ttt_flash.models import NetConfig
 from ttt_flash.models import GPTConfig
 from ttt_flash.tasks import AssociativeRecallTasks, SinusoidTasks
@@ -123,8 +124,8 @@ def test_gradmem_meta_gradient_ddp_equals_one_process(tmp_path):
     g = torch.Generator().manual_seed(1)
     tasks = AssociativeRecallTasks(num_keys=8, num_values=8, num_pairs=3)
     shards = [tasks.sample(2, generator=g), tasks.sample(3, generator=g)]  # 2 and 3 sequences
-    model = GradMemKV(vocab_size=17, n_layer=1, n_head=2, d_model=16, memory_tokens=2, inner_steps=1,
-                      warmup_steps=0)
+    model = GradMemKV(GradMem(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16), memory_tokens=2,
+                              inner_steps=1), warmup_steps=0)
     _compare(model, shards, tmp_path)
 
 
@@ -151,7 +152,7 @@ class _RecordTasks(Callback):
 
 def test_datamodule_gives_each_process_distinct_meta_batches(tmp_path):
     from ttt_flash.lightning import SinusoidDataModule
-    from ttt_flash.lightning.data import _MetaBatches
+    from ttt_flash.lightning.data import SeededBatches
 
     dm = SinusoidDataModule(meta_batch_size=2, train_batches=4, val_batches=1, test_batches=1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
@@ -161,7 +162,7 @@ def test_datamodule_gives_each_process_distinct_meta_batches(tmp_path):
     trainer.fit(MAML(net=NetConfig(kind="mlp", hidden=8, depth=1)), dm)
     seen = [torch.load(os.path.join(tmp_path, f"tasks{r}.pt")) for r in range(2)]
     assert [len(s) for s in seen] == [2, 2]
-    epoch = [_MetaBatches(dm.tasks, 2, 0, "train")[i].task_params for i in range(4)]
+    epoch = [SeededBatches(dm.tasks, 2, 0, "train")[i].task_params for i in range(4)]
     index = [[next(i for i, e in enumerate(epoch) if torch.equal(e, t)) for t in s] for s in seen]
     assert sorted(index[0] + index[1]) == [0, 1, 2, 3]
 

@@ -17,7 +17,8 @@ from ttt_flash.lightning import InContextRegressionDataModule
 from ttt_flash.lightning.curriculum import LengthCurriculum
 from ttt_flash.lightning.curves import PLOT_EXTRA_MESSAGE, Series, plot_curves, read_curve
 from ttt_flash.lightning.memory import AssociativeRecallDataModule, GradMemKV
-from ttt_flash.memory import GradientMemoryAttention
+from ttt_flash.memory import GradientMemoryAttention, GradMem
+from ttt_flash.models import GPTConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
@@ -30,6 +31,16 @@ LONG = sorted(RECIPES.glob("*_long.yaml"))
 
 def _config(name):
     return yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+
+def _model_args(config):
+    """The module's arguments and its network's (a GPT's included) in one dict: the recipe's
+    ``model.init_args`` with ``net.init_args`` (and its ``model``), or a ``NetConfig`` ``net``,
+    spread into it."""
+    args = dict(config["model"]["init_args"])
+    net = dict(args.pop("net", None) or {})
+    net = dict(net.get("init_args") or {}) if "class_path" in net else net
+    return {**args, **{k: v for k, v in net.items() if k != "model"}, **(net.get("model") or {})}
+
 
 
 def test_every_long_recipe_has_tiny_overrides():
@@ -45,7 +56,7 @@ def test_long_recipe_trains_up_to_its_validation_length(name):
     assert final >= 32768
     assert stages[-1][1] == final and stages[0][1] < final
     assert stages[-1][0] < data["train_batches"]  # the last stage is reached
-    model = _config(name)["model"]["init_args"]
+    model = _model_args(_config(name))
     if name.startswith("memory_layer_mqar"):  # the queries are a chunk of their own: only the slots reach the pairs
         assert all(n % model["chunk_size"] == 0 for _, n in stages)
     if name == "ttt_e2e_mqar_long":  # attention sees a sliver of the context: the fast weights must carry it
@@ -106,7 +117,8 @@ def test_write_gate_starts_as_the_ungated_layer_and_learns():
 
 
 def test_gradmem_rope_base_reaches_the_gpt():
-    assert GradMemKV(rope_base=1e6).net.model.config.rope_base == 1e6
+    net = GradMem(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16, rope_base=1e6))
+    assert GradMemKV(net).net.model.config.rope_base == 1e6
 
 
 # --------------------------------------------------------------------------- curves

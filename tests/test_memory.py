@@ -181,9 +181,10 @@ def test_lightning_modules_log_pre_and_post_under_inference_mode():
     from ttt_flash.lightning.memory import GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 
     batch = _batch(2)
-    small = dict(vocab_size=V, n_layer=1, d_model=16)
-    for module in (GradMemKV(n_head=2, memory_tokens=2, **small), TTTE2EMQAR(n_head=2, window=2, chunk_size=4, **small),
-                   MemoryLayerMQAR(heads=2, memory_slots=2, chunk_size=4, **small)):
+    gpt = dict(vocab_size=V, n_layer=1, d_model=16, n_head=2)
+    for module in (GradMemKV(GradMem(GPTConfig(**gpt), memory_tokens=2)),
+                   TTTE2EMQAR(FastWeightTTT(GPTConfig(**gpt, window=2), chunk_size=4)),
+                   MemoryLayerMQAR(MemoryLM(V, 16, 1, 2, memory_slots=2, chunk_size=4))):
         train = module._metrics(batch, train=True)
         assert {"loss_pre", "acc_pre", "loss_post", "acc_post"} <= set(train)
         assert train["loss_post"].requires_grad and not train["loss_pre"].requires_grad
@@ -417,3 +418,29 @@ def test_recall_layer_with_flash_attention_matches_math(rule):
     got, ref = results
     for g, r in zip([got[0], *got[1], got[2]], [ref[0], *ref[1], ref[2]]):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=0)
+
+
+def test_lightning_modules_take_their_network_and_check_it():
+    """Each recall module takes its network as ``net`` (the class its recipes name) and refuses
+    another; a network whose vocabulary is smaller than the data's is refused when fitting
+    starts, naming the recipe key to raise."""
+    from types import SimpleNamespace
+
+    from ttt_flash.lightning.memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
+
+    gpt = GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16)
+    gradmem = GradMem(gpt, memory_tokens=2)
+    module = GradMemKV(gradmem, lr=0.01)
+    assert module.net is gradmem and "net" not in module.hparams and module.hparams.lr == 0.01
+    with pytest.raises(TypeError, match=r"GradMemKV's net must be a ttt_flash.memory.GradMem .*got MemoryLM"):
+        GradMemKV(MemoryLM(17))
+    with pytest.raises(TypeError, match=r"MemoryLayerMQAR's net must be a ttt_flash.memory.MemoryLM"):
+        MemoryLayerMQAR(gradmem)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        TTTE2EMQAR(FastWeightTTT(GPTConfig(vocab_size=17, n_layer=1, n_head=2, d_model=16, window=2)), lr=0.0)
+    data = AssociativeRecallDataModule(num_keys=16, num_values=16)  # 33 token ids
+    for module, key in ((GradMemKV(gradmem), "model.init_args.net.init_args.model.vocab_size"),
+                        (MemoryLayerMQAR(MemoryLM(17)), "model.init_args.net.init_args.vocab_size")):
+        module._trainer = SimpleNamespace(datamodule=data)
+        with pytest.raises(ValueError, match=f"network's vocab_size is 17; set {key} >= 33"):
+            module.on_fit_start()

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from ttt_flash.cli import main
@@ -80,3 +81,96 @@ def test_smoke_covers_every_long_and_gpu_recipe():
 
     big = [p.stem for p in RECIPES if p.stem.endswith(("_long", "_131k")) or p.stem == "sophia_gpt"]
     assert big and all(method_of(name) in TINY for name in big), big
+
+
+# --------------------------------------------------------------------------- memory recipes: the injected network
+
+MEMORY_RECIPES = [p for p in RECIPES if p.stem.startswith(("memory_layer_mqar", "gradmem_kv", "ttt_e2e_mqar"))]
+
+
+def _built_model(path, capsys, monkeypatch, tmp_path):
+    """The recipe's LightningModule as ``ttt-flash fit`` builds it (the config it prints,
+    composed by the parser after ``seed_everything``), and that config."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningModule
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(path), "--print_config"])
+    config = yaml.safe_load(capsys.readouterr().out)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningModule, "model")
+    namespace = parser.parse_object({"model": config["model"]})
+    torch.manual_seed(config["seed_everything"])
+    return parser.instantiate_classes(namespace).model, config
+
+
+def _explicit_network(path):
+    """The recipe's network written out by hand from the YAML's values."""
+    from ttt_flash.memory import FastWeightTTT, GradMem, MemoryLM
+    from ttt_flash.models import GPT, GPTConfig
+
+    args = dict(yaml.safe_load(path.read_text())["model"]["init_args"]["net"]["init_args"])
+    if path.stem.startswith("memory_layer_mqar"):
+        return MemoryLM(**args)
+    gpt = GPT(GPTConfig(**args.pop("model")))
+    return (GradMem if path.stem.startswith("gradmem_kv") else FastWeightTTT)(gpt, **args)
+
+
+@pytest.mark.parametrize("path", MEMORY_RECIPES, ids=_ids(MEMORY_RECIPES))
+def test_memory_recipe_builds_the_network_it_writes_out(path, capsys, monkeypatch, tmp_path):
+    """A memory recipe's ``net: {class_path, init_args}`` builds exactly the network written out
+    by hand from its values: the same parameters, the same initial weights given the seed
+    (bit for bit), the same query logits on one batch (the small recipes)."""
+    from ttt_flash.tasks import AssociativeRecallTasks
+
+    model, config = _built_model(path, capsys, monkeypatch, tmp_path)
+    torch.manual_seed(config["seed_everything"])
+    net = _explicit_network(path)
+    assert type(model.net) is type(net)
+    built, explicit = model.net.state_dict(), net.state_dict()
+    assert list(built) == list(explicit)
+    for name, value in explicit.items():
+        assert torch.equal(built[name], value), name
+    assert model.net.vocab_size >= 1 + config["data"]["init_args"]["num_keys"] + config["data"]["init_args"]["num_values"]
+    if path.stem.endswith(("_long", "_131k")):
+        return  # too long for the CPU; the weights above are the whole network
+    data = config["data"]["init_args"]
+    tasks = AssociativeRecallTasks(num_keys=data["num_keys"], num_values=data["num_values"],
+                                   num_pairs=data["num_pairs"], num_queries=data["num_queries"])
+    batch = tasks.sample(2, generator=torch.Generator().manual_seed(1))
+    built_logits = model._query_logits(batch, write=True)[0]
+    model.net = net
+    torch.testing.assert_close(built_logits, model._query_logits(batch, write=True)[0], rtol=0, atol=0)
+
+
+_NET = "--model.init_args.net.init_args."
+
+
+@pytest.mark.parametrize("recipe,overrides", [
+    ("gradmem_kv", [_NET + "model.attention=math", _NET + "model.n_layer=1", "--data.init_args.batch_size=2"]),
+    ("maml_sinusoid", [_NET + "hidden=8", "--data.init_args.meta_batch_size=2"]),
+], ids=["gradmem_kv", "maml_sinusoid"])
+def test_a_checkpoint_rebuilds_its_injected_network(recipe, overrides, monkeypatch, tmp_path):
+    """A run's checkpoint keeps the network's ``class_path`` and ``init_args`` (set from the
+    command line too): ``load_from_checkpoint`` rebuilds the same network with the same weights."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["fit", "--config", str(RECIPE_DIR / f"{recipe}.yaml"), *overrides, "--trainer.max_steps=2",
+                 "--trainer.limit_val_batches=1", "--trainer.val_check_interval=1.0",
+                 "--trainer.enable_progress_bar=false"]) == 0
+    path = tmp_path / "runs" / recipe / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    net = checkpoint["hyper_parameters"]["net"]
+    assert net["class_path"] in ("ttt_flash.memory.GradMem", "ttt_flash.models.SinusoidMLP")
+    model = _module_class(checkpoint).load_from_checkpoint(path)
+    assert type(model.net).__name__ == net["class_path"].rsplit(".", 1)[1]
+    state = model.state_dict()
+    assert state.keys() == checkpoint["state_dict"].keys()
+    assert all(torch.equal(state[k], v) for k, v in checkpoint["state_dict"].items())
+
+
+def _module_class(checkpoint):
+    import importlib
+
+    module, _, name = checkpoint["hyper_parameters"]["_class_path"].rpartition(".")
+    return getattr(importlib.import_module(module), name)

@@ -112,9 +112,9 @@ def test_ckpt_path_file_keeps_the_command_line_settings_and_lists_the_checkpoint
     assert resumed["hyper_parameters"]["inner_steps"] == 2 and resumed["global_step"] == 3
     # a setting that changes the weights' shapes: a short error, not a traceback
     with pytest.raises(SystemExit) as e:
-        main(_maml("--model.init_args.net.hidden=20", *more))
+        main(_maml("--model.init_args.net.init_args.hidden=20", *more))
     assert "do not fit this run's model" in str(e.value.code) and "size mismatch" in str(e.value.code)
-    assert "model.init_args.net.hidden: checkpoint 40, this run 20" in capsys.readouterr().err
+    assert "model.init_args.net.init_args.hidden: checkpoint 40, this run 20" in capsys.readouterr().err
 
 
 def test_checkpoint_of_another_recipe_is_refused_before_loading(tmp_path, monkeypatch, maml_ckpt):
@@ -249,9 +249,9 @@ def test_failed_runs_leave_the_folder_as_it_was(finished_run, capsys):
     assert len(str(e.value.code).splitlines()) == 1 and "nosuch.ckpt" in str(e.value.code)
     assert _snapshot(finished_run) == before
     with pytest.raises(SystemExit) as e:
-        main(_maml("--trainer.max_epochs=2", "--ckpt_path", "last", "--model.init_args.net.hidden=80"))
+        main(_maml("--trainer.max_epochs=2", "--ckpt_path", "last", "--model.init_args.net.init_args.hidden=80"))
     err = capsys.readouterr().err
-    assert "model.init_args.net.hidden: checkpoint 40, this run 80" in err  # the warning the error points to
+    assert "model.init_args.net.init_args.hidden: checkpoint 40, this run 80" in err  # the warning the error points to
     assert "listed above" in str(e.value.code) and "size mismatch" in str(e.value.code)
     assert _snapshot(finished_run) == before
 

@@ -42,8 +42,8 @@ CASES = {
         "--data.init_args.val_batches=1", "--trainer.max_epochs=3"]),
     "gradmem": ("gradmem_kv", [
         "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.val_batches=1",
-        "--data.init_args.num_pairs=2", "--model.init_args.memory_tokens=2",
-        "--model.init_args.n_layer=1", "--model.init_args.d_model=16", "--model.init_args.n_head=2",
+        "--data.init_args.num_pairs=2", "--model.init_args.net.init_args.memory_tokens=2",
+        "--model.init_args.net.init_args.model.n_layer=1", "--model.init_args.net.init_args.model.d_model=16", "--model.init_args.net.init_args.model.n_head=2",
         "--trainer.max_epochs=3", "--trainer.val_check_interval=2", "--model.init_args.warmup_steps=3"]),
     "lm": ("sophia_gpt_tiny", [
         "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.seq_len=16",
@@ -214,8 +214,8 @@ def test_resume_from_the_end_of_training_is_exact(case, stop, tmp_path, monkeypa
 
 CASES["memory_layer"] = ("memory_layer_mqar", [
     "--data.init_args.train_batches=4", "--data.init_args.batch_size=2", "--data.init_args.val_batches=1",
-    "--model.init_args.n_layer=1", "--model.init_args.d_model=16", "--model.init_args.heads=2",
-    "--model.init_args.memory_slots=4", "--model.init_args.attention=math", "--model.init_args.warmup_steps=3",
+    "--model.init_args.net.init_args.n_layer=1", "--model.init_args.net.init_args.d_model=16", "--model.init_args.net.init_args.heads=2",
+    "--model.init_args.net.init_args.memory_slots=4", "--model.init_args.net.init_args.attention=math", "--model.init_args.warmup_steps=3",
     "--trainer.max_epochs=3", "--trainer.val_check_interval=2"])
 
 

@@ -39,11 +39,11 @@ def _write(runs_dir, name, column, values, pre_column=None, pre=None, step_s=0.5
 def test_min_median_max_and_the_worst_seed_decides(script, tmp_path):
     recipe = script.Recipe.load(TTT)
     assert (recipe.kind, recipe.metric, recipe.baseline, recipe.chance) == (
-        "acc", "val/acc_post", ["--model.init_args.inner_steps=0"], 1 / 64)
+        "acc", "val/acc_post", ["--model.init_args.net.init_args.inner_steps=0"], 1 / 64)
     runs = script.plan([recipe], [0, 1, 2], probe=False)
     assert [r.name for r in runs] == [f"ttt_e2e_mqar_131k{b}_s{s}" for b in ("", "_base") for s in (0, 1, 2)]
     assert runs[4].overrides(False, False) == ["--seed_everything=1", "--data.init_args.seed=1",
-                                                "--model.init_args.inner_steps=0"]  # seeds weights and data
+                                                "--model.init_args.net.init_args.inner_steps=0"]  # seeds weights and data
     runs_dir = tmp_path / "runs"
     for seed, (m, b) in enumerate([(0.9, 0.02), (0.5, 0.01), (0.1, 0.0)]):  # seed 2 below 10 x chance
         _write(runs_dir, f"ttt_e2e_mqar_131k_s{seed}", "val/acc_post", [0.05, m])
@@ -95,7 +95,7 @@ def test_tiny_seed_run_on_cpu(script, tmp_path, capsys):
     assert all(r["median_step_s_at_final_length"] > 0 for r in runs.values())
     assert runs["ttt_e2e_mqar_131k_s0"]["val"] != runs["ttt_e2e_mqar_131k_s1"]["val"]  # another seed, another run
     base = runs["ttt_e2e_mqar_131k_base_s0"]  # no update: the adapted model is the initial one
-    assert "--model.init_args.inner_steps=0" in base["overrides"] and base["val"] == base["val_pre"]
+    assert "--model.init_args.net.init_args.inner_steps=0" in base["overrides"] and base["val"] == base["val_pre"]
     entry = summary["recipes"]["ttt_e2e_mqar_131k"]
     assert entry["method"]["n"] == 2 and entry["method"]["min"] <= entry["method"]["median"] <= entry["method"]["max"]
     assert capsys.readouterr().out.rstrip().endswith((tmp_path / "seeds.md").read_text().rstrip().splitlines()[-1])

@@ -180,6 +180,49 @@ def _class_path_message(class_path: str, why: str, group: str, files: Sequence[s
     return "\n".join(lines)
 
 
+def _indent(line: str) -> int:
+    """The column where a line of a jsonargparse message starts (after a list item's "- ")."""
+    return len(line) - len(line.lstrip(" -"))
+
+
+def _nested_unknown(message: str):
+    """For a key refused inside a class argument of a class (``net: {class_path, init_args}``
+    and deeper): ``(key, class_path, valid)``, the key's full dotted path from the group of the
+    message, the class that refused it and that class's keys. None for a message without
+    such nesting. The path is read from the message's tree of "Parser key" and "Problem with
+    given class_path" lines above the refusal (a dataclass takes its fields without
+    ``init_args``)."""
+    lines = message.splitlines()
+    for i, line in enumerate(lines):
+        refused = _NOT_ACCEPTED.search(line) or _NESTED.search(line)
+        if not refused:
+            continue
+        chain, level = [], _indent(line)
+        for above in reversed(lines[:i]):
+            if _indent(above) < level:
+                level = _indent(above)
+                key, cls = _PARSER_KEY.search(above), _CLASS_PATH.search(above)
+                if key or cls:
+                    chain.append(("key", key.group(1)) if key else ("class", cls.group(1)))
+        chain.reverse()
+        classes = [v for k, v in chain if k == "class"]
+        if len(classes) < 2 or not chain or chain[0][0] != "key":
+            return None
+        parts = list(refused.groups()[-2:]) if refused.re is _NESTED else [refused.group(1)]
+        path, after_class = [], False
+        for kind, value in chain + [("key", ".".join(parts))]:
+            if kind == "class":
+                after_class = not dataclasses.is_dataclass(_import(value))
+                continue
+            path += (["init_args"] if after_class else []) + [value]
+            after_class = False
+        owner = _import(classes[-1])
+        valid = ([f.name for f in dataclasses.fields(owner)] if dataclasses.is_dataclass(owner)
+                 else _init_keys(classes[-1]))
+        return ".".join(path), classes[-1], valid
+    return None
+
+
 def _given_keys(message: str) -> List[str]:
     """The keys of the dict in jsonargparse's "Given value: {...}" line, or []."""
     import ast
@@ -234,6 +277,11 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
             f"{prog}: error: wrong value for '{group}' in {_where(group, files, argv)}: expected {types}, "
             f"got {given.group(1).strip()!r}", f"  (every option: {prog} --help-all)"])
 
+    deep = _nested_unknown(message) if cp and group else None
+    if deep:
+        key, inner, valid = deep
+        return _unknown_lines(prog, key, f" of {inner}", files, argv, valid, f"{prog} --{group}.help {class_path}")
+
     nested = _NESTED.search(message)
     m = _NOT_ACCEPTED.search(message)
     unrecognized = re.search(r"unrecognized arguments: --([\w.\-]+)", message)
@@ -274,6 +322,12 @@ def unknown_key_message(message: str, argv: Sequence[str], parser=None, prog: st
         valid = _group_keys(parser, key) if parser is not None else []
         owner = ""
         help_hint = f"{prog} --help-all"
+    return _unknown_lines(prog, key, owner, files, argv, valid, help_hint)
+
+
+def _unknown_lines(prog: str, key: str, owner: str, files: Sequence[str], argv: Sequence[str], valid: List[str],
+                   help_hint: str) -> str:
+    """The error for an unknown ``key``: where it was given, the closest of ``valid``, the help."""
     leaf = key.rsplit(".", 1)[-1]
     close = difflib.get_close_matches(leaf, valid, n=3, cutoff=0.6)
     lines = [f"{prog}: error: unknown key '{key}'{owner} in {_where(key, files, argv)}"]
@@ -354,38 +408,33 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _find_class(tree, class_path: str, path: str = "") -> Optional[str]:
+def _find(tree, found, path: str = "") -> Optional[str]:
+    """The dotted path of the first place in the plain config ``tree`` (depth first, list items
+    in order) for which ``found(node, path)`` returns a path."""
+    if isinstance(tree, dict):
+        hit = found(tree, path)
+        if hit is not None:
+            return hit
+        for k, v in tree.items():
+            hit = _find(v, found, f"{path}.{k}" if path else str(k))
+            if hit is not None:
+                return hit
+    elif isinstance(tree, list):
+        for v in tree:
+            hit = _find(v, found, path)
+            if hit is not None:
+                return hit
+    return None
+
+
+def _find_class(tree, class_path: str) -> Optional[str]:
     """The dotted path of the (first) dict in the plain config ``tree`` naming ``class_path``."""
-    if isinstance(tree, dict):
-        if tree.get("class_path") == class_path:
-            return path
-        for k, v in tree.items():
-            found = _find_class(v, class_path, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for v in tree:
-            found = _find_class(v, class_path, path)
-            if found is not None:
-                return found
-    return None
+    return _find(tree, lambda node, path: path if node.get("class_path") == class_path else None)
 
 
-def _find_key(tree, leaf: str, path: str = "") -> Optional[str]:
+def _find_key(tree, leaf: str) -> Optional[str]:
     """The dotted path of the first key ``leaf`` in the plain config ``tree``."""
-    if isinstance(tree, dict):
-        if leaf in tree:
-            return f"{path}.{leaf}" if path else leaf
-        for k, v in tree.items():
-            found = _find_key(v, leaf, f"{path}.{k}" if path else str(k))
-            if found is not None:
-                return found
-    elif isinstance(tree, list):
-        for v in tree:
-            found = _find_key(v, leaf, path)
-            if found is not None:
-                return found
-    return None
+    return _find(tree, lambda node, path: (f"{path}.{leaf}" if path else leaf) if leaf in node else None)
 
 
 def refused_message(error: BaseException, config: dict, argv: Sequence[str], prog: str = "ttt-flash") -> Optional[str]:

@@ -35,39 +35,36 @@ SMOKE_TRAINER: List[str] = [
     "--trainer.log_every_n_steps=1",
 ]
 
+_NET = "--model.init_args.net.init_args."
+_GPT = _NET + "model."  # the GPT of GradMem / FastWeightTTT
+_MEMORY_LAYER = [
+    _NET + "attention=math",
+    _NET + "chunk_size=16",
+    _NET + "memory_slots=8",
+    "--data.init_args.context_len=64",
+    "--data.init_args.curriculum=[[0,32],[1,64]]",
+    "--data.init_args.batch_size=2",
+]
+
 #: Tiny shapes per method (the recipe name without ``_long`` / ``_131k``). A curriculum's
 #: second stage starts at step 1, so both stages run in the two steps.
 TINY: Dict[str, List[str]] = {
     "ttt_e2e_mqar": [
-        "--model.init_args.attention=math",
-        "--model.init_args.chunk_size=16",
-        "--model.init_args.window=4",
+        _GPT + "attention=math",
+        _NET + "chunk_size=16",
+        _GPT + "window=4",
         "--data.init_args.context_len=64",
         "--data.init_args.curriculum=[[0,32],[1,64]]",
         "--data.init_args.batch_size=2",
     ],
     "gradmem_kv": [
-        "--model.init_args.attention=math",
+        _GPT + "attention=math",
         "--data.init_args.context_len=64",
         "--data.init_args.curriculum=[[0,16],[1,64]]",
         "--data.init_args.batch_size=2",
     ],
-    "memory_layer_mqar": [
-        "--model.init_args.attention=math",
-        "--model.init_args.chunk_size=16",
-        "--model.init_args.memory_slots=8",
-        "--data.init_args.context_len=64",
-        "--data.init_args.curriculum=[[0,32],[1,64]]",
-        "--data.init_args.batch_size=2",
-    ],
-    "memory_layer_mqar16": [
-        "--model.init_args.attention=math",
-        "--model.init_args.chunk_size=16",
-        "--model.init_args.memory_slots=8",
-        "--data.init_args.context_len=64",
-        "--data.init_args.curriculum=[[0,32],[1,64]]",
-        "--data.init_args.batch_size=2",
-    ],
+    "memory_layer_mqar": _MEMORY_LAYER,
+    "memory_layer_mqar16": _MEMORY_LAYER,
     "maml_transformer": [
         "--model.init_args.net.attention=math",
         "--data.init_args.seq_len=32",

@@ -15,14 +15,26 @@ a run starts, and how files are written.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from typing import Any, Dict, List
 
 import torch
 from lightning.pytorch.cli import SaveConfigCallback
 
-__all__ = ["check_ckpt_path", "read_checkpoint", "checkpoint_settings", "RunFolderLock", "run_in_folder",
+__all__ = ["save_hyperparameters_with_net", "check_ckpt_path", "read_checkpoint", "checkpoint_settings", "RunFolderLock", "run_in_folder",
            "CheckpointWriteError", "AtomicCheckpointWrites", "SaveConfigOnStart"]
+
+
+def save_hyperparameters_with_net(module, net) -> None:
+    """``module.save_hyperparameters()`` from the ``__init__`` of a module that takes its
+    network as ``net``: a network passed as an ``nn.Module`` in Python is left out (its weights
+    are in the checkpoint); one that LightningCLI composed from ``class_path`` and ``init_args``
+    keeps that config, so that ``load_from_checkpoint`` rebuilds it."""
+    frame = inspect.currentframe().f_back
+    module.save_hyperparameters(ignore=["net"] if isinstance(net, torch.nn.Module) else None, frame=frame)
+    if "_instantiator" in module.hparams and "net" not in module.hparams:  # the CLI's config, not the module
+        module.save_hyperparameters(frame=frame)
 
 
 def check_ckpt_path(argv) -> None:

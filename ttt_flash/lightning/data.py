@@ -22,24 +22,26 @@ from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 
-__all__ = ["SinusoidDataModule", "InContextRegressionDataModule"]
+__all__ = ["SinusoidDataModule", "InContextRegressionDataModule", "GeneratedDataModule", "SeededBatches"]
 
 _SPLITS = {"train": 0, "val": 1, "test": 2}
 
 
-class _MetaBatches(Dataset):
-    """Index ``i`` -> the ``i``-th meta-batch of a split (any non-negative ``i``); with
-    ``staged``, from the curriculum stage's tasks of meta-batch ``i``."""
+class SeededBatches(Dataset):
+    """Index ``i`` -> the ``i``-th batch of a split (any non-negative ``i``):
+    ``tasks.sample(batch_size)`` from a generator seeded with (seed, split, i); with
+    ``staged``, from the curriculum stage's tasks of batch ``i``. Shared by the data modules
+    of :mod:`ttt_flash.lightning.data` and :mod:`ttt_flash.lightning.memory`."""
 
-    def __init__(self, tasks, meta_batch_size: int, seed: int, split: str, staged: Optional[StagedTasks] = None):
-        self.tasks, self.meta_batch_size, self.seed, self.split = tasks, meta_batch_size, seed, _SPLITS[split]
+    def __init__(self, tasks, batch_size: int, seed: int, split: str, staged: Optional[StagedTasks] = None):
+        self.tasks, self.batch_size, self.seed, self.split = tasks, batch_size, seed, _SPLITS[split]
         self.staged = staged
 
-    def __getitem__(self, i: int) -> MetaBatch:
+    def __getitem__(self, i: int):
         state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
         g = torch.Generator().manual_seed(int(state) & (2**63 - 1))
         tasks = self.tasks if self.staged is None else self.staged.at(int(i))
-        return tasks.sample(self.meta_batch_size, generator=g)
+        return tasks.sample(self.batch_size, generator=g)
 
 
 def _check_positive(**kwargs) -> None:
@@ -48,16 +50,22 @@ def _check_positive(**kwargs) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-class _MetaDataModule(LightningDataModule):
-    def __init__(self, tasks, meta_batch_size: int, train_batches: int, val_batches: int,
-                 test_batches: int, seed: int, num_workers: int):
+class GeneratedDataModule(LightningDataModule):
+    """Batches of ``tasks`` generated on the fly (:class:`SeededBatches`): fresh training
+    batches every epoch, the same validation and test batches every time, and the training
+    order's position in checkpoints (a resumed run continues with the next unseen batch).
+    ``staged``, set by a subclass, is the training split's length curriculum.
+    ``batch_size_name`` names the batch size in errors."""
+
+    def __init__(self, tasks, batch_size: int, train_batches: int, val_batches: int,
+                 test_batches: int, seed: int, num_workers: int, batch_size_name: str = "meta_batch_size"):
         super().__init__()
-        _check_positive(meta_batch_size=meta_batch_size, train_batches=train_batches,
+        _check_positive(**{batch_size_name: batch_size}, train_batches=train_batches,
                         val_batches=val_batches, test_batches=test_batches)
         if num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.tasks = tasks
-        self.meta_batch_size, self.seed, self.num_workers = meta_batch_size, seed, num_workers
+        self.batch_size, self.seed, self.num_workers = batch_size, seed, num_workers
         self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
         self._train_sampler = EpochSampler(train_batches, fresh=True)
         self.staged: Optional[StagedTasks] = None  # a length curriculum of the training split
@@ -65,7 +73,7 @@ class _MetaDataModule(LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         sampler = self._train_sampler if split == "train" else EpochSampler(self.batches[split], fresh=False)
         return ResumableLoader(
-            _MetaBatches(self.tasks, self.meta_batch_size, self.seed, split, self.staged if split == "train" else None),
+            SeededBatches(self.tasks, self.batch_size, self.seed, split, self.staged if split == "train" else None),
             batch_size=None,
             sampler=sampler,
             num_workers=self.num_workers,
@@ -91,7 +99,7 @@ class _MetaDataModule(LightningDataModule):
         return self._loader("test")
 
 
-class SinusoidDataModule(_MetaDataModule):
+class SinusoidDataModule(GeneratedDataModule):
     """Sinusoid regression meta-batches (:class:`ttt_flash.tasks.SinusoidTasks`).
 
     Args:
@@ -113,7 +121,7 @@ class SinusoidDataModule(_MetaDataModule):
         self.save_hyperparameters()
 
 
-class InContextRegressionDataModule(_MetaDataModule):
+class InContextRegressionDataModule(GeneratedDataModule):
     """In-context linear regression meta-batches (:class:`ttt_flash.tasks.InContextRegressionTasks`).
 
     Inputs are (S, seq_len, dim + 2) token sequences: set the transformer's ``in_dim`` to

@@ -38,6 +38,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from ._step import GraphedTraining, LocalGradients, StepTimer
+from .checkpoint_io import save_hyperparameters_with_net
 from .fsdp2 import FSDP2Steps
 from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
                     proximal_inner_loop, reptile_meta_gradient, select_adapted)
@@ -106,7 +107,7 @@ class MAML(LightningModule):
             ttt_flash.models.SinusoidMLP, init_args: ...}``, any network the inner loop can
             differentiate through), or a :class:`ttt_flash.models.NetConfig` that builds one of
             the library's (an MLP or a transformer whose attention is
-            ``ttt_flash.flash_attention``).
+            ``ttt_flash.flash_attention``). None: ``NetConfig()`` (the sinusoid MLP).
         inner_steps: inner (adaptation) steps per task during training.
         inner_lr: inner step size (initial value of the Meta-SGD step sizes with ``meta_sgd``).
         first_order: first-order MAML (no second derivatives in the meta-gradient).
@@ -152,7 +153,7 @@ class MAML(LightningModule):
 
     def __init__(
         self,
-        net: Union[NetConfig, nn.Module] = NetConfig(),
+        net: Optional[Union[nn.Module, NetConfig]] = None,
         inner_steps: int = 1,
         inner_lr: float = 0.01,
         first_order: bool = False,
@@ -176,6 +177,8 @@ class MAML(LightningModule):
         if cuda_graph and algorithm != "maml":
             raise ValueError(f"cuda_graph=true applies to algorithm='maml' only (the {algorithm} step runs "
                              "eagerly); set cuda_graph: false")
+        if net is None:
+            net = NetConfig()
         if isinstance(net, Mapping):  # hparams of a checkpoint written through LightningCLI
             net = NetConfig(**net)
         if not isinstance(net, (NetConfig, nn.Module)):
@@ -192,8 +195,7 @@ class MAML(LightningModule):
             raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
         if grad_clip is not None and not grad_clip > 0:
             raise ValueError(f"grad_clip must be > 0 or None, got {grad_clip}")
-        # an injected network is saved with the weights, not as a hyperparameter
-        self.save_hyperparameters(ignore=["net"] if isinstance(net, nn.Module) else None)
+        save_hyperparameters_with_net(self, net)
         self._cg_warned = False
         self.automatic_optimization = False
         self._timer, self._local = StepTimer(), LocalGradients()
@@ -309,11 +311,15 @@ class MAML(LightningModule):
     def _check_batch(self, batch) -> None:
         if not isinstance(batch, MetaBatch):
             raise TypeError(f"MAML expects ttt_flash.tasks.MetaBatch batches, got {type(batch).__name__}")
-        want = None if self.net_config is None else self.net_config.in_dim
+        if self.net_config is not None:
+            want, key = self.net_config.in_dim, "net.in_dim"
+        else:  # an injected network whose input map is a Linear named embed (TinyTransformer, MemoryRegressor, ...)
+            embed = getattr(self.net, "embed", None)
+            want, key = (embed.in_features, "net.init_args.in_dim") if isinstance(embed, nn.Linear) else (None, "")
         if want is not None and batch.support_inputs.shape[-1] != want:
             raise ValueError(
-                f"the data's inputs have width {batch.support_inputs.shape[-1]} but net.in_dim is "
-                f"{want}; for in-context regression set net.in_dim to the data's dim + 2"
+                f"the data's inputs have width {batch.support_inputs.shape[-1]} but {key} is "
+                f"{want}; for in-context regression set {key} to the data's dim + 2"
             )
 
     def on_train_start(self) -> None:
@@ -375,6 +381,10 @@ class MAML(LightningModule):
         sums = {k: v.clone() for k, v in sums.items()}  # the graph's outputs are overwritten by the next replay
         lopt._on_before_step()  # the step counts of Lightning's manual-optimization loop (global_step)
         lopt._on_after_step()
+        return self._end_training_step(batch, sums, cuda)
+
+    def _end_training_step(self, batch: MetaBatch, sums: Dict[str, Tensor], cuda: bool) -> Tensor:
+        """The step's time and metrics logged; its mean post-adaptation loss."""
         tasks = batch.num_tasks
         self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
@@ -406,10 +416,7 @@ class MAML(LightningModule):
         if self.hparams.grad_clip is not None:
             self.clip_gradients(opt, gradient_clip_val=self.hparams.grad_clip, gradient_clip_algorithm="norm")
         opt.step()
-        self._timer.log(self, cuda, tasks)
-        self._log("train", sums, tasks)
-        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
-        return sums["loss_post"] / tasks
+        return self._end_training_step(batch, sums, cuda)
 
     def _evaluate(self, batch: MetaBatch, stage: str) -> None:
         self._check_batch(batch)

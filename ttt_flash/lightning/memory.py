@@ -8,6 +8,10 @@
 * :class:`MemoryLayerMQAR`: a :class:`ttt_flash.memory.MemoryLM` (every token mixer a
   :class:`ttt_flash.memory.GradientMemoryAttention`).
 
+Each module takes its network as ``net`` (in a recipe ``net: {class_path: ..., init_args:
+...}``, composed by the CLI) and holds only the training settings: ``lr``, ``weight_decay``,
+``warmup_steps``, ``context_parallel``, ``cuda_graph``.
+
 Each module scores the queries of a batch twice and logs, per stage (``train``, ``val``,
 ``test``):
 
@@ -29,50 +33,27 @@ step). Validation/test run the inner loops with gradients enabled (outside
 from __future__ import annotations
 
 import dataclasses
-import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
 
 from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
+from .checkpoint_io import save_hyperparameters_with_net
 from .context_parallel import ContextParallelPlan
-from .curriculum import StagedTasks, staged
-from .resume import EpochSampler, ResumableLoader
-from ..attention.registry import AttentionName
-from ..memory import FastWeightTTT, GradMem, MemoryAttentionName, MemoryLM
-from ..memory.attention_layer import SlotQuery, WriteRule
-from ..models import GPT, GPTConfig
+from .curriculum import staged
+from .data import GeneratedDataModule
+from ..memory import FastWeightTTT, GradMem, MemoryLM
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
 __all__ = ["AssociativeRecallDataModule", "GradMemKV", "TTTE2EMQAR", "MemoryLayerMQAR"]
 
-_SPLITS = {"train": 0, "val": 1, "test": 2}
-
-
 # --------------------------------------------------------------------------- data
 
 
-class _RecallBatches(Dataset):
-    """Index ``i`` → the ``i``-th batch of a split, from a generator seeded by (seed, split, i)
-    (with ``staged``: from the curriculum stage's tasks of batch ``i``)."""
-
-    def __init__(self, tasks: AssociativeRecallTasks, batch_size: int, seed: int, split: str,
-                 staged: Optional[StagedTasks] = None):
-        self.tasks, self.batch_size, self.seed, self.split = tasks, batch_size, seed, _SPLITS[split]
-        self.staged = staged
-
-    def __getitem__(self, i: int) -> RecallBatch:
-        state = np.random.SeedSequence([self.seed, self.split, int(i)]).generate_state(1, dtype=np.uint64)[0]
-        tasks = self.tasks if self.staged is None else self.staged.at(int(i))
-        return tasks.sample(self.batch_size, generator=torch.Generator().manual_seed(int(state) & (2**63 - 1)))
-
-
-class AssociativeRecallDataModule(LightningDataModule):
+class AssociativeRecallDataModule(GeneratedDataModule):
     """Associative-recall batches (:class:`ttt_flash.tasks.AssociativeRecallTasks`):
     ``num_queries: 1`` is key–value retrieval, more is MQAR.
 
@@ -112,19 +93,12 @@ class AssociativeRecallDataModule(LightningDataModule):
         num_workers: int = 0,
         curriculum: Optional[List[List[int]]] = None,
     ):
-        super().__init__()
-        for name, value in (("batch_size", batch_size), ("train_batches", train_batches),
-                            ("val_batches", val_batches), ("test_batches", test_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
+                                       num_queries=num_queries, context_len=context_len)
+        super().__init__(tasks, batch_size, train_batches, val_batches, test_batches, seed, num_workers,
+                         batch_size_name="batch_size")
         self.save_hyperparameters()
-        self.tasks = AssociativeRecallTasks(num_keys=num_keys, num_values=num_values, num_pairs=num_pairs,
-                                            num_queries=num_queries, context_len=context_len)
         self.staged = staged(curriculum, lambda n: dataclasses.replace(self.tasks, context_len=n))
-        self.batches = {"train": train_batches, "val": val_batches, "test": test_batches}
-        self._train_indices = EpochSampler(train_batches, fresh=True)
 
     @property
     def vocab_size(self) -> int:
@@ -134,60 +108,46 @@ class AssociativeRecallDataModule(LightningDataModule):
     def chance(self) -> float:
         return self.tasks.chance
 
-    def _loader(self, split: str) -> DataLoader:
-        indices = self._train_indices if split == "train" else EpochSampler(self.batches[split], fresh=False)
-        batches = _RecallBatches(self.tasks, self.hparams.batch_size, self.hparams.seed, split,
-                                 self.staged if split == "train" else None)
-        return ResumableLoader(batches,
-                               batch_size=None, sampler=indices, num_workers=self.hparams.num_workers,
-                               persistent_workers=self.hparams.num_workers > 0,
-                               generator=torch.Generator().manual_seed(self.hparams.seed))
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The training order's position (epoch, batches delivered), saved in checkpoints."""
-        return {"train_order": self._train_indices.state_dict()}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "train_order" in state_dict:
-            self._train_indices.load_state_dict(state_dict["train_order"])
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
 
 # --------------------------------------------------------------------------- shared module logic
 
 
-def _gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base=10000.0) -> GPT:
-    return GPT(GPTConfig(vocab_size=vocab_size, n_layer=n_layer, n_head=n_head, d_model=d_model,
-                         window=window, attention=attention, checkpoint=checkpoint, rope_base=rope_base))
-
-
 class _RecallModule(GraphedZeroGrad, LightningModule):
-    """Shared by the three modules: metrics, logging, optimizer, throughput.
+    """Shared by the three modules: the network, metrics, logging, optimizer, throughput.
 
-    Subclasses set ``self.net`` and implement ``_query_logits(batch, write)`` returning the
-    (B, Q, vocab) query logits and the inner loss before the first step (or None)."""
+    Subclasses name their network's class (``net_type``) and implement
+    ``_query_logits(batch, write)`` returning the (B, Q, vocab) query logits and the inner
+    loss before the first step (or None)."""
 
     #: (metric, mode) the best checkpoints are ranked by (ttt_flash.lightning.outputs.BestCheckpoints)
     val_metric = ("val/loss_post", "min")
     #: the learning-rate schedule (a linear warmup) does not depend on the run's length
     schedule_spans_run = False
 
-    net: nn.Module
+    #: the network class ``net`` must be
+    net_type: type = nn.Module
+    #: where a recipe sets the network's vocabulary size
+    vocab_key = "model.init_args.net.init_args.vocab_size"
 
-    def __init__(self, cuda_graph: bool = False):
+    def __init__(self, net: nn.Module, lr: float, weight_decay: float, warmup_steps: int,
+                 context_parallel: int, cuda_graph: bool):
         super().__init__()
+        if not isinstance(net, self.net_type):
+            path = f"{self.net_type.__module__.rsplit('.', 1)[0]}.{self.net_type.__name__}"
+            raise TypeError(f"{type(self).__name__}'s net must be a {path} (in a recipe: net: {{class_path: "
+                            f"{path}, init_args: ...}}), got {type(net).__name__}")
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        save_hyperparameters_with_net(self, net)
+        self.net = net
         self._timer, self._local = StepTimer(), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
-        #: context parallelism (docs/distributed.md); subclasses that support it replace it
-        self.context_parallel_plan = ContextParallelPlan(1)
+        #: context parallelism (docs/distributed.md)
+        self.context_parallel_plan = ContextParallelPlan(context_parallel)
 
     def _query_logits(self, batch: RecallBatch, write: bool) -> Tuple[Tensor, Optional[Tensor]]:
         raise NotImplementedError
@@ -305,10 +265,10 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
     def on_fit_start(self) -> None:
         data = getattr(self.trainer, "datamodule", None)
         need = getattr(data, "vocab_size", None)
-        if need is not None and need > self.hparams.vocab_size:
+        if need is not None and need > self.net.vocab_size:
             raise ValueError(
-                f"the data has {need} token ids (num_keys + num_values + 1) but the model's "
-                f"vocab_size is {self.hparams.vocab_size}; set model.init_args.vocab_size >= {need}"
+                f"the data has {need} token ids (num_keys + num_values + 1) but the network's "
+                f"vocab_size is {self.net.vocab_size}; set {self.vocab_key} >= {need}"
             )
 
     # ---------------------------------------------------------------- optimizer
@@ -335,75 +295,46 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
             self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
 
 
-def _check_common(lr: float, weight_decay: float, warmup_steps: int) -> None:
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr}")
-    if not weight_decay >= 0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-    if warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
-
-
 # --------------------------------------------------------------------------- the modules
-
 
 class GradMemKV(_RecallModule):
     """Key–value retrieval with gradient-written memory tokens (:class:`ttt_flash.memory.GradMem`).
 
-    The context is written into ``memory_tokens`` memory tokens by ``inner_steps`` gradient
-    steps of its LM loss (the value after each key); the queries are answered from
+    The context is written into the network's memory tokens by its inner gradient steps on
+    the context's LM loss (the value after each key); the queries are answered from
     ``[memory; query]``. Pre-write metrics read the initial memory.
 
     Args:
-        vocab_size: token ids (>= the data's ``num_keys + num_values + 1``).
-        n_layer, n_head, d_model: GPT shape.
-        window: sliding-window attention of the GPT (None: full causal).
-        attention: ``"ttt_flash"``, ``"sdpa"`` or ``"math"``.
-        checkpoint: activation checkpointing of each GPT block.
-        memory_tokens: m.
-        inner_steps: write steps (training and evaluation).
-        inner_lr: initial inner step size (learned as its log).
-        first_order: first-order outer gradient.
-        lr, weight_decay, warmup_steps: AdamW (weight decay on matrices only) with linear warmup.
+        net: the network, a :class:`ttt_flash.memory.GradMem` (in a recipe ``net: {class_path:
+            ttt_flash.memory.GradMem, init_args: {model: {vocab_size: ..., n_layer: ...},
+            memory_tokens: ..., inner_steps: ...}}``, ``model`` a
+            :class:`~ttt_flash.models.GPTConfig` or a :class:`~ttt_flash.models.GPT`). Its
+            vocabulary must cover the data's ``num_keys + num_values + 1`` token ids.
         context_parallel: ranks per sequence under DDP (1: off). The W processes form W / P
             context-parallel groups of P consecutive ranks, data parallel across groups; each
             group trains on its first rank's batch, each rank writing its block of the
             ``[memory; context]`` sequence (:class:`ttt_flash.memory.GradMem`,
-            docs/distributed.md). Needs ``attention="ttt_flash"`` and ``n_head`` >= P.
-        rope_base: base θ of the GPT's rotary embedding (larger: slower rotation, so that
-            content can address the memory tokens from tens of thousands of positions away).
+            docs/distributed.md). Needs the GPT's ``attention="ttt_flash"`` and ``n_head`` >= P.
+        lr, weight_decay, warmup_steps: AdamW (weight decay on matrices only) with linear warmup.
         cuda_graph: on CUDA, capture the training step's forward, inner loops and backward
             as a CUDA graph once per batch shape and replay it (docs/cuda-graphs.md); the
             optimizer step stays eager. The CPU, DDP, context parallelism and gradient
             accumulation run eagerly (one warning). Validation stays eager.
     """
 
+    net_type = GradMem
+    vocab_key = "model.init_args.net.init_args.model.vocab_size"
+
     def __init__(
         self,
-        vocab_size: int = 33,
-        n_layer: int = 2,
-        n_head: int = 4,
-        d_model: int = 64,
-        window: Optional[int] = None,
-        attention: AttentionName = "ttt_flash",
-        checkpoint: bool = False,
-        memory_tokens: int = 8,
-        inner_steps: int = 1,
-        inner_lr: float = 1.0,
-        first_order: bool = False,
+        net: GradMem,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
-        rope_base: float = 10000.0,
         cuda_graph: bool = False,
     ):
-        super().__init__(cuda_graph)
-        _check_common(lr, weight_decay, warmup_steps)
-        self.save_hyperparameters()
-        self.net = GradMem(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
-                           memory_tokens, inner_steps, inner_lr, first_order=first_order)
-        self.context_parallel_plan = ContextParallelPlan(context_parallel)
+        super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -415,49 +346,34 @@ class GradMemKV(_RecallModule):
 class TTTE2EMQAR(_RecallModule):
     """MQAR with end-to-end test-time training (:class:`ttt_flash.memory.FastWeightTTT`).
 
-    The MLPs of blocks ``fast_layers`` are updated on each ``chunk_size``-token chunk of the
-    context by ``inner_steps`` gradient steps of its next-token loss; attention is a sliding
-    window of ``window`` tokens, so the queries (after the context) see the early pairs only
-    through the fast weights. Pre-adaptation metrics use the initial fast weights.
+    The network's fast MLPs are updated on each chunk of the context by inner gradient steps
+    of its next-token loss; attention is the GPT's sliding window, so the queries (after the
+    context) see the early pairs only through the fast weights. Pre-adaptation metrics use
+    the initial fast weights.
 
     Args:
-        vocab_size, n_layer, n_head, d_model, attention, checkpoint: as in :class:`GradMemKV`.
-        window: attention window (required: the point of the task).
-        fast_layers: blocks whose MLP is a fast weight (negative: from the end).
-        chunk_size: context tokens per inner update.
+        net: the network, a :class:`ttt_flash.memory.FastWeightTTT` (in a recipe ``net:
+            {class_path: ttt_flash.memory.FastWeightTTT, init_args: {model: {vocab_size: ...,
+            window: ...}, fast_layers: ..., chunk_size: ...}}``); its GPT needs a ``window``
+            (the point of the task).
         context_parallel: as in :class:`GradMemKV`; each rank runs its block of every chunk's
             sequence (:class:`ttt_flash.memory.FastWeightTTT`).
-        inner_steps, inner_lr, first_order, lr, weight_decay, warmup_steps, rope_base,
-            cuda_graph: as in :class:`GradMemKV`.
+        lr, weight_decay, warmup_steps, cuda_graph: as in :class:`GradMemKV`.
     """
+
+    net_type = FastWeightTTT
+    vocab_key = "model.init_args.net.init_args.model.vocab_size"
 
     def __init__(
         self,
-        vocab_size: int = 33,
-        n_layer: int = 2,
-        n_head: int = 4,
-        d_model: int = 64,
-        window: int = 8,
-        attention: AttentionName = "ttt_flash",
-        checkpoint: bool = False,
-        fast_layers: List[int] = [-1],
-        chunk_size: int = 16,
-        inner_steps: int = 1,
-        inner_lr: float = 0.1,
-        first_order: bool = False,
+        net: FastWeightTTT,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
-        rope_base: float = 10000.0,
         cuda_graph: bool = False,
     ):
-        super().__init__(cuda_graph)
-        _check_common(lr, weight_decay, warmup_steps)
-        self.save_hyperparameters()
-        self.net = FastWeightTTT(_gpt(vocab_size, n_layer, n_head, d_model, window, attention, checkpoint, rope_base),
-                                 fast_layers, chunk_size, inner_steps, inner_lr, first_order=first_order)
-        self.context_parallel_plan = ContextParallelPlan(context_parallel)
+        super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
 
     def _query_logits(self, batch: RecallBatch, write: bool):
         if not write:
@@ -470,70 +386,33 @@ class MemoryLayerMQAR(_RecallModule):
     """MQAR with :class:`ttt_flash.memory.GradientMemoryAttention` as every token mixer
     (:class:`ttt_flash.memory.MemoryLM`).
 
-    The model reads ``[context; query]`` in ``chunk_size`` chunks; each chunk sees the
-    slots and itself, then is written into the slots. With ``context_len`` a multiple of
-    ``chunk_size``, the queries reach the pairs only through the slots. Pre-write metrics
-    run the same model with writes disabled.
+    The model reads ``[context; query]`` in chunks of the network's ``chunk_size``; each chunk
+    sees the slots and itself, then is written into the slots. With ``context_len`` a
+    multiple of ``chunk_size``, the queries reach the pairs only through the slots. Pre-write
+    metrics run the same model with writes disabled.
 
     Args:
-        vocab_size, n_layer, d_model, checkpoint, first_order, lr, weight_decay,
-            warmup_steps: as in :class:`GradMemKV`.
-        heads, memory_slots, inner_steps, inner_lr, chunk_size: of every memory layer.
-        attention: ``"ttt_flash"`` or ``"math"``.
-        conv: causal short-convolution width before each memory layer (1: none).
+        net: the network, a :class:`ttt_flash.memory.MemoryLM` (in a recipe ``net:
+            {class_path: ttt_flash.memory.MemoryLM, init_args: {vocab_size: ...,
+            memory_slots: ..., chunk_size: ..., write_rule: ...}}``; its arguments are those
+            of every memory layer).
         context_parallel: must be 1. The memory layer reads and writes its slots chunk after
             chunk, so a contiguous block of the sequence per rank would leave all but one rank
             idle (docs/distributed.md); use data parallelism.
-        write_gate: every memory layer learns a per-token write gate (with long filler
-            between the pairs, the layers can learn to leave it out of the slots).
-        write_rule: every memory layer's write step: ``"gradient"`` (keys and values by
-            η ∇ℓ) or ``"slot_normalized"`` (values only, each slot's step divided by the
-            attention mass it receives: stable for any number of writes; ``inner_lr`` <= 1).
-            See :class:`ttt_flash.memory.GradientMemoryAttention`.
-        qk_norm: every memory layer compares unit-norm queries, keys and slot keys at a
-            learned temperature (initially ``qk_scale``): distinct keys address distinct
-            slots from the first step.
-        qk_scale: the initial temperature of ``qk_norm``.
-        parallel_write: ``"slot_normalized"`` writes computed for all chunks at once and
-            chained by one matrix product per chunk (the same values as one autograd step
-            per chunk, far fewer kernel launches).
-        kv_shift: every memory layer writes token t's value at token t − 1's key, so that a
-            pair's value is stored where its key token addresses the slots.
-        slot_query: ``"query"`` (tokens score the slots with their query) or ``"key"`` (with
-            the key that addresses their own write: a query token then looks up exactly where
-            the same key token wrote).
-        cuda_graph: as in :class:`GradMemKV`.
+        lr, weight_decay, warmup_steps, cuda_graph: as in :class:`GradMemKV`.
     """
+
+    net_type = MemoryLM
 
     def __init__(
         self,
-        vocab_size: int = 33,
-        n_layer: int = 2,
-        heads: int = 4,
-        d_model: int = 64,
-        memory_slots: int = 16,
-        inner_steps: int = 1,
-        inner_lr: float = 1.0,
-        chunk_size: int = 16,
-        attention: MemoryAttentionName = "ttt_flash",
-        conv: int = 2,
-        checkpoint: bool = False,
-        first_order: bool = False,
+        net: MemoryLM,
         lr: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
         context_parallel: int = 1,
-        write_gate: bool = False,
-        write_rule: WriteRule = "gradient",
-        qk_norm: bool = False,
-        qk_scale: float = 10.0,
-        parallel_write: bool = True,
-        kv_shift: bool = False,
-        slot_query: SlotQuery = "query",
         cuda_graph: bool = False,
     ):
-        super().__init__(cuda_graph)
-        _check_common(lr, weight_decay, warmup_steps)
         if context_parallel != 1:
             raise ValueError(
                 f"MemoryLayerMQAR does not take context_parallel={context_parallel!r} (only 1): the memory "
@@ -541,11 +420,7 @@ class MemoryLayerMQAR(_RecallModule):
                 "others wait (docs/distributed.md). Use data parallelism (--trainer.strategy=ddp), or "
                 "GradMemKV / TTTE2EMQAR, which take context_parallel"
             )
-        self.save_hyperparameters()
-        self.net = MemoryLM(vocab_size, d_model, n_layer, heads, memory_slots, inner_steps, inner_lr, chunk_size,
-                            attention=attention, conv=conv, first_order=first_order, checkpoint=checkpoint,
-                            write_gate=write_gate, write_rule=write_rule, qk_norm=qk_norm, qk_scale=qk_scale,
-                            parallel_write=parallel_write, kv_shift=kv_shift, slot_query=slot_query)
+        super().__init__(net, lr, weight_decay, warmup_steps, context_parallel, cuda_graph)
 
     def _inner_lr(self) -> Tensor:
         return torch.stack([block.attn.inner_lr for block in self.net.blocks]).mean()
@@ -554,3 +429,4 @@ class MemoryLayerMQAR(_RecallModule):
         idx = torch.cat([batch.context, batch.query], dim=1)
         logits = self.net(idx, write=write)
         return logits[:, batch.context.shape[1]:], None
+

@@ -1,8 +1,9 @@
 """What the memory mechanisms share: the learned inner step size, the per-sequence LM loss
 and :func:`inner_step`, the one gradient step every inner loop takes; and what their
-context-parallel paths share (:func:`context_parallel_of`, :func:`masked_lm_loss_part`).
+context-parallel paths share (:func:`context_parallel_of`, :func:`masked_lm_loss_part`); and
+:func:`gpt_of`, which lets the GPT-based mechanisms take a GPT or its config.
 
-Imports torch, :mod:`ttt_flash.second_order` and
+Imports torch, :mod:`ttt_flash.models`, :mod:`ttt_flash.second_order` and
 :mod:`ttt_flash.distributed.context_parallel` only.
 """
 

@@ -6,7 +6,7 @@ Imports torch, :mod:`ttt_flash.models` and
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .._checks import check_int
-from ..models import GPT, SwiGLU
+from ..models import GPT, GPTConfig, SwiGLU
+from ._gpt import gpt_of
 from ._common import inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["FastWeightTTT"]
@@ -78,7 +79,8 @@ class FastWeightTTT(nn.Module):
     shares is its gradient (docs/distributed.md).
 
     Args:
-        model: the GPT; its ``config.window`` sets the attention window.
+        model: the GPT, or the :class:`~ttt_flash.models.GPTConfig` that builds one; its
+            ``config.window`` sets the attention window.
         fast_layers: indices of the blocks whose MLP is fast (negative: from the end).
         chunk_size: C, tokens per inner update.
         inner_steps: gradient steps per chunk.
@@ -99,7 +101,7 @@ class FastWeightTTT(nn.Module):
 
     def __init__(
         self,
-        model: GPT,
+        model: Union[GPTConfig, GPT],
         fast_layers: Sequence[int] = (-1,),
         chunk_size: int = 64,
         inner_steps: int = 1,
@@ -111,6 +113,7 @@ class FastWeightTTT(nn.Module):
         super().__init__()
         check_int("chunk_size", chunk_size, 1)
         check_int("inner_steps", inner_steps, 0)
+        model = gpt_of(model)
         n = len(model.blocks)
         layers = []
         for i in fast_layers:
@@ -137,6 +140,11 @@ class FastWeightTTT(nn.Module):
     @property
     def inner_lr(self) -> Tensor:
         return self.log_inner_lr.exp()
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds."""
+        return self.model.config.vocab_size
 
     def set_context_parallel(self, context_parallel) -> None:
         """Switch the model's context parallelism (``GPT.set_context_parallel``); see the

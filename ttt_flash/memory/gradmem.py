@@ -6,13 +6,14 @@ Imports torch, :mod:`ttt_flash.models` and
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._checks import check_int
-from ..models import GPT
+from ..models import GPT, GPTConfig
+from ._gpt import gpt_of
 from ._common import inner_grad_mode, log_lr_parameter, context_parallel_of, inner_step, masked_lm_loss, masked_lm_loss_part
 
 __all__ = ["GradMem"]
@@ -52,7 +53,8 @@ class GradMem(nn.Module):
     this; docs/distributed.md).
 
     Args:
-        model: the language model (uses ``model.tok_emb`` and
+        model: the language model, a :class:`~ttt_flash.models.GPT` or the
+            :class:`~ttt_flash.models.GPTConfig` that builds one (uses ``model.tok_emb`` and
             ``model(inputs_embeds=...)``).
         memory_tokens: m.
         inner_steps: k (0: the memory is never written; a baseline).
@@ -75,7 +77,7 @@ class GradMem(nn.Module):
 
     def __init__(
         self,
-        model: GPT,
+        model: Union[GPTConfig, GPT],
         memory_tokens: int = 8,
         inner_steps: int = 1,
         inner_lr: float = 1.0,
@@ -86,6 +88,7 @@ class GradMem(nn.Module):
         super().__init__()
         check_int("memory_tokens", memory_tokens, 1)
         check_int("inner_steps", inner_steps, 0)
+        model = gpt_of(model)
         self.model = model
         self.inner_steps, self.first_order = inner_steps, bool(first_order)
         self.memory = nn.Parameter(torch.randn(memory_tokens, model.config.d_model) * 0.02)
@@ -95,6 +98,11 @@ class GradMem(nn.Module):
         """Switch the model's context parallelism (``GPT.set_context_parallel``: True, a
         ProcessGroup, or None/False to switch it off); see the class docstring."""
         self.model.set_context_parallel(context_parallel)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds."""
+        return self.model.config.vocab_size
 
     @property
     def num_memory(self) -> int:

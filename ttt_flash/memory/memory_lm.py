@@ -7,6 +7,7 @@ never Lightning.
 from __future__ import annotations
 
 import math
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_int
 from ..models import RMSNorm, SwiGLU
-from .attention_layer import GradientMemoryAttention
+from .attention_layer import GradientMemoryAttention, MemoryAttentionName, SlotQuery, WriteRule
 
 __all__ = ["MemoryLM"]
 
@@ -40,18 +41,14 @@ class _ShortConv(nn.Module):
 
 
 class _MemoryBlock(nn.Module):
-    def __init__(self, d_model: int, heads: int, memory_slots: int, inner_steps: int, inner_lr: float,
-                 chunk_size: int, attention: str, conv: int, first_order: bool, write_gate: bool = False,
-                 write_rule: str = "gradient", qk_norm: bool = False, qk_scale: float = 10.0,
-                 parallel_write: bool = True, kv_shift: bool = False, slot_query: str = "query"):
+    """``x + attn(conv(norm(x)))``, then ``x + SwiGLU(norm(x))``; ``layer``: the keyword
+    arguments of the :class:`GradientMemoryAttention`."""
+
+    def __init__(self, d_model: int, heads: int, conv: int, layer: Dict[str, Any]):
         super().__init__()
         self.attn_norm = RMSNorm(d_model)
         self.conv = _ShortConv(d_model, conv) if conv > 1 else nn.Identity()
-        self.attn = GradientMemoryAttention(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size,
-                                            attention=attention, first_order=first_order, write_gate=write_gate,
-                                            write_rule=write_rule, qk_norm=qk_norm, qk_scale=qk_scale,
-                                            parallel_write=parallel_write, kv_shift=kv_shift,
-                                            slot_query=slot_query)
+        self.attn = GradientMemoryAttention(d_model, heads, **layer)
         self.mlp_norm = RMSNorm(d_model)
         self.mlp = SwiGLU(d_model, 64 * math.ceil(8 * d_model / 3 / 64))
 
@@ -93,17 +90,17 @@ class MemoryLM(nn.Module):
         inner_lr: float = 1.0,
         chunk_size: int = 64,
         *,
-        attention: str = "ttt_flash",
+        attention: MemoryAttentionName = "ttt_flash",
         conv: int = 2,
         first_order: bool = False,
         checkpoint: bool = False,
         write_gate: bool = False,
-        write_rule: str = "gradient",
+        write_rule: WriteRule = "gradient",
         qk_norm: bool = False,
         qk_scale: float = 10.0,
         parallel_write: bool = True,
         kv_shift: bool = False,
-        slot_query: str = "query",
+        slot_query: SlotQuery = "query",
     ):
         super().__init__()
         check_int("vocab_size", vocab_size, 1)
@@ -111,11 +108,11 @@ class MemoryLM(nn.Module):
         check_int("conv", conv, 1)
         self.checkpoint = bool(checkpoint)
         self.tok_emb = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(
-            _MemoryBlock(d_model, heads, memory_slots, inner_steps, inner_lr, chunk_size, attention, conv, first_order,
-                         write_gate, write_rule, qk_norm, qk_scale, parallel_write, kv_shift, slot_query)
-            for _ in range(n_layer)
-        )
+        layer = dict(memory_slots=memory_slots, inner_steps=inner_steps, inner_lr=inner_lr, chunk_size=chunk_size,
+                     attention=attention, first_order=first_order, write_gate=write_gate, write_rule=write_rule,
+                     qk_norm=qk_norm, qk_scale=qk_scale, parallel_write=parallel_write, kv_shift=kv_shift,
+                     slot_query=slot_query)
+        self.blocks = nn.ModuleList(_MemoryBlock(d_model, heads, conv, layer) for _ in range(n_layer))
         self.norm = RMSNorm(d_model)
         nn.init.normal_(self.tok_emb.weight, std=0.02)
         for block in self.blocks:
@@ -123,6 +120,11 @@ class MemoryLM(nn.Module):
                 nn.init.normal_(lin.weight, std=0.02)
             for lin in (block.attn.proj, block.mlp.down):
                 nn.init.normal_(lin.weight, std=0.02 / math.sqrt(2 * n_layer))
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds."""
+        return self.tok_emb.num_embeddings
 
     def _run_block(self, block: _MemoryBlock, x: Tensor, write: bool) -> Tensor:
         if not (self.checkpoint and torch.is_grad_enabled()):

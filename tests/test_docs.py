@@ -243,7 +243,7 @@ _DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
 _RECIPE = re.compile(r"recipes/(\w+)\.yaml")
 # The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
 QUOTED_RECIPES = {
-    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar"},
+    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar", "memory_layer_mqar"},
     "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression", "reptile_sinusoid"},
     "docs/second-order.md": {"sophia_gpt_tiny"},
 }

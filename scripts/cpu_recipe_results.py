@@ -2,11 +2,14 @@
 
     python scripts/cpu_recipe_results.py --recipe maml_sinusoid --test --out docs/results/cpu_maml_sinusoid.json
     python scripts/cpu_recipe_results.py --recipe imaml_regression --seed 1 --out docs/results/cpu_imaml_regression_seed1.json
+    python scripts/cpu_recipe_results.py --recipe sophia_gpt_tiny --arg=--model.init_args.optimizer=adamw \
+        --out docs/results/cpu_sophia_gpt_tiny_adamw.json
 
 Runs ``OMP_NUM_THREADS=1 ttt-flash fit --config recipes/NAME.yaml`` (and, with ``--test``,
 ``ttt-flash test ... --ckpt_path last``) in a fresh working folder, and writes a JSON file
 with the exact commands, the date, the versions, the wall time, every validation row of the
-run's metrics.csv (step and ``val/...`` metrics) and the test metrics. The numbers the docs
+run's metrics.csv (step and ``val/...`` metrics), every logged training row (``train/...``),
+the largest value of each training metric and the test metrics. The numbers the docs
 quote from CPU recipes come from these files (tests/test_docs.py checks it).
 """
 
@@ -44,6 +47,9 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", required=True, help="recipe name in recipes/ (without .yaml)")
     p.add_argument("--seed", type=int, default=None,
                    help="--seed_everything and --data.init_args.seed (default: the recipe's)")
+    p.add_argument("--arg", action="append", default=[], metavar="ARG",
+                   help="one more ttt-flash argument for every command, e.g. --arg=--model.init_args.optimizer=adamw "
+                        "(repeatable)")
     p.add_argument("--test", action="store_true", help="also run `ttt-flash test --ckpt_path last`")
     p.add_argument("--untrained", action="store_true",
                    help="also run `ttt-flash validate` on the initial weights first (its own run folder)")
@@ -53,7 +59,11 @@ def main(argv=None) -> int:
     recipe = ROOT / "recipes" / f"{a.recipe}.yaml"
     if not recipe.is_file():
         p.error(f"--recipe {a.recipe}: no recipes/{a.recipe}.yaml")
+    bad = [x for x in a.arg if not x.startswith("--")]
+    if bad:
+        p.error(f"--arg {bad[0]}: expected a ttt-flash option such as --arg=--model.init_args.optimizer=adamw")
     extra = [] if a.seed is None else [f"--seed_everything={a.seed}", f"--data.init_args.seed={a.seed}"]
+    extra += a.arg
     fit = ["ttt-flash", "fit", "--config", f"recipes/{a.recipe}.yaml", *extra]
     test = ["ttt-flash", "test", "--config", f"recipes/{a.recipe}.yaml", *extra, "--ckpt_path", "last"]
     untrained = ["ttt-flash", "validate", "--config", f"recipes/{a.recipe}.yaml", *extra,
@@ -78,8 +88,9 @@ def main(argv=None) -> int:
         result["fit_wall_s"] = round(time.perf_counter() - t0, 1)
         folder = next(p for p in Path(work, "runs").glob("*/metrics.csv") if p.parent.name != "untrained").parent
         result["validations"] = _rows(folder / "metrics.csv", "val/")
+        result["train"] = _rows(folder / "metrics.csv", "train/")
         result["train_max"] = {}
-        for row in _rows(folder / "metrics.csv", "train/"):
+        for row in result["train"]:
             for k, v in row.items():
                 if k != "step":
                     result["train_max"][k] = max(v, result["train_max"].get(k, v))

@@ -243,8 +243,9 @@ _DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
 _RECIPE = re.compile(r"recipes/(\w+)\.yaml")
 # The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
 QUOTED_RECIPES = {
-    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar"},
-    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression"},
+    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar", "memory_layer_mqar"},
+    "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression", "reptile_sinusoid"},
+    "docs/second-order.md": {"sophia_gpt_tiny"},
 }
 
 
@@ -277,42 +278,115 @@ def _values(tree):
         yield float(tree)
 
 
-def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
-    """Every decimal number in a block marked ``<!-- numbers: docs/results/X.json -->`` is a
-    value of those files at the printed precision (a line naming another recipe is not theirs);
-    each file holds the exact command that made it; every page quoting CPU-recipe results
-    marks them."""
+def _cells(row):
+    return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
+def _block_errors(page, line, files, text, load):
+    """What is wrong with one marked block (an empty list: nothing). ``load(file)`` gives a
+    results file's JSON.
+
+    Each file must hold its fit command. Every decimal number of the block must be one of the
+    files' values at its printed precision. A table row is held to one file: the numbers of the
+    row all come from a single file, of the recipe the row names (a row naming only other
+    recipes is theirs, not checked) and, where the table has a ``seed`` column, of that seed
+    (an empty seed cell continues the row above)."""
+    errors, data = [], {}
+    for f in files:
+        d = load(f)
+        if not any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml")
+                   for c in d.get("commands", [])):
+            errors.append(f"{f}: no `OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml` command")
+        data[f] = (d, list(_values(d)))
+    recipes = {d["recipe"] for d, _ in data.values()}
+    seed_col, seed, checked = None, None, 0
+    rows = text.splitlines()
+    for i, row in enumerate(rows):
+        numbers = _DECIMAL.findall(row)
+        is_table = row.lstrip().startswith("|")
+        if is_table and i + 1 < len(rows) and re.fullmatch(r"\|?[\s|:-]+\|?", rows[i + 1].strip()):
+            header = [c.lower() for c in _cells(row)]
+            seed_col, seed = (header.index("seed") if "seed" in header else None), None
+            continue
+        named = set(_RECIPE.findall(row))
+        if named and not named & recipes:
+            continue  # another recipe's row
+        candidates = [f for f in files if not named or data[f][0]["recipe"] in named]
+        if is_table and seed_col is not None:
+            cells = _cells(row)
+            if seed_col < len(cells) and cells[seed_col].isdigit():
+                seed = int(cells[seed_col])
+            if seed is not None:
+                candidates = [f for f in candidates if data[f][0].get("seed") == seed]
+
+        def holds(f, number):
+            places = len(number.split(".")[1])
+            return any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in data[f][1])
+
+        for number in numbers:
+            if not any(holds(f, number) for f in candidates):
+                errors.append(f"{page}:{line}: {number} is in no value of {candidates}:\n{row}")
+        if is_table and numbers and not any(all(holds(f, n) for n in numbers) for f in candidates):
+            errors.append(f"{page}:{line}: the numbers of one row come from no single file of {candidates}:\n{row}")
+        checked += len(numbers)
+    if not checked:
+        errors.append(f"{page}:{line}: a marked block without numbers")
+    return errors
+
+
+def _load(f):
     import json
 
+    return json.loads((ROOT / f).read_text())
+
+
+def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
+    """Every decimal number in a block marked ``<!-- numbers: docs/results/X.json -->`` is a
+    value of those files at the printed precision, a table row's from the file of its recipe
+    and seed (``_block_errors``); each file holds the exact command that made it; every page
+    quoting CPU-recipe results marks them."""
     blocks = _numbers_blocks()
-    marked = {}
+    marked, errors = {}, []
     for page, line, files, text in blocks:
-        values, recipes = [], set()
-        for f in files:
-            data = json.loads((ROOT / f).read_text())
-            assert any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{data['recipe']}.yaml")
-                       for c in data["commands"]), f"{f}: no fit command"
-            values += list(_values(data))
-            recipes.add(data["recipe"])
-        marked.setdefault(page, set()).update(recipes)
-        checked = 0
-        for row in text.splitlines():
-            named = set(_RECIPE.findall(row))
-            if named and not named & recipes:
-                continue  # another recipe's row
-            for number in _DECIMAL.findall(row):
-                places = len(number.split(".")[1])
-                assert any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in values), \
-                    f"{page}:{line}: {number} is in no value of {files}:\n{row}"
-                checked += 1
-        assert checked, f"{page}:{line}: a marked block without numbers"
+        errors += _block_errors(page, line, files, text, _load)
+        marked.setdefault(page, set()).update(_load(f)["recipe"] for f in files)
+    assert not errors, "\n".join(errors)
     for page, recipes in QUOTED_RECIPES.items():
         assert recipes <= marked.get(page, set()), f"{page}: quotes {recipes - marked.get(page, set())} unmarked"
 
 
-def test_the_numbers_rule_catches_a_stale_number(tmp_path):
-    import json
+def _reptile_block():
+    return next(b for b in _numbers_blocks() if any("reptile_sinusoid" in f for f in b[2]))
 
-    values = list(_values(json.loads((ROOT / "docs/results/cpu_gradmem_kv.json").read_text())))
-    assert any(round(v, 3) == 0.838 for v in values)
-    assert not any(round(v, 3) == 0.789 for v in values)  # the number the page quoted before the rerun
+
+def test_the_numbers_rule_catches_a_stale_number():
+    page, line, files, text = _reptile_block()
+    assert not _block_errors(page, line, files, text, _load)
+    seed0 = _load("docs/results/cpu_reptile_sinusoid_seed0.json")
+    final = f"{seed0['validations'][-1]['val/loss_post']:.3f}"
+    assert final in text
+    stale = f"{float(final) + 0.01:.3f}"
+    assert not any(round(v, 3) == float(stale) for f in files for v in _values(_load(f)))
+    errors = _block_errors(page, line, files, text.replace(final, stale), _load)
+    assert any(f"{stale} is in no value" in e for e in errors), errors
+
+
+def test_the_numbers_rule_holds_a_row_to_its_seed_and_its_file():
+    page, line, files, text = _reptile_block()
+    rows = text.splitlines()
+    seed_rows = [i for i, r in enumerate(rows) if r.startswith("|") and _DECIMAL.search(r)]
+    assert len(seed_rows) == 3
+    # seed 1's row labelled seed 2: its numbers are values of a file, but not of seed 2's
+    relabelled = rows[:]
+    relabelled[seed_rows[2]] = re.sub(r"^\|([^|]*)\|\s*1\s*\|", r"|\1| 2 |", rows[seed_rows[1]])
+    assert relabelled[seed_rows[2]] != rows[seed_rows[1]]
+    errors = _block_errors(page, line, files, "\n".join(relabelled), _load)
+    assert any("is in no value of ['docs/results/cpu_reptile_sinusoid_seed2.json']" in e for e in errors), errors
+    # one row's numbers from two files (the seed column removed): each is a value, no file holds both
+    a, b = _cells(rows[seed_rows[0]]), _cells(rows[seed_rows[1]])
+    mixed = f"| recipe | after epoch 0 | final |\n| --- | --- | --- |\n| `reptile_sinusoid` | {a[2]} | {b[3]} |"
+    errors = _block_errors(page, line, files, mixed, _load)
+    assert errors and all("no single file" in e for e in errors), errors
+    # a file without its command
+    no_command = lambda f: {**_load(f), "commands": []}  # noqa: E731
+    assert any("no `OMP_NUM_THREADS=1 ttt-flash fit" in e for e in _block_errors(page, line, files, text, no_command))

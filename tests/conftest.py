@@ -33,13 +33,34 @@ def _drop_checkout_from_path():
 _drop_checkout_from_path()
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (README's ``-n auto``) the worker processes share the cores: each one
+    runs ``cores / workers`` torch threads, and the processes it starts inherit that count."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, torch.get_num_threads() // int(workers))
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    """Without CUDA the ``gpu`` tests skip. With ``--dist loadgroup`` (pytest-xdist), tests that
+    share a module-scoped fixture (a multi-process run, a trained checkpoint, a built site) run
+    in one worker, which builds the fixture once, and the GPU tests run in one worker, one at a
+    time."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+            if not torch.cuda.is_available():
+                item.add_marker(skip_gpu)
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        shared = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds
+                  if d.scope in ("module", "package", "session") and d.baseid]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(autouse=True)

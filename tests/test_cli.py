@@ -159,15 +159,20 @@ def test_thread_default(monkeypatch):
 
     from ttt_flash._recipe_cli import thread_default
 
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # not 1, whatever the environment (OMP_NUM_THREADS=1, test workers) set
     before = torch.get_num_threads()
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    with thread_default() as n:
-        assert torch.get_num_threads() == (before if torch.cuda.is_available() else 1)
-        assert n == (None if torch.cuda.is_available() else 1)
-    assert torch.get_num_threads() == before
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with thread_default() as n:
-        assert n is None and torch.get_num_threads() == before
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        with thread_default() as n:
+            assert torch.get_num_threads() == (before if torch.cuda.is_available() else 1)
+            assert n == (None if torch.cuda.is_available() else 1)
+        assert torch.get_num_threads() == before
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        with thread_default() as n:
+            assert n is None and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _error_lines(capsys, argv):

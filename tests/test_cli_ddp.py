@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts two processes (README: the slow tests)
+
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 TIMEOUT_S = 240
 

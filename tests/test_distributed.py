@@ -11,6 +11,7 @@ import copy
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,6 +24,8 @@ from ttt_flash.memory import GradMem
 from ttt_flash.models import NetConfig
 from ttt_flash.models import GPTConfig
 from ttt_flash.tasks import AssociativeRecallTasks, SinusoidTasks
+
+pytestmark = pytest.mark.slow  # each test starts two processes (README: the slow tests)
 
 TOL = 1e-10
 

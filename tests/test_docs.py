@@ -68,6 +68,7 @@ def test_snippets_are_found():
                  marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FRAGMENTS[s[:2]])] if s[:2] in KNOWN_FRAGMENTS else [])
     for s in UNIQUE
 ])
+@pytest.mark.slow  # one Python process per snippet (README: the slow tests)
 def test_snippet_runs(page, index, gpu, source, tmp_path):
     if gpu and not torch.cuda.is_available():
         pytest.skip(f"{page} snippet {index} is marked {GPU_MARK}")

@@ -491,6 +491,7 @@ def test_recipe_resumes_exactly_mid_epoch(recipe, tmp_path, monkeypatch):
     assert rows(folder / "metrics.csv") == reference_rows
 
 
+@pytest.mark.slow  # two processes (README: the slow tests)
 def test_imaml_meta_gradient_under_ddp_equals_one_process(tmp_path):
     """Two processes with 1 and 3 tasks give the one-process meta-gradient of the 4 tasks
     (the module's own gradient averaging, weighted by tasks), through the helpers of

@@ -16,7 +16,8 @@ backward-over-backward of ``flash_attention``, bf16) is timed with CUDA events
 (``attention_chain`` and ``event_times`` of this checkout's ``ttt_flash/bench/common.py``, the
 same code for every tree): ``--warmup`` chains, then ``--reps`` timed ones; a tree's figure is the median over all its rounds. Shapes:
 N = 4,096, 16,384, 65,536 with B = 1, H = 12, d = 64, and at N = 16,384 d = 128 with H = 8 and
-GQA 32 / 8 at d = 128, each non-causal and causal. Prints one line per (tree, round), then a
+GQA 32 / 8 at d = 128, each non-causal and causal; and the host time per eager chain at
+N = 1,024 (``-host`` rows: milliseconds of Python and launch work to issue one chain). Prints one line per (tree, round), then a
 table (median ms per tree, ratio last tree / first tree) as the last lines; writes
 ``house_ab.json`` into ``--out``. ``--dry-run`` imports each tree in its own process and prints
 which files it loaded (no GPU needed).
@@ -38,6 +39,10 @@ SHAPES = [(f"N{n // 1024}K-d64{'-causal' if c else ''}", 1, 12, 12, n, 64, c)
 SHAPES += [(f"N16K-d128-H8{'-causal' if c else ''}", 1, 8, 8, 16384, 128, c) for c in (False, True)]
 SHAPES += [(f"N16K-d128-GQA32-8{'-causal' if c else ''}", 1, 32, 8, 16384, 128, c)
            for c in (False, True)]
+#: Shapes whose figure is the host time per eager chain (the Python and launch work to issue it,
+#: no synchronisation inside the timed reps): at N = 1,024 the kernels take a fraction of it.
+HOST_SHAPES = [(f"N1K-d64{'-causal' if c else ''}-host", 1, 12, 12, 1024, 64, c) for c in (False, True)]
+SHAPES += HOST_SHAPES
 
 
 # --------------------------------------------------------------------------- import shim
@@ -94,6 +99,24 @@ def _bench_common():
     return module
 
 
+def _host_times(fn, reps: int, warmup: int) -> list:
+    """Host milliseconds per call of ``fn``, one figure per group of 10 calls issued back to back
+    (the device is synchronised before each group, not inside it)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        out.append((time.perf_counter() - t0) / 10 * 1e3)
+    torch.cuda.synchronize()
+    return out
+
+
 def _worker(spec: dict) -> dict:
     """In a fresh process: import the tree, time every shape, return {shape: [ms, ...]}."""
     install_shim(spec["tree"])
@@ -123,7 +146,10 @@ def _worker(spec: dict) -> dict:
             return bench.attention_chain(lambda q_, k_, v_: flash_attention(q_, k_, v_, causal=causal),
                                          q, k, v, do, u)
 
-        out[name] = bench.event_times(chain, reps=spec["reps"], warmup=spec["warmup"], cuda=True)
+        if name.endswith("-host"):
+            out[name] = _host_times(chain, reps=spec["reps"], warmup=spec["warmup"])
+        else:
+            out[name] = bench.event_times(chain, reps=spec["reps"], warmup=spec["warmup"], cuda=True)
         del q, k, v, do, u, x
         torch.cuda.empty_cache()
     return out

@@ -13,6 +13,7 @@ here needs it to import.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib
 import re
@@ -1115,3 +1116,42 @@ def test_pass_sweep_checks_the_gluon_dq_against_triton(monkeypatch, one_thread):
     assert table[2] == "| bwd_dq | triton | 3.000 | 0 | 1.000x |"
     assert table[3] == "| bwd_dq | 128,128,8,2,2,0 | 2.000 | 0 | 1.500x |"
     assert table[-1] == "| bwd_dq | 128,128,8,2,0,0 | failed | | |"
+
+
+# --------------------------------------------------------------------------- names the Gluon kernels resolve
+
+GLUON_PASSES = ["common", "fwd", "dq", "dkdv", "bob_row", "bob_col"]
+
+
+def _free_names(fn: ast.FunctionDef) -> set:
+    """Names a function reads that it neither takes nor binds (its globals)."""
+    bound = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
+    loads = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name):
+            (loads if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.Lambda)) and node is not fn:
+            args = node.args
+            bound |= {a.arg for a in args.args + args.kwonlyargs + args.posonlyargs}
+    return loads - bound
+
+
+@pytest.mark.parametrize("name", GLUON_PASSES)
+def test_every_global_a_gluon_kernel_reads_is_defined_in_its_module(name):
+    """A Gluon kernel compiles only on an sm_90 GPU; a name its body reads that the module does
+    not define (e.g. a helper left out of gluon/common.py's header) fails there at compile
+    time. Here every global read by a jit function of the pass module must be bound in it."""
+    import builtins
+    import importlib
+
+    common = importlib.import_module("ttt_flash.kernels.gluon.common")
+    if not common.HAVE_GLUON:
+        pytest.skip("the installed triton has no Gluon")
+    module = importlib.import_module(f"ttt_flash.kernels.gluon.{name}")
+    tree = ast.parse(open(module.__file__).read())
+    jitted = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+              and any("jit" in ast.unparse(d) for d in n.decorator_list)]
+    assert jitted, f"no jit functions found in gluon/{name}.py"
+    missing = {f"{fn.name}: {free}" for fn in jitted for free in _free_names(fn)
+               if not hasattr(module, free) and not hasattr(builtins, free)}
+    assert not missing, f"gluon/{name}.py: names not defined in the module: {sorted(missing)}"

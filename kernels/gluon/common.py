@@ -221,4 +221,4 @@ if HAVE_GLUON:
     _tma_load, _tma_store = tma_load, tma_store
     __all__ += ["gluon", "gl", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_init",
                 "warpgroup_mma_wait", "TensorDescriptor", "_tma_load", "_tma_store", "key_tiles", "row_tile",
-                "query_range", "query_row"]
+                "query_pos", "query_range", "query_row"]

@@ -55,9 +55,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _full(p):
+    """The whole parameter on every rank. With gloo and CUDA tensors the shards travel through
+    the CPU (gloo's all-gather of a CUDA DTensor's shards crashes with two ranks on one GPU);
+    FSDP2 shards dim 0 as ``torch.chunk`` does, so the shards in rank order concatenate."""
     from torch.distributed.tensor import DTensor
 
-    return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+    if not isinstance(p, DTensor):
+        return p.detach()
+    if dist.get_backend() != "gloo" or p.device.type != "cuda":
+        return p.full_tensor().detach()
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, p.to_local().detach().cpu())
+    return torch.cat(shards, dim=0).to(p.device)
 
 
 def _peak(device) -> float:

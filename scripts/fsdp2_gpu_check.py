@@ -19,7 +19,7 @@ each run's steps (``max_memory_allocated`` over them; both models and their opti
 live in each process throughout, so the two peaks share that offset).
 
     python scripts/fsdp2_gpu_check.py --procs 1            # FSDP2 over one rank (NCCL)
-    python scripts/fsdp2_gpu_check.py --procs 2            # two ranks on one GPU: NCCL, else gloo
+    python scripts/fsdp2_gpu_check.py --procs 2 --backend gloo   # two ranks on one GPU (NCCL's second rank crashes)
     python scripts/fsdp2_gpu_check.py --procs 2 --device cpu --d-model 32 --n-layer 2 --seq-len 32 --steps 4
 
 Two ranks on one GPU: NCCL refuses two ranks on one device in most builds ("Duplicate GPU

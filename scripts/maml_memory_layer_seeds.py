@@ -9,7 +9,10 @@ Runs recipes/maml_memory_layer.yaml (CPU) once per seed and write order:
 
 Each run seeds the weights and the tasks with the seed. Reads every run's CSV log and reports
 the last validation losses before (loss_pre) and after (loss_post) adaptation, and the mean of
-the last 20 training loss_post values; prints a table and writes JSON to --out.
+the last 20 training loss_post values; prints a table and writes OUT/results.json: the script's
+command, each run's ``ttt-flash fit`` command and numbers, and per write order the mean and
+sample standard deviation over the seeds (docs/memory.md quotes these; tests/test_docs.py checks
+them against docs/results/maml_memory_layer_seeds_cpu.json).
 
     python scripts/maml_memory_layer_seeds.py --seeds 0,1,2 --out runs/maml_memory_layer_seeds
     python scripts/maml_memory_layer_seeds.py --out runs/mm_chunk4 -- --model.init_args.net.init_args.chunk_size=4
@@ -21,7 +24,11 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
+import os
+import platform
+import shlex
 import statistics
 import sys
 import time
@@ -73,14 +80,30 @@ def main(argv=None) -> int:
             argv_run += extra
             if args.max_epochs is not None:
                 argv_run.append(f"--trainer.max_epochs={args.max_epochs}")
+            shown = [a.replace(str(RECIPE), "recipes/maml_memory_layer.yaml").replace(str(out), args.out)
+                     for a in argv_run]
             code = cli(argv_run)
             if code not in (0, None):
                 print(f"run {version} failed with exit code {code}", file=sys.stderr)
                 return 1
-            row = {"seed": seed, "writes": name, "wall_s": round(time.perf_counter() - start, 1),
-                   **_read(out / version / "metrics.csv")}
+            row = {"seed": seed, "writes": name, "command": f"OMP_NUM_THREADS=1 {shlex.join(['ttt-flash', *shown])}",
+                   "wall_s": round(time.perf_counter() - start, 1), **_read(out / version / "metrics.csv")}
             results.append(row)
-    (out / "results.json").write_text(json.dumps({"overrides": extra, "runs": results}, indent=1))
+    import torch
+
+    summary = {}
+    for name in ("exact", "first_order"):
+        runs = [r for r in results if r["writes"] == name]
+        summary[name] = {k: statistics.fmean(r[k] for r in runs) for k in ("val_loss_pre", "val_loss_post")}
+        if len(runs) > 1:
+            summary[name]["val_loss_post_stdev"] = statistics.stdev(r["val_loss_post"] for r in runs)
+    summary["exact_minus_first_order_val_loss_post"] = (summary["exact"]["val_loss_post"]
+                                                        - summary["first_order"]["val_loss_post"])
+    command = f"OMP_NUM_THREADS=1 python scripts/maml_memory_layer_seeds.py {shlex.join(argv)}"
+    (out / "results.json").write_text(json.dumps(
+        {"command": command, "date": datetime.date.today().isoformat(),
+         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
+         "overrides": extra, "runs": results, "summary": summary}, indent=1))
     print(f"\n{'seed':>4} {'writes':>12} {'val pre':>9} {'val post':>9} {'train post (last 20)':>21} {'wall s':>7}")
     for r in results:
         print(f"{r['seed']:>4} {r['writes']:>12} {r['val_loss_pre']:9.4f} {r['val_loss_post']:9.4f} "

@@ -6,15 +6,24 @@
 Prints validation accuracy every ``--eval-every`` steps and, at the end: recall per pair by its
 order in the context (first pair ... last pair), and per layer and head the addressing of the
 pair tokens' keys against the slot keys (the largest address weight, the number of distinct
-arg-max slots the pairs' value tokens hit). One JSON line per run with ``--json``.
+arg-max slots the pairs' value tokens hit). One JSON line per run with ``--json``; with
+``--out FILE`` the same JSON, with the exact command, the date and the versions, goes to FILE
+(the numbers docs/memory.md quotes come from such files in docs/results/; tests/test_docs.py
+checks them).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import os
+import platform
+import shlex
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -102,7 +111,12 @@ def main() -> None:
     ap.add_argument("--final-contexts", default="", help="comma-separated longer contexts to validate at the end")
     ap.add_argument("--extra", default="{}", help="JSON of extra MemoryLM keyword arguments")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default=None, help="also write the result JSON (with the command) to this file")
     args = ap.parse_args()
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        ap.error(f"--out {args.out}: folder {Path(args.out).parent} does not exist")
+    if os.environ.get("OMP_NUM_THREADS") != "1":
+        torch.set_num_threads(1)  # the quoted numbers are one-thread runs (deterministic)
 
     torch.manual_seed(args.seed)
     tasks = AssociativeRecallTasks(num_keys=args.keys, num_values=args.values, num_pairs=args.pairs,
@@ -175,6 +189,11 @@ def main() -> None:
            "pairs": args.pairs, "steps": args.steps, "acc": acc, "per_pair": per, "curve": curve,
            "time_s": round(time.time() - t0, 1)}
     print(json.dumps(out) if args.json else out)
+    if args.out is not None:
+        record = {"commands": [f"OMP_NUM_THREADS=1 python scripts/memory_recall_probe.py {shlex.join(sys.argv[1:])}"],
+                  "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+                  "torch": torch.__version__, **out}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -239,12 +239,15 @@ def test_the_notebook_rule_catches_what_it_names():
 
 # --------------------------------------------------------------------------- quoted CPU numbers
 
-_NUMBERS_MARK = re.compile(r"<!-- numbers: ((?:docs/results/[\w.-]+\.json\s*)+)-->")
-_DECIMAL = re.compile(r"(?<![\w.])(\d+\.\d+)(?![\w.])")
+_NUMBERS_MARK = re.compile(r"<!-- numbers: ((?:docs/results/[\w.-]+\.json(?:#[\w.-]+)?\s*)+)-->")
+# a decimal number, with its sign where the text writes one (− or +; a hyphen is a range)
+_DECIMAL = re.compile(r"(?<![\w.])([−+]?\d+\.\d+)(?![\w.])")
 _RECIPE = re.compile(r"recipes/(\w+)\.yaml")
-# The pages' CPU-recipe results and the recipes they come from (each needs a marked block).
+_SCRIPT_COMMAND = re.compile(r"^(?:OMP_NUM_THREADS=1 )?python3? (scripts/[\w-]+\.py)(?: |$)")
+# The pages' CPU results and the recipes or scripts they come from (each needs a marked block).
 QUOTED_RECIPES = {
-    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar", "memory_layer_mqar"},
+    "docs/memory.md": {"gradmem_kv", "ttt_e2e_mqar", "memory_layer_mqar", "scripts/memory_recall_probe.py",
+                       "scripts/maml_memory_layer_seeds.py"},
     "docs/meta-learning.md": {"maml_sinusoid", "maml_transformer", "imaml_regression", "reptile_sinusoid"},
     "docs/second-order.md": {"sophia_gpt_tiny"},
 }
@@ -252,7 +255,8 @@ QUOTED_RECIPES = {
 
 def _numbers_blocks():
     """(page, marker line, results files, block text) for every ``<!-- numbers: FILES -->``
-    marker: the block is the text after it up to the next blank line."""
+    marker: the block is the text after it up to the next blank line. ``FILE#key`` names the
+    part ``key`` of a file (one variant of several in one JSON)."""
     out = []
     for page in PAGES:
         lines = page.read_text().splitlines()
@@ -279,27 +283,68 @@ def _values(tree):
         yield float(tree)
 
 
+def _records(tree, seed=None):
+    """(seed, values) of every dict in ``tree``: its seed (``"seed"``, else its parent's) and
+    every number below it. A table row's numbers must all be values of one record."""
+    if isinstance(tree, dict):
+        seed = tree.get("seed", seed)
+        yield seed, list(_values(tree))
+        for v in tree.values():
+            yield from _records(v, seed)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _records(v, seed)
+
+
+def _commands(tree):
+    """Every string under a ``command`` / ``commands`` key of ``tree``."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if k in ("command", "commands"):
+                yield from ([v] if isinstance(v, str) else v)
+            else:
+                yield from _commands(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _commands(v)
+
+
+def _source(d):
+    """What made a results file: its recipe (a ``ttt-flash fit`` command) or its script."""
+    if "recipe" in d:
+        return d["recipe"]
+    scripts = {m.group(1) for c in _commands(d) if (m := _SCRIPT_COMMAND.match(c))}
+    return scripts.pop() if len(scripts) == 1 else None
+
+
 def _cells(row):
     return [c.strip() for c in row.strip().strip("|").split("|")]
 
 
 def _block_errors(page, line, files, text, load):
     """What is wrong with one marked block (an empty list: nothing). ``load(file)`` gives a
-    results file's JSON.
+    results file's JSON (``file#key``: its part ``key``).
 
-    Each file must hold its fit command. Every decimal number of the block must be one of the
-    files' values at its printed precision. A table row is held to one file: the numbers of the
-    row all come from a single file, of the recipe the row names (a row naming only other
-    recipes is theirs, not checked) and, where the table has a ``seed`` column, of that seed
-    (an empty seed cell continues the row above)."""
+    Each file must hold the command that made it: a recipe's file its fit command, any other
+    one the command of one script of scripts/. Every decimal number of the block (with its
+    sign) must be one of the files' values at its printed precision. A table row is held to
+    one record (one dict of a file): the numbers of the row all come from a single record, of
+    a file of the recipe the row names (a row naming only other recipes is theirs, not checked)
+    and, where the table has a ``seed`` column, of that seed (an empty seed cell continues the
+    row above; a word such as "mean" is no seed)."""
     errors, data = [], {}
     for f in files:
         d = load(f)
-        if not any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml")
-                   for c in d.get("commands", [])):
-            errors.append(f"{f}: no `OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml` command")
-        data[f] = (d, list(_values(d)))
-    recipes = {d["recipe"] for d, _ in data.values()}
+        if "recipe" in d:
+            if not any(c.startswith(f"OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml")
+                       for c in d.get("commands", [])):
+                errors.append(f"{f}: no `OMP_NUM_THREADS=1 ttt-flash fit --config recipes/{d['recipe']}.yaml` command")
+        else:
+            script = _source(d)
+            if script is None or not (ROOT / script).is_file():
+                errors.append(f"{f}: no command of one script of scripts/ (`python scripts/NAME.py ...`)")
+        data[f] = (d, list(_records(d, d.get("seed"))))
+    recipes = {d["recipe"] for d, _ in data.values() if "recipe" in d}
     seed_col, seed, checked = None, None, 0
     rows = text.splitlines()
     for i, row in enumerate(rows):
@@ -312,22 +357,25 @@ def _block_errors(page, line, files, text, load):
         named = set(_RECIPE.findall(row))
         if named and not named & recipes:
             continue  # another recipe's row
-        candidates = [f for f in files if not named or data[f][0]["recipe"] in named]
+        candidates = [f for f in files if not named or data[f][0].get("recipe") in named]
+        records = {f: [vals for _, vals in data[f][1]] for f in candidates}
         if is_table and seed_col is not None:
             cells = _cells(row)
-            if seed_col < len(cells) and cells[seed_col].isdigit():
-                seed = int(cells[seed_col])
+            if seed_col < len(cells) and cells[seed_col]:
+                seed = int(cells[seed_col]) if cells[seed_col].isdigit() else None
             if seed is not None:
-                candidates = [f for f in candidates if data[f][0].get("seed") == seed]
+                records = {f: [vals for s, vals in data[f][1] if s == seed] for f in candidates}
+                candidates = [f for f in candidates if records[f]]
 
-        def holds(f, number):
+        def holds(values, number):
             places = len(number.split(".")[1])
-            return any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in data[f][1])
+            return any(abs(round(v, places) - float(number)) < 0.5 * 10 ** -places for v in values)
 
-        for number in numbers:
-            if not any(holds(f, number) for f in candidates):
+        for number in (n.replace("−", "-") for n in numbers):
+            if not any(holds(vals, number) for f in candidates for vals in records[f]):
                 errors.append(f"{page}:{line}: {number} is in no value of {candidates}:\n{row}")
-        if is_table and numbers and not any(all(holds(f, n) for n in numbers) for f in candidates):
+        if is_table and numbers and not any(all(holds(vals, n.replace("−", "-")) for n in numbers)
+                                            for f in candidates for vals in records[f]):
             errors.append(f"{page}:{line}: the numbers of one row come from no single file of {candidates}:\n{row}")
         checked += len(numbers)
     if not checked:
@@ -338,7 +386,9 @@ def _block_errors(page, line, files, text, load):
 def _load(f):
     import json
 
-    return json.loads((ROOT / f).read_text())
+    path, _, key = f.partition("#")
+    d = json.loads((ROOT / path).read_text())
+    return d[key] if key else d
 
 
 def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
@@ -350,7 +400,7 @@ def test_quoted_cpu_numbers_come_from_results_files_with_their_command():
     marked, errors = {}, []
     for page, line, files, text in blocks:
         errors += _block_errors(page, line, files, text, _load)
-        marked.setdefault(page, set()).update(_load(f)["recipe"] for f in files)
+        marked.setdefault(page, set()).update(_source(_load(f)) for f in files)
     assert not errors, "\n".join(errors)
     for page, recipes in QUOTED_RECIPES.items():
         assert recipes <= marked.get(page, set()), f"{page}: quotes {recipes - marked.get(page, set())} unmarked"

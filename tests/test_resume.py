@@ -157,6 +157,26 @@ def test_sigterm_exits_nonzero_with_resumable_checkpoint(tmp_path, monkeypatch):
     _assert_same_state(torch.load(last, weights_only=True), resumed)
 
 
+def test_sigterm_with_checkpointing_off_ends_promptly_and_writes_no_checkpoint(tmp_path):
+    # --trainer.enable_checkpointing=false on a recipe that lists a ModelCheckpoint: the run
+    # starts (the recipe's checkpoint callback is dropped, not refused by Lightning), SIGTERM
+    # ends it after the step in flight with 143, and no .ckpt file is written anywhere.
+    patch = """
+    step = MAML.training_step
+    def training_step(self, batch, i):
+        if self.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, batch, i)
+    MAML.training_step = training_step
+    """
+    argv = [*_maml_argv(epochs=50), "--trainer.enable_checkpointing=false"]
+    done = _run(tmp_path, _script(argv, patch))
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    assert "stopped by SIGTERM at step 6" in done.stdout + done.stderr, (done.stdout + done.stderr)[-2000:]
+    assert not list(tmp_path.rglob("*.ckpt"))
+    assert (tmp_path / "runs" / "maml_sinusoid" / "metrics.csv").is_file()
+
+
 def test_sigkill_while_writing_a_checkpoint_leaves_last_ckpt_loadable(tmp_path):
     # The third checkpoint write writes half of its bytes to the file it is given, and the
     # process is killed (SIGKILL) there: last.ckpt must still be the complete second one.

@@ -376,9 +376,12 @@ def recipe_cli(argv: Sequence[str], smoke: bool = False):
 
             config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
             if smoke:  # no checkpoints: the smoke run only shows that the recipe runs
+                kwargs["enable_checkpointing"] = config["enable_checkpointing"] = False
+            if config.get("enable_checkpointing") is False:
+                # checkpointing off (--trainer.enable_checkpointing=false or --smoke) also drops the
+                # recipe's ModelCheckpoint, which Lightning would refuse beside it
                 config["callbacks"] = [c for c in _listed(config.get("callbacks")) if not isinstance(c, ModelCheckpoint)]
                 kwargs["callbacks"] = config["callbacks"]
-                kwargs["enable_checkpointing"] = config["enable_checkpointing"] = False
             added = recipe_callbacks(config, getattr(self, "model", None))
             if added:
                 kwargs["callbacks"] = [*_listed(config.get("callbacks")), *added]

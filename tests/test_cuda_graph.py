@@ -7,6 +7,7 @@ MAML run equal to eager.
 """
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +169,8 @@ def test_maml_cuda_graph_on_cpu_warns_once_and_trains_eagerly(tmp_path, one_thre
     with pytest.warns(RuntimeWarning, match="cuda_graph=True: the training step runs eagerly: the batch is not on a CUDA device") as rec:
         graphed, model, trainer = _maml_fit(True, "cpu", 3, tmp_path)
     assert sum("cuda_graph=True" in str(w.message) for w in rec) == 1
+    # attributed to the module's training step, not to Lightning's strategy.py that calls it
+    assert {Path(w.filename).name for w in rec if "cuda_graph=True" in str(w.message)} == {"maml.py"}
     assert graphed == eager and trainer.global_step == 3
     assert model.hparams.cuda_graph is True
 

@@ -177,6 +177,7 @@ NOTEBOOK = {
     "until then": r"\buntil then\b",
     "appended section": r"\bappended section\b",
     "git show": r"\bgit show\b",
+    "a commit id": r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}(?![\w.-])",
     "a path outside the repository": r"(?<![\w.])shared/|\]\(\.\./\.\./|(?<![\w/])\.\./(?!index\.md|[\w-]+\.md)",
 }
 # docs/architecture.md defines the import floors (tests/test_architecture.py holds the table).
@@ -230,10 +231,11 @@ def test_the_notebook_rule_catches_what_it_names():
     for text in ("Commands for the GPU session", "Longer than one 10-minute call", "in one call",
                  "on the nvidia-h200-x2 machine", "This module is floor 1", "Where the error used to be",
                  "Until then the meta-gradient stopped", "(`ttt_flash.tasks`, appended section)",
-                 "`git show fd5eb20:recipes/x.yaml`", "(`shared/docs/anchors.md`)"):
+                 "`git show fd5eb20:recipes/x.yaml`", "(`shared/docs/anchors.md`)", "the kernels at d553abd",
+                 "(at commit 568e3b8: 6 blocks"):
         assert _notebook_hits(text, "x"), text
     for text in ("a single call", "the floor of the loss", "each user's run", "docs/reference/x.md",
-                 "[Home](../index.md)"):
+                 "[Home](../index.md)", "1048576 tokens", "rope_base: 10000000", "facade", "0x1f2e3d4c"):
         assert not _notebook_hits(text, "x"), text
 
 

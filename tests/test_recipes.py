@@ -174,3 +174,44 @@ def _module_class(checkpoint):
 
     module, _, name = checkpoint["hyper_parameters"]["_class_path"].rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def _header_commands():
+    """(recipe, command) for every ``#   ttt-flash fit|test|validate ...`` line of a recipe's
+    header (its comment before the first key)."""
+    out = []
+    for path in RECIPES:
+        for line in path.read_text().splitlines():
+            if not line.startswith("#"):
+                break
+            m = re.match(r"#\s+(ttt-flash (?:fit|test|validate) .*?)(?:\s+#.*)?$", line)
+            if m:
+                out.append((path.stem, m.group(1)))
+    return out
+
+
+def _print_config(argv, capsys):
+    try:
+        code = main([*argv, "--print_config"])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr()
+
+
+def test_every_recipe_header_command_parses(monkeypatch, tmp_path, capsys):
+    """The commands a recipe's header prints name only keys and values the recipe accepts
+    (``--print_config`` parses them without running); a misspelt key would fail here."""
+    import shlex
+
+    monkeypatch.chdir(RECIPE_DIR.parent)
+    commands = _header_commands()
+    assert len(commands) >= 50
+    bad = []
+    for recipe, command in commands:
+        code, out = _print_config(shlex.split(command)[1:], capsys)
+        if code not in (0, None):
+            bad.append(f"recipes/{recipe}.yaml: {command}: exit {code}: {out.err.strip()[-300:]}")
+    assert not bad, "\n".join(bad)
+    code, out = _print_config(["fit", "--config", "recipes/maml_sinusoid.yaml", "--model.init_args.inner_lrr=0.1"],
+                              capsys)
+    assert code == 2 and "inner_lrr" in out.err

@@ -443,3 +443,38 @@ def test_the_numbers_rule_holds_a_row_to_its_seed_and_its_file():
     # a file without its command
     no_command = lambda f: {**_load(f), "commands": []}  # noqa: E731
     assert any("no `OMP_NUM_THREADS=1 ttt-flash fit" in e for e in _block_errors(page, line, files, text, no_command))
+
+
+def _block_of(name):
+    return next(b for b in _numbers_blocks() if any(name in f for f in b[2]))
+
+
+def test_the_numbers_rule_checks_script_results_and_their_parts():
+    # the recall-probe table: a changed number of the page, or of a results file, fails
+    page, line, files, text = _block_of("cpu_memory_recall_probe_key_seed1")
+    assert not _block_errors(page, line, files, text, _load)
+    row = next(r for r in text.splitlines() if "1,024: 0.984, 4,096: 0.984" in r)
+    errors = _block_errors(page, line, files, text.replace(row, row.replace("4,096: 0.984", "4,096: 0.985")), _load)
+    assert any("0.985 is in no value" in e for e in errors), errors
+
+    def shifted(f):
+        d = _load(f)
+        return {**d, "longer": {k: v + 0.01 for k, v in d["longer"].items()}} if "key_seed1" in f else d
+
+    assert any("0.984 is in no value" in e for e in _block_errors(page, line, files, text, shifted))
+    # a script's results file without its command
+    no_command = lambda f: {k: v for k, v in _load(f).items() if k != "commands"}  # noqa: E731
+    assert any("no command of one script" in e for e in _block_errors(page, line, files, text, no_command))
+    # one part (#key) of a file with several: the chunk-4 table is not the recipe defaults'
+    page, line, files, text = _block_of("#chunk4_inner_lr0.01")
+    assert not _block_errors(page, line, files, text, _load)
+    other = [f.replace("#chunk4_inner_lr0.01", "#recipe_defaults") for f in files]
+    assert any("is in no value" in e for e in _block_errors(page, line, other, text, _load))
+    # the mean ± standard deviation row comes from the part's summary
+    summary = _load(files[0])["summary"]["exact"]
+    assert f"{summary['val_loss_post']:.4f}** ± {summary['val_loss_post_stdev']:.4f}" in text
+    # a signed difference keeps its sign
+    page, line, files, text = next(b for b in _numbers_blocks() if b[2] == ["docs/results/maml_memory_layer_seeds_cpu.json"])
+    assert "−0.0006" in text and not _block_errors(page, line, files, text, _load)
+    assert any("0.0006 is in no value" in e
+               for e in _block_errors(page, line, files, text.replace("−0.0006", "+0.0006"), _load))

@@ -289,6 +289,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return x, y
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._graphed_clipped = False
         self._timer.start(batch[0].is_cuda)
         if self._fsdp2.active and self.hessian_refresh_pending:
             self._fsdp2.begin()  # FSDP2: full parameters through the refresh step (docs/distributed.md)

@@ -43,6 +43,14 @@ and averages the local estimates over processes (weighted by ``weight``), so eve
 holds the estimate one process would get on the global batch; the gradients themselves must
 be averaged by the caller (:func:`ttt_flash.distributed.average_gradients`; docs/distributed.md).
 
+**Capturable** (``capturable=True``, for CUDA graphs; docs/cuda-graphs.md): the step counters
+``state["step"]`` and ``state["hessian_step"]`` are 0-dim float32 tensors on the parameters'
+device, and every update is a host part (:meth:`~SophiaH.host_step`: checks, a host mirror of
+the counters, the step's learning-rate and bias-correction terms written into 0-dim device
+tensors in place) and a device part (:meth:`~SophiaH.device_step`: tensor operations only, no
+``.item()`` and no branch on a tensor's value), which a CUDA graph captures once and replays
+after each step's host part. Both settings run the same kernels: the numbers are identical.
+
 Imports torch, :mod:`ttt_flash.second_order.hessian` and
 :mod:`ttt_flash.distributed`.
 """
@@ -185,6 +193,11 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     def _trainable(self) -> List[Tuple[dict, Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def param_pairs(self) -> List[Tuple[dict, Tensor]]:
+        """(param group, parameter) pairs of every parameter that requires grad, in the
+        groups' order: the ``pairs`` of :meth:`host_step` / :meth:`device_step`."""
+        return self._trainable()
 
     def update_hessian(
         self,
@@ -449,6 +462,9 @@ class SophiaH(HessianOptimizer):
         k: refresh the Hessian estimate every k steps.
         eps: ε, floor of ρ·h.
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+        capturable: keep the step counters as device tensors and read no tensor value on the
+            host in the update, so that :meth:`device_step` can be captured in a CUDA graph
+            (the module docstring, "Capturable"). Same numbers either way.
 
     Defaults are those of the authors' release (lr 1e-4, betas (0.965, 0.99), rho 0.04,
     weight decay 0.1, k = 10). The released Sophia-G multiplies h by the tokens per
@@ -555,6 +571,7 @@ class AdaHessian(HessianOptimizer):
         k: refresh the Hessian estimate every k steps (the bias correction counts refreshes).
         spatial_average: average conv kernels' Hessian diagonals spatially.
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+        capturable: as in :class:`SophiaH`.
 
     Defaults are the authors' (lr 0.15, betas (0.9, 0.999), eps 1e-4, no weight decay,
     hessian_power 1).

@@ -191,3 +191,47 @@ def test_skip_next_update_runs_only_the_closure():
 def test_capturable_must_be_a_bool():
     with pytest.raises(TypeError, match="capturable must be a bool"):
         SophiaH([torch.nn.Parameter(torch.ones(1))], capturable="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [SophiaH, AdaHessian])
+def test_captured_device_step_replays_bitwise_equal_to_eager_with_a_schedule(cls):
+    """The device part captured once (CapturedStep) and replayed for 10 steps, the learning
+    rate of a LambdaLR schedule and the bias corrections written by host_step before each
+    replay: parameters bitwise those of the eager optimizer."""
+    from ttt_flash.cuda_graph import CapturedStep
+
+    def setup(capturable):
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 32, device="cuda"))
+        x = torch.randn(16, 64, device="cuda")
+        opt = cls([w], lr=0.05, k=1000, capturable=capturable)
+        opt.update_hessian((x @ w).tanh().pow(2).sum(), generator=torch.Generator("cuda").manual_seed(0))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+        return w, x, opt, sched
+
+    w, x, opt, sched = setup(False)
+    for _ in range(10):
+        opt.zero_grad()
+        (x @ w).tanh().pow(2).sum().backward()
+        opt.step()
+        sched.step()
+    expected = w.detach().clone()
+
+    w, x, opt, sched = setup(True)
+    pairs = opt.param_pairs()
+
+    def step(xs):
+        w.grad.zero_()
+        (xs @ w).tanh().pow(2).sum().backward()
+        opt.device_step(pairs)
+
+    opt.host_step(pairs)
+    graph = CapturedStep(step, (x,), params=[w], optimizers=[opt])
+    for i in range(10):
+        if i:
+            opt.host_step(pairs)
+        graph(x)
+        sched.step()
+    assert torch.equal(w.detach(), expected)
+    assert opt.state[w]["step"].item() == 10

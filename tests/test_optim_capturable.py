@@ -176,6 +176,21 @@ def test_state_dict_moves_between_capturable_and_not():
     assert c.hessian_due is False and c._group_steps(c.param_groups[0]) == 3
 
 
+@pytest.mark.parametrize("capturable", [True, False])
+def test_a_loaded_hessian_counter_keeps_counting_past_256_for_bf16_parameters(capturable):
+    # torch casts floating optimizer state to the parameter's dtype on load (except "step");
+    # a bf16 counter would read 256 for 257 and every later bias correction would be off.
+    w = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.bfloat16))
+    a = SophiaH([w], lr=0.1, k=1, capturable=True)
+    (w.float().sin() ** 2).sum().backward(create_graph=True)
+    a.step()
+    a.state[w]["hessian_step"].fill_(257.0)
+    a.state[w]["step"].fill_(257.0)
+    b = SophiaH([w], lr=0.1, k=1, capturable=capturable)
+    b.load_state_dict(a.state_dict())
+    assert int(b.state[w]["hessian_step"]) == 257 and int(b.state[w]["step"]) == 257
+
+
 def test_skip_next_update_runs_only_the_closure():
     w = torch.nn.Parameter(torch.ones(3))
     opt = SophiaH([w], lr=0.1, capturable=True)

@@ -128,7 +128,15 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         capturable = [g["capturable"] for g in self.param_groups]
+        # torch casts every floating state tensor but ``step`` to its parameter's dtype: keep
+        # the saved Hessian counter as saved (a bf16 counter stops counting at 256).
+        saved = {pid: s["hessian_step"] for pid, s in state_dict["state"].items() if "hessian_step" in s}
         super().load_state_dict(state_dict)
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = dict(zip(ids, (p for g in self.param_groups for p in g["params"])))
+        for pid, value in saved.items():
+            if by_id.get(pid) in self.state:
+                self.state[by_id[pid]]["hessian_step"] = value
         with torch.no_grad():
             for group, flag in zip(self.param_groups, capturable):
                 group["capturable"] = flag  # the flag this optimizer was built with, not the checkpoint's

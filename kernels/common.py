@@ -49,6 +49,16 @@ def _tile_base(X, b64, h64, start64):
 
 
 @triton.jit
+def _tile_base_or(X, b64, h64, start64, other_base, other_stride, HAS_X: tl.constexpr):
+    """(:func:`_tile_base` of the optional view ``X``, its token stride) with HAS_X; else
+    (``other_base``, ``other_stride``), a placeholder for a tensor that is never read."""
+    if HAS_X:
+        return _tile_base(X, b64, h64, start64), X[3]
+    else:
+        return other_base, other_stride
+
+
+@triton.jit
 def _row_base(R, RS, b64, h64, start64):
     """Pointer to token ``start64`` of (batch, head) of the row vector ``R`` with strides
     ``RS`` = (batch stride, head stride)."""

@@ -95,13 +95,14 @@ def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, 
 @triton.jit
 def _bob_row_tile(row, start_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                  LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr,
-                  ROWSUM: tl.constexpr):
+                  LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                  HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                  NEED_DP: tl.constexpr, ROWSUM: tl.constexpr):
     """Key tile [start_n, start_n + BLOCK_N) of a row program (``row``: what
     :func:`_bob_row_setup` set up): loads K, V (U_K, U_V) and returns
     (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo, mid_hi);
-    with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when HAS_G. Absent values are placeholders (never read)."""
+    with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when HAS_G.
+    Absent values are placeholders (never read)."""
     (q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn, stride_ukn,
      stride_uvn, offs_m, offs_d, mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale) = row
     offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
@@ -139,15 +140,32 @@ def _bob_row_tile(row, start_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _bob_row_sums(p, g, dp, b_tile, r_alpha, r_e, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                  NEED_E: tl.constexpr):
+    """The statistics sweeps' row sums of one key tile: (r_alpha + rowsum(P∘G), r_e +
+    rowsum(P∘(G∘dP + B))), the terms present (HAS_G, HAS_UV; E only with NEED_E). The shifted
+    sweep passes G − g, dP − c, B − b."""
+    if HAS_G:
+        r_alpha += tl.sum(p * g, 1)
+        if NEED_E:
+            if HAS_UV:
+                r_e += tl.sum(p * (g * dp + b_tile), 1)
+            else:
+                r_e += tl.sum(p * (g * dp), 1)
+    elif NEED_E:
+        r_e += tl.sum(p * b_tile, 1)
+    return r_alpha, r_e
+
+
+@triton.jit
 def _bob_stats_shift_sweep(row, lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                           LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
-                           HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-                           NEED_E: tl.constexpr):
+                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                           EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+                           HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+                           HAS_G: tl.constexpr, NEED_E: tl.constexpr):
     """The float32 row statistics of one query tile (``row``, :func:`_bob_row_setup`) over key
-    tiles [lo, hi) (bob-math.md, "Row sums of the
-    recomputed P"), P̂ = exp(S − L) uncorrected: with j* the key of largest P̂, c, g, b = dP, G,
-    B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
+    tiles [lo, hi) (bob-math.md, "Row sums of the recomputed P"), P̂ = exp(S − L)
+    uncorrected: with j* the key of largest P̂, c, g, b = dP, G, B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
     D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
     that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
     cancellation where one key dominates. j*, c, g, b are those of the keys seen so far; when
@@ -192,15 +210,7 @@ def _bob_stats_shift_sweep(row, lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.cons
         m = tl.maximum(m, t_max)
         dom = offs_n[None, :] == jstar[:, None]
         x, y, z = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G, NEED_E)
-        if HAS_G:
-            r_y += tl.sum(p * y, 1)
-            if NEED_E:
-                if HAS_UV:
-                    r_e += tl.sum(p * (y * x + z), 1)
-                else:
-                    r_e += tl.sum(p * (y * x), 1)
-        elif NEED_E:
-            r_e += tl.sum(p * z, 1)
+        r_y, r_e = _bob_row_sums(p, y, x, z, r_y, r_e, HAS_UV, HAS_G, NEED_E)
         if NEED_E:
             r_x += tl.sum(p * x, 1)
         r_p += tl.sum(p, 1)
@@ -213,45 +223,39 @@ def _bob_stats_shift_sweep(row, lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.cons
 
 @triton.jit
 def _bob_stats_sweep(row, lo, hi, delta, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                     LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                     EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+                     HAS_UQ: tl.constexpr,
                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
                      NEED_E: tl.constexpr):
     """Row statistics of one query tile (``row``, :func:`_bob_row_setup`) over key tiles
-    [lo, hi), 16-bit inputs: (α, E + αD).
-    Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
+    [lo, hi), 16-bit inputs: (α, E + αD). Without NEED_E (neither Q̄ nor K̄ wanted) E is not
+    formed."""
     r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
             row, start_n, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
             HAS_UV, HAS_G, NEED_E, False)
-        if HAS_G:
-            r_alpha += tl.sum(p * g, 1)
-            if NEED_E:
-                if HAS_UV:
-                    r_e += tl.sum(p * (g * dp + b_tile), 1)
-                else:
-                    r_e += tl.sum(p * (g * dp), 1)
-        elif NEED_E:
-            r_e += tl.sum(p * b_tile, 1)
+        r_alpha, r_e = _bob_row_sums(p, g, dp, b_tile, r_alpha, r_e, HAS_UV, HAS_G, NEED_E)
     e_ad = r_e - r_alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
     return r_alpha, e_ad
 
 
 @triton.jit
 def _bob_direct_sweep(row, lo, hi, delta, alpha, e_ad, ref, HEAD_DIM: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                      EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
-                      HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
-                      HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
-                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                      LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                      NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr,
+                      ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
     """Unscaled Q̄/τ and dŌ of one query tile (``row``, :func:`_bob_row_setup`) over key
-    tiles [lo, hi), with α = ``alpha`` and
-    E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
-    ρ for the corrected P). ROWSUM: P in natural units. SHIFT: dP, G, B are shifted by c, g, b
-    at j* (``_bob_shift_tile``; ``ref`` = (j*, c, g, b), None without SHIFT) and ``delta``,
-    ``alpha``, ``e_ad`` are D − c, α − g and F (``_bob_stats_shift_sweep``)."""
+    tiles [lo, hi), with α = ``alpha`` and E + αD = ``e_ad`` known: dS U_K + R K and
+    H V + P U_V, R and H formed per tile (multiply by ρ for the corrected P). ROWSUM: P in
+    natural units. SHIFT: dP, G, B are shifted by c, g, b at j* (``_bob_shift_tile``; ``ref``
+    = (j*, c, g, b), None without SHIFT) and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g
+    and F (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):

@@ -41,9 +41,9 @@ from .common import (
     _lse_nat,
     _row_off,
     _row_program,
-    _rows,
     _store_view,
     _tile_base,
+    _tile_offsets,
     _tile_base_or,
 )
 
@@ -67,10 +67,7 @@ def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, 
     sequence, with their token strides; K's and V's for an absent cotangent, never read then)
     and the unmasked key tiles [mid_lo, mid_hi) of the key tiles [lo, hi) it visits."""
     shift = n_k - n_q
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
+    offs_m, offs_d, m_ok, rows_m = _tile_offsets(m0, n_q, BLOCK_M, BLOCK_D, LONG)
     row_off = _row_off(RS, b64, h64, q_start64)
     q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)

@@ -24,28 +24,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_probs,
-    _NO_SPECIALIZE,
-    _bob_load_shift,
-    _bob_r,
-    _bob_shift_tile,
-    _bob_store_shift,
-    _dot_acc,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _lse_log2,
-    _lse_nat,
-    _row_off,
-    _row_program,
-    _store_view,
-    _tile_base,
-    _tile_offsets,
-    _tile_base_or,
-)
+from .common import (_key_tile, _row_probs, _NO_SPECIALIZE, _bob_load_shift, _bob_r,
+                     _bob_shift_tile, _bob_store_shift, _dot_acc, _key_tile_range, _load_rowvec,
+                     _load_tile, _load_view, _lse_log2, _lse_nat, _row_off, _row_program,
+                     _store_view, _tile_base, _tile_offsets, _tile_base_or)
 
 
 # --------------------------------------------------------------------------- row-program helpers
@@ -162,7 +144,8 @@ def _bob_stats_shift_sweep(row, lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.cons
                            HAS_G: tl.constexpr, NEED_E: tl.constexpr):
     """The float32 row statistics of one query tile (``row``, :func:`_bob_row_setup`) over key
     tiles [lo, hi) (bob-math.md, "Row sums of the recomputed P"), P̂ = exp(S − L)
-    uncorrected: with j* the key of largest P̂, c, g, b = dP, G, B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
+    uncorrected: with j* the key of largest P̂, c, g, b = dP, G, B there and x = dP − c,
+    y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
     D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
     that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
     cancellation where one key dominates. j*, c, g, b are those of the keys seen so far; when

@@ -16,25 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _NO_SPECIALIZE,
-    _key_tile,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _lse_log2,
-    _lse_nat,
-    _nat_probs,
-    _row_off,
-    _row_probs,
-    _row_program,
-    _store_index,
-    _store_view,
-    _tile_base,
-    _tile_offsets,
-    _visible,
-)
+from .common import (_NO_SPECIALIZE, _key_tile, _key_tile_range, _load_rowvec, _load_tile,
+                     _load_view, _lse_log2, _lse_nat, _nat_probs, _row_off, _row_probs,
+                     _row_program, _store_index, _store_view, _tile_base, _tile_offsets, _visible)
 
 
 @triton.jit

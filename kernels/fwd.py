@@ -9,33 +9,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_scores,
-    LOG2E,
-    _NO_SPECIALIZE,
-    _key_tile_range,
-    _load_tile,
-    _online_softmax_step,
-    _row_base,
-    _row_program,
-    _store_tile,
-    _tile_base,
-    _tile_offsets,
-)
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvec,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .common import (_key_tile, _row_scores, LOG2E, _NO_SPECIALIZE, _key_tile_range, _load_tile,
+                     _online_softmax_step, _row_base, _row_program, _store_tile, _tile_base,
+                     _tile_offsets)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
+                   on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
 
 

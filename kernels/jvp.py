@@ -28,37 +28,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_probs,
-    _row_scores,
-    _NO_SPECIALIZE,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _online_softmax_step,
-    _lse_log2,
-    _row_off,
-    _row_program,
-    _store_tile,
-    _tile_base,
-    _tile_offsets,
-    _tile_base_or,
-)
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvec,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .common import (_key_tile, _row_probs, _row_scores, _NO_SPECIALIZE, _key_tile_range,
+                     _load_rowvec, _load_tile, _load_view, _online_softmax_step, _lse_log2,
+                     _row_off, _row_program, _store_tile, _tile_base, _tile_offsets, _tile_base_or)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
+                   on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
 
 __all__ = ["attn_jvp", "attn_tangent"]

@@ -5,8 +5,10 @@ ttt-flash eager and replayed, the same loop with SDPA math, higher + SDPA math; 
 step and Hessian-vector-product step at batch 1 / 1,024 and batch 8 / 2,048, eager and
 replayed) and two more through Lightning on the GPU, each with cuda_graph false and true:
 ``maml``: recipes/maml_transformer.yaml (steps/s, the first 20 logged training losses);
-``lm_module``: recipes/sophia_gpt.yaml's LanguageModel (Sophia-H, bf16-mixed) at batch 1 / 1,024
-and batch 8 / 2,048 tokens (the plain and the Hessian-refresh steps' times).
+``lm_module``: recipes/sophia_gpt.yaml's LanguageModel (Sophia-H, bf16-mixed, gradient clipping at
+1.0) at batch 1 / 1,024 and batch 8 / 2,048 tokens: the plain and the Hessian-refresh steps' times,
+eager and with cuda_graph (each step one replayed graph: forward, backward, refresh, clipping,
+optimizer update), and whether the logged losses are identical.
 
     python3 scripts/graph_bench.py OUT_DIR [--parts chain,meta,lm,maml,lm_module] [--seq-lens 1024,4096] ...
 
@@ -86,7 +88,9 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
     """recipes/sophia_gpt.yaml's LanguageModel (GPT-2 small shape, byte vocabulary, Sophia-H,
     bf16-mixed) at each (batch, seq_len), cuda_graph false then true: the median time of the
     plain steps and of the Hessian-refresh steps (every ``every`` steps), after the first
-    ``every + 1`` steps (compilation, capture), and the logged losses."""
+    ``every + 1`` steps (compilation, capture), the logged losses, and with cuda_graph the
+    speed-ups and ``losses_identical`` (bitwise). A step is timed from a synchronisation at its
+    start to one at its end, as Lightning runs it (the module's own loop, clipping at 1.0)."""
     import lightning.pytorch as pl
 
     from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
@@ -118,7 +122,7 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
                 rec = Record()
                 trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, precision="bf16-mixed", logger=False,
                                      callbacks=[rec], enable_checkpointing=False, enable_progress_bar=False,
-                                     enable_model_summary=False, limit_val_batches=0)
+                                     enable_model_summary=False, limit_val_batches=0, gradient_clip_val=1.0)
                 trainer.fit(model, data)
                 late = [(s, t) for s, t, _ in rec.rows if s > every]
                 row["plain_ms"] = 1e3 * statistics.median([t for s, t in late if s % every])
@@ -126,7 +130,9 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
                 row["losses"] = [loss for _, _, loss in rec.rows]
                 if flag:
                     row.update(graph_counts(model))
+                    row["whole_step"] = set(model._graphed.graphs) == {"update", "refresh_update"}
         if all("plain_ms" in r for r in pair):
+            pair[1]["losses_identical"] = pair[0]["losses"] == pair[1]["losses"]
             pair[1]["plain_speedup"] = pair[0]["plain_ms"] / pair[1]["plain_ms"]
             pair[1]["refresh_speedup"] = pair[0]["refresh_ms"] / pair[1]["refresh_ms"]
             pair[1]["losses_max_rel_diff"] = max(abs(a - c) / max(abs(a), 1e-30)

@@ -357,7 +357,7 @@ def test_maml_lightning_graphed_run_equals_eager(tmp_path):
 # --------------------------------------------------------------------------- memory and language-model modules
 
 
-def _fit_losses(model, data, accelerator: str, steps: int, key: str, precision=None):
+def _fit_losses(model, data, accelerator: str, steps: int, key: str, precision=None, **trainer_kw):
     import lightning.pytorch as pl
 
     class Losses(pl.Callback):
@@ -370,7 +370,7 @@ def _fit_losses(model, data, accelerator: str, steps: int, key: str, precision=N
     rec = Losses()
     trainer = pl.Trainer(max_steps=steps, accelerator=accelerator, devices=1, logger=False, callbacks=[rec],
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, **({} if precision is None else {"precision": precision}))
+                         limit_val_batches=0, **({} if precision is None else {"precision": precision}), **trainer_kw)
     trainer.fit(model, data)
     return rec.losses, trainer
 
@@ -393,17 +393,17 @@ def _memory_run(cls, cuda_graph: bool, accelerator: str, steps: int = 3):
     return _fit_losses(model, data, accelerator, steps, "train/loss_post")
 
 
-def _lm_run(cuda_graph: bool, accelerator: str, steps: int = 3, precision=None):
+def _lm_run(cuda_graph: bool, accelerator: str, steps: int = 3, precision=None, optimizer="sophiah", **trainer_kw):
     import lightning.pytorch as pl
 
     from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
     from ttt_flash.models import GPTConfig
 
     pl.seed_everything(0, verbose=False)
-    model = LanguageModel(GPTConfig.tiny(n_layer=1, d_model=32, n_head=2), optimizer="sophiah", lr=1e-3,
+    model = LanguageModel(GPTConfig.tiny(n_layer=1, d_model=32, n_head=2), optimizer=optimizer, lr=1e-3,
                           hessian_every=2, warmup_steps=1, cuda_graph=cuda_graph)
     data = ByteTextDataModule(seq_len=16, batch_size=2, max_bytes=2**15, train_batches=steps, val_batches=1)
-    return _fit_losses(model, data, accelerator, steps, "train/loss", precision)
+    return _fit_losses(model, data, accelerator, steps, "train/loss", precision, **trainer_kw)
 
 
 @cpu_only
@@ -436,15 +436,28 @@ def test_memory_modules_graphed_equal_eager(name):
 
 
 @pytest.mark.gpu
-def test_sophia_lm_graphed_plain_and_refresh_steps_equal_eager():
-    eager, _ = _lm_run(False, "gpu", steps=5)
+@pytest.mark.parametrize("optimizer", ["sophiah", "adahessian"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lm_whole_step_graphs_replay_bitwise_equal_to_eager(optimizer, precision):
+    """10 steps (hessian_every=2: 5 refresh and 5 plain steps) with gradient clipping: every
+    step is one replayed graph (update included), the losses, parameters and optimizer state
+    bitwise those of the eager module."""
+    kw = dict(steps=10, precision=precision, optimizer=optimizer, gradient_clip_val=0.5)
+    eager, eager_trainer = _lm_run(False, "gpu", **kw)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        graphed, trainer = _lm_run(True, "gpu", steps=5)
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to eager
+        graphed, trainer = _lm_run(True, "gpu", **kw)
     model = trainer.lightning_module
-    assert set(model._graphed.graphs) == {"step", "refresh"}  # steps 0, 2, 4 refresh the Hessian
-    assert trainer.global_step == 5
-    torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-5)
+    graphs = model._graphed.graphs
+    assert set(graphs) == {"update", "refresh_update"}
+    assert {k: g.eager_calls for k, g in graphs.items()} == {"update": 0, "refresh_update": 0}
+    assert {k: next(iter(g.graphs.values())).replays for k, g in graphs.items()} == {"update": 5, "refresh_update": 5}
+    assert trainer.global_step == 10
+    assert graphed == eager
+    for p, q in zip(eager_trainer.lightning_module.parameters(), model.parameters()):
+        assert torch.equal(p.cpu(), q.cpu())
+    opt = trainer.optimizers[0]
+    assert all(s["step"].item() == 10 and s["hessian_step"].item() == 5 for s in opt.state.values())
 
 
 @pytest.fixture
@@ -473,14 +486,34 @@ def test_graphed_path_of_each_module_equals_eager_on_cpu(graph_as_eager, tmp_pat
     graphed, trainer = _lm_run(True, "cpu", steps=4)
     model = trainer.lightning_module
     calls = {k: g.eager_calls for k, g in model._graphed.graphs.items()}
-    assert calls == {"refresh": 2, "step": 2}  # hessian_every=2: steps 0 and 2 refresh
+    assert calls == {"refresh_update": 2, "update": 2}  # hessian_every=2: steps 0 and 2 refresh
     refresh = next(c for c in trainer.callbacks if type(c).__name__ == "HessianRefresh")
     assert refresh.refreshes == 2
-    torch.testing.assert_close(graphed, eager, rtol=1e-6, atol=0)
+    assert graphed == eager  # the whole step (update included) is the eager step's arithmetic
     # bf16 autocast: the graphed step's backward passes run outside it, as Lightning's eager backward
     eager, _ = _lm_run(False, "cpu", steps=3, precision="bf16-mixed")
     graphed, _ = _lm_run(True, "cpu", steps=3, precision="bf16-mixed")
     assert graphed == eager
+
+
+@pytest.mark.parametrize("optimizer", ["sophiah", "adahessian"])
+def test_lm_whole_step_path_with_clipping_equals_eager_on_cpu(graph_as_eager, optimizer, one_thread):
+    """The whole-step function (host part, then forward, backward, refresh, the Trainer's
+    clipping and the optimizer's device update in one function; Lightning's own clipping and
+    update skipped) gives the eager module's losses and parameters bit for bit."""
+    kw = dict(steps=5, optimizer=optimizer, gradient_clip_val=0.05)
+    eager, eager_trainer = _lm_run(False, "cpu", **kw)
+    graphed, trainer = _lm_run(True, "cpu", **kw)
+    model = trainer.lightning_module
+    assert {k: g.eager_calls for k, g in model._graphed.graphs.items()} == {"refresh_update": 3, "update": 2}
+    assert graphed == eager and trainer.global_step == 5
+    for p, q in zip(eager_trainer.lightning_module.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    opt = trainer.optimizers[0]
+    assert all(isinstance(s["step"], torch.Tensor) and s["step"].item() == 5 for s in opt.state.values())
+    # clipping matters at this gradient_clip_val: without it the run differs
+    unclipped, _ = _lm_run(False, "cpu", steps=5, optimizer=optimizer)
+    assert unclipped[1:] != eager[1:]
 
 
 # --------------------------------------------------------------------------- exact resume with cuda_graph

@@ -435,13 +435,9 @@ def update_hessian(optimizer, full: Unsharded, *, n_samples: int = 1,
                         weight)
     shard_of = dict(zip(full.params, shards))
     with torch.no_grad():
-        for group, p, _ in rows:
-            est = shard_of[names[id(p)]]
-            if est is None:
-                continue
-            state = optimizer._init_state(p)
-            optimizer._absorb_hessian(group, p, state, est)
-            state["hessian_step"] += 1
+        done = [(group, p, shard_of[names[id(p)]]) for group, p, _ in rows if shard_of[names[id(p)]] is not None]
+        optimizer.host_refresh([(g, p) for g, p, _ in done])
+        optimizer.device_refresh([(g, p) for g, p, _ in done], [est for _, _, est in done])
     del op
     for _, _, u in rows:
         u.grad = u.grad.detach()

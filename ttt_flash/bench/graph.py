@@ -336,6 +336,8 @@ def _maml_line(r: dict) -> str:
 def _lm_module_line(r: dict) -> str:
     extra = (f"  plain {r['plain_speedup']:.2f}x  refresh {r['refresh_speedup']:.2f}x  loss max rel diff "
              f"{r['losses_max_rel_diff']:.1e}") if "plain_speedup" in r else ""
+    if "losses_identical" in r:
+        extra += f"  losses identical: {r['losses_identical']}"
     return f" plain {r['plain_ms']:8.2f} ms  refresh {r['refresh_ms']:8.2f} ms{extra}"
 
 

@@ -20,23 +20,52 @@ __all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast"]
 
 
 class StepTimer:
-    """Wall clock and CUDA peak memory of one step: :meth:`start` before, :meth:`log` after."""
+    """Time and CUDA peak memory of one step: :meth:`start` before, :meth:`log` after.
 
-    def __init__(self):
+    On the CPU, and on CUDA by default, the time is the wall clock of the step (on CUDA
+    between two synchronisations). With ``events=True`` on CUDA it is the time between two
+    CUDA events recorded at :meth:`start` and :meth:`log` (the step's span on the GPU
+    stream), read one step late: :meth:`log` logs the previous step's time, whose events
+    have normally completed, so the host never waits for the GPU (a replayed CUDA-graph
+    step keeps running while the host prepares the next). The peak memory is the caching
+    allocator's own count (no synchronisation either).
+    """
+
+    def __init__(self, events: bool = False):
+        self.events = bool(events)
         self._start: Optional[float] = None
+        self._events = None  # this step's (start, end) CUDA events
+        self._pending = None  # the previous step's, read at the next log
 
     def start(self, cuda: bool) -> None:
-        if cuda:
+        if cuda and not self.events:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        elif cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
         self._start = time.perf_counter()
 
     def log(self, module, cuda: bool, batch_size: int) -> Optional[float]:
         """Log ``train/step_time_s`` (and on CUDA ``train/peak_mem_gib``) on ``module``; return
-        the step's seconds (None if :meth:`start` was not called)."""
-        if cuda:
+        the logged seconds (with ``events`` on CUDA the previous step's; None if there is none yet, or if
+        :meth:`start` was not called)."""
+        if cuda and not self.events:
             torch.cuda.synchronize()
             module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
+        elif cuda:
+            module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
+            if self._events is None:
+                return None
+            self._events[1].record()
+            previous, self._pending, self._events = self._pending, self._events, None
+            if previous is None:
+                return None
+            previous[1].synchronize()  # recorded a step ago: normally complete already
+            elapsed = previous[0].elapsed_time(previous[1]) / 1e3
+            module.log("train/step_time_s", elapsed, batch_size=batch_size)
+            return elapsed
         if self._start is None:
             return None
         elapsed = time.perf_counter() - self._start

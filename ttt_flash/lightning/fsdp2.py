@@ -79,7 +79,12 @@ class FSDP2Strategy(ModelParallelStrategy):
                     for p in group["params"]:
                         if p.requires_grad:
                             init(p)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        for opt in self.optimizers:
+            host = getattr(opt, "_host", None)
+            if isinstance(host, dict):
+                host.clear()  # capturable counters were overwritten in place: read them again
+        return checkpoint
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes

@@ -15,7 +15,8 @@
   for training, fixed evenly spaced windows for validation.
 
 Logged: ``train/loss``, ``train/lr``, ``train/step_time_s`` (wall clock of the whole step,
-Hessian refresh included), on CUDA ``train/peak_mem_gib``; with Sophia-H
+Hessian refresh included; with ``cuda_graph=True`` on CUDA the step's span on the GPU stream
+from CUDA events, logged one step late), on CUDA ``train/peak_mem_gib``; with Sophia-H
 ``train/clip_fraction`` (coordinates whose step was clipped); with a second-order optimizer
 ``train/hessian_refresh_s`` (time of the Hessian-vector product and update, without the
 ``create_graph`` backward; 0 on steps without a refresh); ``val/loss`` and ``val/bits_per_token`` (loss / ln 2: bits per
@@ -119,7 +120,11 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             graph once per batch shape, and the Hessian-refresh step (forward, ``create_graph``
             backward, the Hutchinson products with the probes drawn in the graph from
             :class:`HessianRefresh`'s generator) as another, and replay them
-            (docs/cuda-graphs.md); the optimizer step stays eager. The CPU, DDP, context
+            (docs/cuda-graphs.md). With Sophia-H or AdaHessian (built ``capturable=True``) each
+            graph is the whole step: forward, backward, the Hessian refresh on its steps, the
+            Trainer's gradient clipping and the optimizer update; the host only writes the
+            step's learning rate and bias corrections into device tensors and replays. With
+            AdamW the optimizer step stays eager. The CPU, DDP, context
             parallelism, gradient accumulation and ``hessian_mode="fwd_rev"`` run eagerly (one
             warning). Validation stays eager.
 
@@ -192,7 +197,8 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         self.context_parallel_plan = ContextParallelPlan(context_parallel)
         #: Set by :class:`HessianRefresh`: the next backward keeps its graph.
         self.hessian_refresh_pending = False
-        self._timer, self._local = StepTimer(), LocalGradients()
+        # cuda_graph: the step time from CUDA events, one step late (no host synchronisation)
+        self._timer, self._local = StepTimer(events=cuda_graph), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
         self._fsdp2 = FSDP2Steps()
 
@@ -222,6 +228,8 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             kw["eps"] = hp.eps
         if hp.hessian_every is not None and self.second_order:
             kw["k"] = hp.hessian_every
+        if self.second_order:  # cuda_graph: the update is captured with the step (docs/cuda-graphs.md)
+            kw["capturable"] = bool(hp.get("cuda_graph", False))
         if hp.optimizer == "sophiah":
             opt = SophiaH(groups, lr=hp.lr, rho=hp.rho, **kw)
         elif hp.optimizer == "adahessian":
@@ -281,6 +289,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return x, y
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        self._graphed_clipped = False
         self._timer.start(batch[0].is_cuda)
         if self._fsdp2.active and self.hessian_refresh_pending:
             self._fsdp2.begin()  # FSDP2: full parameters through the refresh step (docs/distributed.md)
@@ -390,8 +399,75 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
                     p.grad.copy_(g)
         return loss.detach(), [None if a is None else a.div_(cb.n_samples) for a in acc]
 
+    def _clip_in_graph(self, opt) -> None:
+        """The Trainer's gradient clipping (``gradient_clip_val``), as Lightning runs it after
+        the closure: inside the whole-step graph, where ``configure_gradient_clipping`` skips it."""
+        if self.trainer.gradient_clip_val:
+            self.clip_gradients(opt, gradient_clip_val=self.trainer.gradient_clip_val,
+                                gradient_clip_algorithm=self.trainer.gradient_clip_algorithm)
+
+    def _graphed_update(self, x: Tensor, y: Tensor):
+        """The plain step's whole graph: loss and gradients, clipping, the optimizer update
+        (its device part; the host part ran before the replay)."""
+        opt = self.trainer.optimizers[0]
+        loss = self._graphed_grads(x, y)
+        with outside_autocast(loss):
+            self._clip_in_graph(opt)
+            opt.device_step(opt._trainable())
+        return loss, getattr(opt, "clip_fraction", None)
+
+    def _graphed_refresh_update(self, x: Tensor, y: Tensor):
+        """The Hessian-refresh step's whole graph: loss, gradients, the Hutchinson products,
+        the estimate folded into the optimizer state, clipping, the optimizer update."""
+        opt, _ = self._refresher()
+        pairs = opt._trainable()
+        loss, samples = self._graphed_refresh(x, y)
+        live = [(pair, sample) for pair, sample in zip(pairs, samples) if sample is not None]
+        with outside_autocast(loss):
+            opt.device_refresh([pair for pair, _ in live], [sample for _, sample in live])
+            self._clip_in_graph(opt)
+            opt.device_step(pairs)
+        return loss, getattr(opt, "clip_fraction", None)
+
+    def _whole_step(self, opt) -> bool:
+        """Whether the optimizer update is captured with the step (a capturable second-order
+        optimizer)."""
+        return isinstance(opt, HessianOptimizer) and all(g["capturable"] for g in opt.param_groups)
+
+    def _graphed_whole_step(self, x: Tensor, y: Tensor, opt: HessianOptimizer) -> Tensor:
+        name = "LanguageModel.training_step"
+        pairs = opt._trainable()
+        refresh = self.hessian_refresh_pending
+        gens = []
+        if refresh:
+            _, cb = self._refresher()
+            gens = [cb._probe_generator(opt)]
+            opt.host_refresh(pairs)  # every parameter of the GPT is reached by its loss
+        opt.host_step(pairs)  # counters; learning rate and bias corrections written into device tensors
+        fn, kind = (self._graphed_refresh_update, "refresh_update") if refresh else (self._graphed_update, "update")
+        loss, clip = self._graphed.run(fn, (x, y), [p for _, p in pairs], optimizers=[opt],
+                                       name=name + (" (Hessian refresh)" if refresh else ""), kind=kind,
+                                       generators=gens)
+        if clip is not None:
+            opt.clip_fraction = clip
+        opt.skip_next_update()  # Lightning's optimizer.step(closure) now runs only the closure
+        self._graphed_clipped = True
+        if refresh:
+            self.hessian_refresh_pending = False
+            cb.refreshes += 1
+        return loss.clone()
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        if getattr(self, "_graphed_clipped", False):
+            self._graphed_clipped = False  # clipped inside the whole-step graph
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     def _graphed_step(self, x: Tensor, y: Tensor) -> Tensor:
         name = "LanguageModel.training_step"
+        opt = self.trainer.optimizers[0]
+        if self._whole_step(opt):
+            return self._graphed_whole_step(x, y, opt)
         if not self.hessian_refresh_pending:
             return self._graphed.run(self._graphed_grads, (x, y), self.model.parameters(), name=name).clone()
         opt, cb = self._refresher()

@@ -43,6 +43,14 @@ and averages the local estimates over processes (weighted by ``weight``), so eve
 holds the estimate one process would get on the global batch; the gradients themselves must
 be averaged by the caller (:func:`ttt_flash.distributed.average_gradients`; docs/distributed.md).
 
+**Capturable** (``capturable=True``, for CUDA graphs; docs/cuda-graphs.md): the step counters
+``state["step"]`` and ``state["hessian_step"]`` are 0-dim float32 tensors on the parameters'
+device, and every update is a host part (:meth:`~SophiaH.host_step`: checks, a host mirror of
+the counters, the step's learning-rate and bias-correction terms written into 0-dim device
+tensors in place) and a device part (:meth:`~SophiaH.device_step`: tensor operations only, no
+``.item()`` and no branch on a tensor's value), which a CUDA graph captures once and replays
+after each step's host part. Both settings run the same kernels: the numbers are identical.
+
 Imports torch, :mod:`ttt_flash.second_order.hessian` and
 :mod:`ttt_flash.distributed`.
 """
@@ -51,7 +59,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -104,15 +112,66 @@ class HessianOptimizer(torch.optim.Optimizer):
         defaults["k"] = _check_k(defaults["k"])
         if defaults["probe"] not in PROBES:
             raise ValueError(f"probe must be one of {PROBES}, got {defaults['probe']!r}")
+        if not isinstance(defaults.get("capturable", False), bool):
+            raise TypeError(f"capturable must be a bool, got {type(defaults['capturable']).__name__}")
+        defaults.setdefault("capturable", False)
         super().__init__(params, defaults)
+        # Host-side mirror of the device step counters of capturable groups: param -> [step,
+        # hessian_step]. Filled from the state once (one read per parameter) after a load.
+        self._host: Dict[Tensor, List[int]] = {}
+        # The step's scalars (learning-rate and bias-correction terms) as 0-dim tensors on the
+        # parameters' devices, written in place by the host before every update:
+        # (group index, dtype, device, slot) -> tuple of tensors.
+        self._scalars: Dict[tuple, Tuple[Tensor, ...]] = {}
+        self._prepared: Optional[List[Tuple[Tensor, ...]]] = None
+        self._skip_update = False
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        capturable = [g["capturable"] for g in self.param_groups]
+        # torch casts every floating state tensor but ``step`` to its parameter's dtype: keep
+        # the saved Hessian counter as saved (a bf16 counter stops counting at 256).
+        saved = {pid: s["hessian_step"] for pid, s in state_dict["state"].items() if "hessian_step" in s}
+        super().load_state_dict(state_dict)
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        by_id = dict(zip(ids, (p for g in self.param_groups for p in g["params"])))
+        for pid, value in saved.items():
+            if by_id.get(pid) in self.state:
+                self.state[by_id[pid]]["hessian_step"] = value
+        with torch.no_grad():
+            for group, flag in zip(self.param_groups, capturable):
+                group["capturable"] = flag  # the flag this optimizer was built with, not the checkpoint's
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if not state:
+                        continue
+                    for key in ("step", "hessian_step"):
+                        value = state[key]
+                        if flag:
+                            state[key] = torch.as_tensor(value, dtype=torch.float32).to(p.device).clone()
+                        elif isinstance(value, Tensor):
+                            state[key] = int(value.item())
+        self._host = {}
+        self._scalars = {}
+        self._prepared = None
 
     # ------------------------------------------------------------------ schedule
 
+    def _counts(self, group, p) -> List[int]:
+        """[step, hessian_step] of ``p`` on the host: the state's ints, or for a capturable
+        group the host mirror of its device counters (read from them once after a load)."""
+        state = self.state.get(p)
+        if not group["capturable"]:
+            return [int(state["step"]), int(state["hessian_step"])] if state else [0, 0]
+        counts = self._host.get(p)
+        if counts is None:
+            counts = [int(state["step"]), int(state["hessian_step"])] if state else [0, 0]
+            self._host[p] = counts
+        return counts
+
     def _group_steps(self, group) -> int:
         for p in group["params"]:
-            state = self.state.get(p)
-            if state:
-                return int(state["step"])
+            if self.state.get(p):
+                return self._counts(group, p)[0]
         return 0
 
     @property
@@ -121,11 +180,19 @@ class HessianOptimizer(torch.optim.Optimizer):
         steps 0, k, 2k, ... (counted before the step) of any param group."""
         return any(self._group_steps(g) % g["k"] == 0 for g in self.param_groups)
 
+    def _capturable_param(self, p: Tensor) -> bool:
+        return any(g["capturable"] for g in self.param_groups if any(q is p for q in g["params"]))
+
     def _init_state(self, p: Tensor) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = 0
-            state["hessian_step"] = 0
+            if self._capturable_param(p):  # device counters: a captured step advances them
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["hessian_step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                self._host[p] = [0, 0]
+            else:
+                state["step"] = 0
+                state["hessian_step"] = 0
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state[self._hessian_state_key] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -134,6 +201,11 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     def _trainable(self) -> List[Tuple[dict, Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def param_pairs(self) -> List[Tuple[dict, Tensor]]:
+        """(param group, parameter) pairs of every parameter that requires grad, in the
+        groups' order: the ``pairs`` of :meth:`host_step` / :meth:`device_step`."""
+        return self._trainable()
 
     def update_hessian(
         self,
@@ -231,9 +303,9 @@ class HessianOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for i in live:
                 group, p = pairs[i]
-                state = self._init_state(p)
-                self._absorb_hessian(group, p, state, acc[i].div_(n_samples))
-                state["hessian_step"] += 1
+                self._init_state(p)
+            self.host_refresh([pairs[i] for i in live])
+            self.device_refresh([pairs[i] for i in live], [acc[i].div_(n_samples) for i in live])
         del op
         if loss is None:
             for _, p in pairs:
@@ -243,9 +315,102 @@ class HessianOptimizer(torch.optim.Optimizer):
     def _absorb_hessian(self, group: dict, p: Tensor, state: dict, diag: Tensor) -> None:
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ host / device split
+    #
+    # An update is a host part (counters, checks, the step's scalars written into 0-dim
+    # device tensors) and a device part (only tensor operations: no .item(), no branch on
+    # tensor values), so that the device part can be captured in a CUDA graph and replayed
+    # after the host part of each step (ttt_flash.lightning.lm.LanguageModel(cuda_graph=True)).
+    # step() runs both; the eager and the captured update run the same kernels.
+
+    def host_refresh(self, pairs: List[Tuple[dict, Tensor]]) -> None:
+        """Host part of a Hessian refresh of ``pairs`` ((group, param) pairs): their states
+        exist and, for capturable groups, the host mirror counts the refresh."""
+        for group, p in pairs:
+            self._init_state(p)
+            if group["capturable"]:
+                self._counts(group, p)[1] += 1
+
+    def device_refresh(self, pairs: List[Tuple[dict, Tensor]], diags: List[Tensor]) -> None:
+        """Device part of a Hessian refresh: fold each diagonal estimate (shaped like its
+        parameter) into the state and count it (``hessian_step``). Capturable."""
+        with torch.no_grad():
+            for (group, p), diag in zip(pairs, diags):
+                state = self.state[p]
+                self._absorb_hessian(group, p, state, diag)
+                state["hessian_step"] += 1
+
+    def _host_scalars(self, group: dict, step: int, hessian_step: int) -> Tuple[float, ...]:
+        """The step's scalars of a parameter at (step, hessian_step), as Python floats."""
+        raise NotImplementedError
+
+    def host_step(self, pairs: List[Tuple[dict, Tensor]]) -> None:
+        """Host part of an update of ``pairs`` ((group, param) pairs): checks that each has a
+        Hessian estimate, advances the step counters (the host ones; a capturable group's
+        device counters advance in :meth:`device_step`) and writes the step's scalars
+        (learning rate, weight-decay factor, bias corrections) into 0-dim tensors on the
+        parameters' devices, in place (``fill_``: no synchronisation).
+
+        Raises:
+            RuntimeError: a parameter to update has no Hessian estimate yet.
+        """
+        index = {id(g): i for i, g in enumerate(self.param_groups)}
+        slots: Dict[tuple, tuple] = {}
+        prepared = []
+        for group, p in pairs:
+            state = self._init_state(p)
+            counts = self._counts(group, p)
+            if counts[1] == 0:
+                raise RuntimeError(
+                    f"{type(self).__name__}.step(): a parameter of shape {tuple(p.shape)} has no "
+                    "Hessian estimate yet. Refresh it before the first step: "
+                    "loss.backward(create_graph=True) then step() (refreshed when hessian_due), "
+                    "or optimizer.update_hessian() / update_hessian(loss) (see ttt_flash.second_order.optim)"
+                )
+            if group["capturable"]:
+                counts[0] += 1
+            else:
+                state["step"] += 1
+                counts[0] += 1
+            gi = index[id(group)]
+            key = (gi, p.dtype, p.device, counts[0], counts[1])
+            if key not in slots:  # one set of scalars per distinct (group, dtype, device, counts)
+                slot = sum(1 for k in slots if k[:3] == key[:3])
+                cache_key = (gi, p.dtype, p.device, slot)
+                values = self._host_scalars(group, counts[0], counts[1])
+                tensors = self._scalars.get(cache_key)
+                if tensors is None:
+                    tensors = tuple(torch.zeros((), dtype=p.dtype, device=p.device) for _ in values)
+                    self._scalars[cache_key] = tensors
+                for t, v in zip(tensors, values):
+                    t.fill_(v)
+                slots[key] = tensors
+            prepared.append(slots[key])
+        self._prepared = prepared
+
+    def device_step(self, pairs: List[Tuple[dict, Tensor]]) -> None:
+        """Device part of the update of ``pairs`` (after :meth:`host_step` on the same
+        pairs): advances a capturable group's device step counters and updates every
+        parameter from ``p.grad`` with the scalars :meth:`host_step` wrote. Only tensor
+        operations: capturable in a CUDA graph, replayed after each step's
+        :meth:`host_step`."""
+        if self._prepared is None or len(self._prepared) != len(pairs):
+            raise RuntimeError(f"{type(self).__name__}.device_step() needs host_step() on the same parameters first")
+        with torch.no_grad():
+            for (group, p), scalars in zip(pairs, self._prepared):
+                state = self.state[p]
+                if group["capturable"]:
+                    state["step"] += 1
+                self._update(group, p, p.grad, state, scalars)
+
+    def skip_next_update(self) -> None:
+        """The next :meth:`step` only runs its closure (and returns its loss): this step's
+        update already ran, e.g. in a replayed CUDA graph after :meth:`host_step`."""
+        self._skip_update = True
+
     # ------------------------------------------------------------------ step
 
-    def _update(self, group: dict, p: Tensor, grad: Tensor, state: dict) -> None:
+    def _update(self, group: dict, p: Tensor, grad: Tensor, state: dict, scalars: Tuple[Tensor, ...]) -> None:
         raise NotImplementedError
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None):
@@ -262,6 +427,9 @@ class HessianOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._skip_update:
+            self._skip_update = False
+            return loss
         pairs = [(g, p) for g, p in self._trainable() if p.grad is not None]
         if any(p.grad.requires_grad for _, p in pairs):
             if self.hessian_due:
@@ -269,20 +437,12 @@ class HessianOptimizer(torch.optim.Optimizer):
             else:
                 for _, p in pairs:
                     p.grad = p.grad.detach()
+        for _, p in pairs:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         with torch.no_grad():
-            for group, p in pairs:
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._init_state(p)
-                if state["hessian_step"] == 0:
-                    raise RuntimeError(
-                        f"{type(self).__name__}.step(): a parameter of shape {tuple(p.shape)} has no "
-                        "Hessian estimate yet. Refresh it before the first step: "
-                        "loss.backward(create_graph=True) then step() (refreshed when hessian_due), "
-                        "or optimizer.update_hessian() / update_hessian(loss) (see ttt_flash.second_order.optim)"
-                    )
-                state["step"] += 1
-                self._update(group, p, p.grad, state)
+            self.host_step(pairs)
+            self.device_step(pairs)
         return loss
 
 
@@ -310,6 +470,9 @@ class SophiaH(HessianOptimizer):
         k: refresh the Hessian estimate every k steps.
         eps: ε, floor of ρ·h.
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+        capturable: keep the step counters as device tensors and read no tensor value on the
+            host in the update, so that :meth:`device_step` can be captured in a CUDA graph
+            (the module docstring, "Capturable"). Same numbers either way.
 
     Defaults are those of the authors' release (lr 1e-4, betas (0.965, 0.99), rho 0.04,
     weight decay 0.1, k = 10). The released Sophia-G multiplies h by the tokens per
@@ -343,6 +506,7 @@ class SophiaH(HessianOptimizer):
         k: int = 10,
         eps: float = 1e-15,
         probe: str = "rademacher",
+        capturable: bool = False,
     ):
         defaults = dict(
             lr=_check_real("lr", lr, 0.0),
@@ -352,6 +516,7 @@ class SophiaH(HessianOptimizer):
             k=k,
             eps=_check_real("eps", eps, 0.0, lo_open=True),
             probe=probe,
+            capturable=capturable,
         )
         super().__init__(params, defaults)
         self.clip_fraction: Optional[Tensor] = None
@@ -362,27 +527,31 @@ class SophiaH(HessianOptimizer):
         beta2 = group["betas"][1]
         state["hessian"].mul_(beta2).add_(diag.to(p.dtype), alpha=1 - beta2)
 
-    def _update(self, group, p, grad, state):
-        beta1 = group["betas"][0]
+    def _host_scalars(self, group, step, hessian_step):
         lr = group["lr"]
+        return (1 - lr * group["weight_decay"], -lr)
+
+    def _update(self, group, p, grad, state, scalars):
+        decay, neg_lr = scalars  # 0-dim tensors: 1 − lr·λ and −lr
+        beta1 = group["betas"][0]
         m = state["exp_avg"]
         if group["weight_decay"] != 0:
-            p.mul_(1 - lr * group["weight_decay"])
+            p.mul_(decay)
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
         ratio = (m.abs() / (group["rho"] * state["hessian"]).clamp_min(group["eps"])).clamp_max_(1.0)
         self._clipped.append((ratio >= 1.0).sum())
         self._counted += ratio.numel()
-        p.addcmul_(m.sign(), ratio, value=-lr)
+        p.addcmul_(m.sign().mul_(neg_lr), ratio)  # θ − lr·sign(m)·ratio (sign(m)·lr is exact)
 
-    def step(self, closure: Optional[Callable[[], Tensor]] = None):
+    def device_step(self, pairs):
         self._clipped, self._counted = [], 0
-        loss = super().step(closure)
+        super().device_step(pairs)
         if self._clipped:
             self.clip_fraction = torch.stack(self._clipped).sum() / self._counted
         self._clipped = []
-        return loss
 
-    step.__doc__ = HessianOptimizer.step.__doc__
+    device_step.__doc__ = HessianOptimizer.device_step.__doc__ + """
+        Sets :attr:`clip_fraction` (a 0-dim tensor)."""
 
 
 class AdaHessian(HessianOptimizer):
@@ -410,6 +579,7 @@ class AdaHessian(HessianOptimizer):
         k: refresh the Hessian estimate every k steps (the bias correction counts refreshes).
         spatial_average: average conv kernels' Hessian diagonals spatially.
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+        capturable: as in :class:`SophiaH`.
 
     Defaults are the authors' (lr 0.15, betas (0.9, 0.999), eps 1e-4, no weight decay,
     hessian_power 1).
@@ -428,6 +598,7 @@ class AdaHessian(HessianOptimizer):
         k: int = 1,
         spatial_average: bool = True,
         probe: str = "rademacher",
+        capturable: bool = False,
     ):
         if not isinstance(spatial_average, bool):
             raise TypeError(f"spatial_average must be a bool, got {type(spatial_average).__name__}")
@@ -440,6 +611,7 @@ class AdaHessian(HessianOptimizer):
             k=k,
             spatial_average=spatial_average,
             probe=probe,
+            capturable=capturable,
         )
         super().__init__(params, defaults)
 
@@ -450,14 +622,19 @@ class AdaHessian(HessianOptimizer):
         diag = diag.to(p.dtype)
         state["exp_hessian_diag_sq"].mul_(beta2).addcmul_(diag, diag, value=1 - beta2)
 
-    def _update(self, group, p, grad, state):
+    def _host_scalars(self, group, step, hessian_step):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
+        bias1 = 1 - beta1 ** step
+        bias2 = 1 - beta2 ** hessian_step
+        return (math.sqrt(bias2), 1 - lr * group["weight_decay"], -lr / bias1)
+
+    def _update(self, group, p, grad, state, scalars):
+        sqrt_bias2, decay, neg_step = scalars  # 0-dim tensors: √(1 − β₂ˢ), 1 − lr·λ, −lr / (1 − β₁ᵗ)
+        beta1 = group["betas"][0]
         m, v = state["exp_avg"], state["exp_hessian_diag_sq"]
         m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        bias1 = 1 - beta1 ** state["step"]
-        bias2 = 1 - beta2 ** state["hessian_step"]
-        denom = (v.sqrt() / math.sqrt(bias2)).pow_(group["hessian_power"]).add_(group["eps"])
+        denom = v.sqrt().div_(sqrt_bias2).pow_(group["hessian_power"]).add_(group["eps"])
         if group["weight_decay"] != 0:
-            p.mul_(1 - lr * group["weight_decay"])
-        p.addcdiv_(m, denom, value=-lr / bias1)
+            p.mul_(decay)
+        p.add_(m.mul(neg_step).div_(denom))

@@ -21,19 +21,8 @@ from .bob_col import _bob_col_kernel
 from .bob_row import (_bob_direct_kernel, _bob_direct_shift_kernel, _bob_stats_kernel,
                       _bob_stats_shift_kernel)
 from .common import LOG2E
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvecs,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvecs,
+                   on_input_device, prep, rowvec_strides, view)
 
 
 @on_input_device

@@ -48,12 +48,10 @@ def _bob_affine_kernel(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
-    shift = n_k - n_q
-    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+    offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
-        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
+        window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+        LONG, HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     a_dsuk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_tk = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -67,10 +65,8 @@ def _bob_affine_kernel(
     r_b = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3],
-            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, ROWSUM)
+            row, start_n, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E, ROWSUM)
         if ROWSUM:
             r_p += tl.sum(p, 1)
         pg = p

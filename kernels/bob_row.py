@@ -24,27 +24,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_probs,
-    _NO_SPECIALIZE,
-    _bob_load_shift,
-    _bob_r,
-    _bob_shift_tile,
-    _bob_store_shift,
-    _dot_acc,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _lse_log2,
-    _lse_nat,
-    _row_off,
-    _row_program,
-    _rows,
-    _store_view,
-    _tile_base,
-)
+from .common import (_key_tile, _row_probs, _NO_SPECIALIZE, _bob_load_shift, _bob_r,
+                     _bob_shift_tile, _bob_store_shift, _dot_acc, _key_tile_range, _load_rowvec,
+                     _load_tile, _load_view, _lse_log2, _lse_nat, _row_off, _row_program,
+                     _store_view, _tile_base, _tile_offsets, _tile_base_or)
 
 
 # --------------------------------------------------------------------------- row-program helpers
@@ -52,21 +35,21 @@ from .common import (
 
 @triton.jit
 def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0,
-                   n_q, n_k, shift, window, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-                   WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                   HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
-                   ROWSUM: tl.constexpr):
-    """What every row program sets up first: (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq,
-    lse2, k_base, v_base, uk_base, uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi): the
-    query tile's Q, dO (and U_Q; q itself without HAS_UQ, never read then), L in log2 units or
-    with ROWSUM in natural units (common.py, ``_nat_probs``), the key-side bases (K, V, U_K,
-    U_V of its kv head and sequence, with their token strides; K's and V's for an absent
-    cotangent, never read then) and the key tiles it visits."""
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
+                   n_q, n_k, window, scale, qk_scale, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                   LONG: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
+                   HAS_UV: tl.constexpr, ROWSUM: tl.constexpr):
+    """What every row program sets up first: (offs_m, offs_d, m_ok, rows_m, row_off, lo, hi,
+    row). ``row`` is the tuple :func:`_bob_row_tile` reads: (q, do, uq, lse2, k_base, v_base,
+    uk_base, uv_base, stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d, mid_lo,
+    mid_hi, n_q, n_k, shift, window, scale, qk_scale): the query tile's Q, dO (and U_Q; q
+    itself without HAS_UQ, never read then), L in log2 units or with ROWSUM in natural units
+    (common.py, ``_nat_probs``), the key-side bases (K, V, U_K, U_V of its kv head and
+    sequence, with their token strides; K's and V's for an absent cotangent, never read then)
+    and the unmasked key tiles [mid_lo, mid_hi) of the key tiles [lo, hi) it visits."""
+    shift = n_k - n_q
+    offs_m, offs_d, m_ok, rows_m = _tile_offsets(m0, n_q, BLOCK_M, BLOCK_D, LONG)
     row_off = _row_off(RS, b64, h64, q_start64)
     q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
@@ -79,33 +62,28 @@ def _bob_row_setup(Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, 
         lse2 = _lse_log2(_load_rowvec(LSE + row_off, offs_m, m_ok, True))
     k_base = _tile_base(K, b64, hk64, k_start64)
     v_base = _tile_base(V, b64, hk64, k_start64)
-    uk_base, stride_ukn = k_base, K[3]  # U_K's where given (else never read)
-    if HAS_UK:
-        uk_base = _tile_base(UK, b64, hk64, k_start64)
-        stride_ukn = UK[3]
-    uv_base, stride_uvn = v_base, V[3]
-    if HAS_UV:
-        uv_base = _tile_base(UV, b64, hk64, k_start64)
-        stride_uvn = UV[3]
+    uk_base, stride_ukn = _tile_base_or(UK, b64, hk64, k_start64, k_base, K[3], HAS_UK)
+    uv_base, stride_uvn = _tile_base_or(UV, b64, hk64, k_start64, v_base, V[3], HAS_UV)
     lo, mid_lo, mid_hi, hi = _key_tile_range(m0, n_q, n_k, shift, window, BLOCK_M, BLOCK_N,
                                              CAUSAL, WINDOW)
-    return (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base,
-            uv_base, stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi)
+    row = (q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
+           stride_uvn, offs_m, offs_d, mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale)
+    return offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row
 
 
 @triton.jit
-def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-                  stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d, start_n,
-                  mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW: tl.constexpr, EVEN_D: tl.constexpr, LONG: tl.constexpr,
-                  PREC: tl.constexpr, HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr,
-                  HAS_UV: tl.constexpr, HAS_G: tl.constexpr, NEED_DP: tl.constexpr,
-                  ROWSUM: tl.constexpr):
-    """Key tile [start_n, start_n + BLOCK_N) of a row program: loads K, V (U_K, U_V) and
-    returns (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo,
-    mid_hi); with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when
-    HAS_G. Absent values are placeholders (never read)."""
+def _bob_row_tile(row, start_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                  LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                  HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                  NEED_DP: tl.constexpr, ROWSUM: tl.constexpr):
+    """Key tile [start_n, start_n + BLOCK_N) of a row program (``row``: what
+    :func:`_bob_row_setup` set up): loads K, V (U_K, U_V) and returns
+    (k, v, uk, uv, p, dp, g, b_tile), (queries x keys): P (masked outside [mid_lo, mid_hi);
+    with ROWSUM from L in natural units), dP and B when NEED_DP, G (scaled by τ) when HAS_G.
+    Absent values are placeholders (never read)."""
+    (q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn, stride_ukn,
+     stride_uvn, offs_m, offs_d, mid_lo, mid_hi, n_q, n_k, shift, window, scale, qk_scale) = row
     offs_n, n_ok, rows, k = _key_tile(k_base, stride_kn, start_n, n_k, offs_d, HEAD_DIM,
                                   BLOCK_N, EVEN_D, LONG)
     v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
@@ -141,17 +119,33 @@ def _bob_row_tile(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
 
 
 @triton.jit
-def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-                           stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-                           lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                           LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
-                           HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
-                           NEED_E: tl.constexpr):
-    """The float32 row statistics of one query tile (bob-math.md, "Row sums of the
-    recomputed P"), P̂ = exp(S − L) uncorrected: with j* the key of largest P̂, c, g, b = dP, G,
-    B there and x = dP − c, y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
+def _bob_row_sums(p, g, dp, b_tile, r_alpha, r_e, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                  NEED_E: tl.constexpr):
+    """The statistics sweeps' row sums of one key tile: (r_alpha + rowsum(P∘G), r_e +
+    rowsum(P∘(G∘dP + B))), the terms present (HAS_G, HAS_UV; E only with NEED_E). The shifted
+    sweep passes G − g, dP − c, B − b."""
+    if HAS_G:
+        r_alpha += tl.sum(p * g, 1)
+        if NEED_E:
+            if HAS_UV:
+                r_e += tl.sum(p * (g * dp + b_tile), 1)
+            else:
+                r_e += tl.sum(p * (g * dp), 1)
+    elif NEED_E:
+        r_e += tl.sum(p * b_tile, 1)
+    return r_alpha, r_e
+
+
+@triton.jit
+def _bob_stats_shift_sweep(row, lo, hi, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                           EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+                           HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
+                           HAS_G: tl.constexpr, NEED_E: tl.constexpr):
+    """The float32 row statistics of one query tile (``row``, :func:`_bob_row_setup`) over key
+    tiles [lo, hi) (bob-math.md, "Row sums of the recomputed P"), P̂ = exp(S − L)
+    uncorrected: with j* the key of largest P̂, c, g, b = dP, G, B there and x = dP − c,
+    y = G − g, z = B − b (0 at j*), it forms ρ = 1 / rowsum(P̂),
     D − c = rowsum(P x), α − g = rowsum(P y) and F = rowsum(P (y x + z)) − (α − g)(D − c), so
     that R = P∘((y − (α − g))∘(x − (D − c)) + z − F) and H = P∘(y − (α − g)) lose nothing to
     cancellation where one key dominates. j*, c, g, b are those of the keys seen so far; when
@@ -169,10 +163,8 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
-            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, True)
+            row, start_n, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E, True)
         offs_n = start_n + tl.arange(0, BLOCK_N)
         t_max = tl.max(p, 1)
         t_arg = start_n + tl.argmax(p, 1).to(tl.int32)
@@ -198,15 +190,7 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
         m = tl.maximum(m, t_max)
         dom = offs_n[None, :] == jstar[:, None]
         x, y, z = _bob_shift_tile(dp, g, b_tile, dom, cref, gref, bref, HAS_UV, HAS_G, NEED_E)
-        if HAS_G:
-            r_y += tl.sum(p * y, 1)
-            if NEED_E:
-                if HAS_UV:
-                    r_e += tl.sum(p * (y * x + z), 1)
-                else:
-                    r_e += tl.sum(p * (y * x), 1)
-        elif NEED_E:
-            r_e += tl.sum(p * z, 1)
+        r_y, r_e = _bob_row_sums(p, y, x, z, r_y, r_e, HAS_UV, HAS_G, NEED_E)
         if NEED_E:
             r_x += tl.sum(p * x, 1)
         r_p += tl.sum(p, 1)
@@ -218,61 +202,46 @@ def _bob_stats_shift_sweep(q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
 
 
 @triton.jit
-def _bob_stats_sweep(q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base,
-                     stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-                     lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
-                     LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+def _bob_stats_sweep(row, lo, hi, delta, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                     EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
+                     HAS_UQ: tl.constexpr,
                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
                      NEED_E: tl.constexpr):
-    """Row statistics of one query tile over key tiles [lo, hi), 16-bit inputs: (α, E + αD).
-    Without NEED_E (neither Q̄ nor K̄ wanted) E is not formed."""
+    """Row statistics of one query tile (``row``, :func:`_bob_row_setup`) over key tiles
+    [lo, hi), 16-bit inputs: (α, E + αD). Without NEED_E (neither Q̄ nor K̄ wanted) E is not
+    formed."""
     r_alpha = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_e = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
-            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E, False)
-        if HAS_G:
-            r_alpha += tl.sum(p * g, 1)
-            if NEED_E:
-                if HAS_UV:
-                    r_e += tl.sum(p * (g * dp + b_tile), 1)
-                else:
-                    r_e += tl.sum(p * (g * dp), 1)
-        elif NEED_E:
-            r_e += tl.sum(p * b_tile, 1)
+            row, start_n, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_E, False)
+        r_alpha, r_e = _bob_row_sums(p, g, dp, b_tile, r_alpha, r_e, HAS_UV, HAS_G, NEED_E)
     e_ad = r_e - r_alpha * delta  # E + αD = rowsum(P∘(G∘dP + B)) − αD
     return r_alpha, e_ad
 
 
 @triton.jit
-def _bob_direct_sweep(q, do, uq, lse2, delta, alpha, e_ad, ref, k_base, v_base, uk_base,
-                      uv_base,
-                      stride_kn, stride_vn, stride_ukn, stride_uvn, offs_m, offs_d,
-                      lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                      EVEN_D: tl.constexpr, LONG: tl.constexpr, PREC: tl.constexpr,
-                      HAS_UQ: tl.constexpr, HAS_UK: tl.constexpr, HAS_UV: tl.constexpr,
-                      HAS_G: tl.constexpr, NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr,
-                      SPLIT: tl.constexpr, ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
-    """Unscaled Q̄/τ and dŌ of one query tile over key tiles [lo, hi), with α = ``alpha`` and
-    E + αD = ``e_ad`` known: dS U_K + R K and H V + P U_V, R and H formed per tile (multiply by
-    ρ for the corrected P). ROWSUM: P in natural units. SHIFT: dP, G, B are shifted by c, g, b
-    at j* (``_bob_shift_tile``; ``ref`` = (j*, c, g, b), None without SHIFT) and ``delta``,
-    ``alpha``, ``e_ad`` are D − c, α − g and F (``_bob_stats_shift_sweep``)."""
+def _bob_direct_sweep(row, lo, hi, delta, alpha, e_ad, ref, HEAD_DIM: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CAUSAL: tl.constexpr, WINDOW: tl.constexpr, EVEN_D: tl.constexpr,
+                      LONG: tl.constexpr, PREC: tl.constexpr, HAS_UQ: tl.constexpr,
+                      HAS_UK: tl.constexpr, HAS_UV: tl.constexpr, HAS_G: tl.constexpr,
+                      NEED_QB: tl.constexpr, NEED_DOB: tl.constexpr, SPLIT: tl.constexpr,
+                      ROWSUM: tl.constexpr, SHIFT: tl.constexpr):
+    """Unscaled Q̄/τ and dŌ of one query tile (``row``, :func:`_bob_row_setup`) over key
+    tiles [lo, hi), with α = ``alpha`` and E + αD = ``e_ad`` known: dS U_K + R K and
+    H V + P U_V, R and H formed per tile (multiply by ρ for the corrected P). ROWSUM: P in
+    natural units. SHIFT: dP, G, B are shifted by c, g, b at j* (``_bob_shift_tile``; ``ref``
+    = (j*, c, g, b), None without SHIFT) and ``delta``, ``alpha``, ``e_ad`` are D − c, α − g
+    and F (``_bob_stats_shift_sweep``)."""
     a_qb = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     a_dob = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k, v, uk, uv, p, dp, g, b_tile = _bob_row_tile(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, stride_kn, stride_vn,
-            stride_ukn, stride_uvn, offs_m, offs_d, start_n, mid_lo, mid_hi, n_q, n_k, shift,
-            window, scale, qk_scale, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, ROWSUM)
+            row, start_n, HEAD_DIM, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
+            HAS_UV, HAS_G, NEED_QB, ROWSUM)
         if SHIFT:
             dom = (start_n + tl.arange(0, BLOCK_N))[None, :] == ref[0][:, None]
             dp, g, b_tile = _bob_shift_tile(dp, g, b_tile, dom, ref[1], ref[2], ref[3], HAS_UV,
@@ -333,18 +302,14 @@ def _bob_stats_kernel(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
-    shift = n_k - n_q
-    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+    offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
-        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, HAS_UK, HAS_UV, False)
+        window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+        LONG, HAS_UQ, HAS_UK, HAS_UV, False)
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     alpha, e_ad = _bob_stats_sweep(
-        q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
-        stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
-        qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK,
-        HAS_UV, HAS_G, NEED_E)
+        row, lo, hi, delta, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
     _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
 
 
@@ -365,17 +330,13 @@ def _bob_stats_shift_kernel(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
-    shift = n_k - n_q
-    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+    offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
-        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, HAS_UK, HAS_UV, True)
+        window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+        LONG, HAS_UQ, HAS_UK, HAS_UV, True)
     alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
-        q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
-        offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale, HEAD_DIM,
-        BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G,
-        NEED_E)
+        row, lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ,
+        HAS_UK, HAS_UV, HAS_G, NEED_E)
     _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
     _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
 
@@ -401,19 +362,15 @@ def _bob_direct_kernel(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
-    shift = n_k - n_q
-    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+    offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
-        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
+        window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+        LONG, HAS_UQ, HAS_UK, HAS_UV, ROWSUM)
     delta = _load_rowvec(DELTA + row_off, offs_m, m_ok, True)
     if STATS_FIRST:
         alpha, e_ad = _bob_stats_sweep(
-            q, do, uq, lse2, delta, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn,
-            stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale,
-            qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ,
-            HAS_UK, HAS_UV, HAS_G, NEED_E)
+            row, lo, hi, delta, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
+            HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_E)
         if WRITE_STATS:
             _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
     else:
@@ -424,10 +381,9 @@ def _bob_direct_kernel(
     else:
         rho = tl.full([BLOCK_M], 1.0, tl.float32)
     a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, delta, alpha, e_ad, None, k_base, v_base, uk_base, uv_base, K[3], V[3],
-        stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window,
-        scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC,
-        HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, ROWSUM, False)
+        row, lo, hi, delta, alpha, e_ad, None, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL,
+        WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT,
+        ROWSUM, False)
     _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
                       HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)
 
@@ -451,18 +407,14 @@ def _bob_direct_shift_kernel(
         CU, N_Q, N_K, GROUPS, BLOCK_M, CAUSAL, IS_VARLEN)
     if m0 >= n_q:
         return
-    shift = n_k - n_q
-    (offs_m, offs_d, m_ok, rows_m, row_off, q, do, uq, lse2, k_base, v_base, uk_base, uv_base,
-     stride_ukn, stride_uvn, lo, mid_lo, mid_hi, hi) = _bob_row_setup(
+    offs_m, offs_d, m_ok, rows_m, row_off, lo, hi, row = _bob_row_setup(
         Q, K, V, DO, UQ, UK, UV, LSE, RS, b64, h64, hk64, q_start64, k_start64, m0, n_q, n_k,
-        shift, window, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG,
-        HAS_UQ, HAS_UK, HAS_UV, True)
+        window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW, EVEN_D,
+        LONG, HAS_UQ, HAS_UK, HAS_UV, True)
     if STATS_FIRST:
         alpha, e_ad, rho, jstar, cref, gref, bref, dtil = _bob_stats_shift_sweep(
-            q, do, uq, lse2, k_base, v_base, uk_base, uv_base, K[3], V[3], stride_ukn, stride_uvn,
-            offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q, n_k, shift, window, scale, qk_scale,
-            HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV,
-            HAS_G, NEED_E)
+            row, lo, hi, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ,
+            HAS_UK, HAS_UV, HAS_G, NEED_E)
         if WRITE_STATS:
             _bob_store_stats(ALPHA, EE, row_off, offs_m, m_ok, alpha, e_ad)
             _bob_store_shift(SH, row_off, offs_m, m_ok, rho, jstar, cref, gref, bref, dtil)
@@ -471,9 +423,8 @@ def _bob_direct_shift_kernel(
         e_ad = _load_rowvec(EE + row_off, offs_m, m_ok, True)
         rho, jstar, cref, gref, bref, dtil = _bob_load_shift(SH, row_off, offs_m, m_ok)
     a_qb, a_dob = _bob_direct_sweep(
-        q, do, uq, lse2, dtil, alpha, e_ad, (jstar, cref, gref, bref), k_base, v_base, uk_base,
-        uv_base, K[3], V[3], stride_ukn, stride_uvn, offs_m, offs_d, lo, mid_lo, mid_hi, hi, n_q,
-        n_k, shift, window, scale, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, WINDOW,
-        EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB, NEED_DOB, SPLIT, True, True)
+        row, lo, hi, dtil, alpha, e_ad, (jstar, cref, gref, bref), HEAD_DIM, BLOCK_M, BLOCK_N,
+        BLOCK_D, CAUSAL, WINDOW, EVEN_D, LONG, PREC, HAS_UQ, HAS_UK, HAS_UV, HAS_G, NEED_QB,
+        NEED_DOB, SPLIT, True, True)
     _bob_direct_store(QB, DOB, b64, h64, q_start64, rows_m, m_ok, offs_d, a_qb, a_dob, rho, scale,
                       HEAD_DIM, EVEN_D, NEED_QB, NEED_DOB)

@@ -15,20 +15,8 @@ from . import plan as _plan
 from .common import LOG2E
 from .dkdv import _attn_bwd_dkdv_kernel
 from .dq import _attn_bwd_dq_kernel
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvec,
-    new_rowvecs,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
+                   new_rowvecs, on_input_device, prep, rowvec_strides, view)
 
 
 @on_input_device

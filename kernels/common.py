@@ -49,6 +49,16 @@ def _tile_base(X, b64, h64, start64):
 
 
 @triton.jit
+def _tile_base_or(X, b64, h64, start64, other_base, other_stride, HAS_X: tl.constexpr):
+    """(:func:`_tile_base` of the optional view ``X``, its token stride) with HAS_X; else
+    (``other_base``, ``other_stride``), a placeholder for a tensor that is never read."""
+    if HAS_X:
+        return _tile_base(X, b64, h64, start64), X[3]
+    else:
+        return other_base, other_stride
+
+
+@triton.jit
 def _row_base(R, RS, b64, h64, start64):
     """Pointer to token ``start64`` of (batch, head) of the row vector ``R`` with strides
     ``RS`` = (batch stride, head stride)."""
@@ -113,14 +123,23 @@ def _kt_program(CU, N_Q, N_K, BLOCK_N: tl.constexpr, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _tile_offsets(start, n, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, LONG: tl.constexpr):
+    """The tile [start, start + BLOCK) of a program's own tokens (n of them): (offs, offs_d,
+    ok, rows), its token offsets, the d offsets, which tokens exist and the row offsets for
+    pointers (:func:`_rows`)."""
+    offs = start + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = offs < n
+    rows = _rows(offs, LONG)
+    return offs, offs_d, ok, rows
+
+
+@triton.jit
 def _kt_prologue(K, V, b64, hk64, k_start64, n0, n_k, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
                  LONG: tl.constexpr):
     """What every key-tile program loads first: (offs_n, offs_d, n_ok, rows_n, k, v)."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < n_k
-    rows_n = _rows(offs_n, LONG)
+    offs_n, offs_d, n_ok, rows_n = _tile_offsets(n0, n_k, BLOCK_N, BLOCK_D, LONG)
     k = _load_view(K, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
     v = _load_view(V, b64, hk64, k_start64, rows_n, n_ok, offs_d, HEAD_DIM, EVEN_D)
     return offs_n, offs_d, n_ok, rows_n, k, v
@@ -381,6 +400,23 @@ def _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, 
         vis = _visible(offs_m[:, None], offs_n[None, :], n_q, n_k, shift, window, CAUSAL, WINDOW)
         s = tl.where(vis, s, float("-inf"))
     return s
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, NAT: tl.constexpr = False):
+    """One key tile of an online softmax: (p, corr, m_new) from the tile's scores ``s``
+    (:func:`_row_scores`; log2 units, or with NAT natural units) and the running row max
+    ``m_i``: P = exp(s − m_new) and the factor exp(m_i − m_new) that rescales what was summed
+    so far (rows with no key yet, max -inf, subtract 0)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
+    if NAT:
+        p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
+        corr = tl.exp2((m_i - m_use) * 1.4426950408889634)
+    else:
+        p = tl.exp2(s - m_use[:, None])
+        corr = tl.exp2(m_i - m_use)
+    return p, corr, m_new
 
 
 @triton.jit

@@ -14,26 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _NO_SPECIALIZE,
-    _dot_acc,
-    _kt_dot,
-    _kt_k,
-    _kt_probs,
-    _kt_program,
-    _kt_prologue,
-    _kt_q,
-    _load_index,
-    _load_rowvec,
-    _load_tile,
-    _lse_log2,
-    _lse_nat,
-    _query_tile_range,
-    _row_off,
-    _rows,
-    _store_view,
-    _tile_base,
-)
+from .common import (_NO_SPECIALIZE, _dot_acc, _kt_dot, _kt_k, _kt_probs, _kt_program,
+                     _kt_prologue, _kt_q, _load_index, _load_rowvec, _load_tile, _lse_log2,
+                     _lse_nat, _query_tile_range, _row_off, _rows, _store_view, _tile_base)
 
 
 @triton.jit

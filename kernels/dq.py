@@ -16,25 +16,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _NO_SPECIALIZE,
-    _key_tile,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _lse_log2,
-    _lse_nat,
-    _nat_probs,
-    _row_off,
-    _row_probs,
-    _row_program,
-    _rows,
-    _store_index,
-    _store_view,
-    _tile_base,
-    _visible,
-)
+from .common import (_NO_SPECIALIZE, _key_tile, _key_tile_range, _load_rowvec, _load_tile,
+                     _load_view, _lse_log2, _lse_nat, _nat_probs, _row_off, _row_probs,
+                     _row_program, _store_index, _store_view, _tile_base, _tile_offsets, _visible)
 
 
 @triton.jit
@@ -121,10 +105,7 @@ def _attn_bwd_dq_kernel(
     if m0 >= n_q:
         return
     shift = n_k - n_q
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
+    offs_m, offs_d, m_ok, rows_m = _tile_offsets(m0, n_q, BLOCK_M, BLOCK_D, LONG)
     q = _load_view(Q, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     do = _load_view(DO, b64, h64, q_start64, rows_m, m_ok, offs_d, HEAD_DIM, EVEN_D)
     row_off = _row_off(RS, b64, h64, q_start64)

@@ -9,32 +9,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_scores,
-    LOG2E,
-    _NO_SPECIALIZE,
-    _key_tile_range,
-    _load_tile,
-    _row_base,
-    _row_program,
-    _rows,
-    _store_tile,
-    _tile_base,
-)
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvec,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .common import (_key_tile, _row_scores, LOG2E, _NO_SPECIALIZE, _key_tile_range, _load_tile,
+                     _online_softmax_step, _row_base, _row_program, _store_tile, _tile_base,
+                     _tile_offsets)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
+                   on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
 
 
@@ -53,14 +32,7 @@ def _attn_fwd_inner(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, offs
                                       BLOCK_N, EVEN_D, LONG)
         s = _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
                         qk_scale, PREC, CAUSAL, WINDOW)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        if NAT:
-            p = tl.exp2((s - m_use[:, None]) * 1.4426950408889634)
-            corr = tl.exp2((m_i - m_use) * 1.4426950408889634)
-        else:
-            p = tl.exp2(s - m_use[:, None])
-            corr = tl.exp2(m_i - m_use)
+        p, corr, m_new = _online_softmax_step(s, m_i, NAT)
         l_i = l_i * corr + tl.sum(p, 1)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         acc = acc * corr[:, None]
@@ -91,10 +63,7 @@ def _attn_fwd_kernel(
     v_base = _tile_base(V, b64, hk64, k_start64)
     stride_qn, stride_kn, stride_vn, stride_on = Q[3], K[3], V[3], O[3]
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
+    offs_m, offs_d, m_ok, rows_m = _tile_offsets(m0, n_q, BLOCK_M, BLOCK_D, LONG)
     q = _load_tile(q_base, rows_m, stride_qn, m_ok, offs_d, HEAD_DIM, True, EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

@@ -28,35 +28,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (
-    _key_tile,
-    _row_probs,
-    _row_scores,
-    _NO_SPECIALIZE,
-    _key_tile_range,
-    _load_rowvec,
-    _load_tile,
-    _load_view,
-    _lse_log2,
-    _row_off,
-    _row_program,
-    _rows,
-    _store_tile,
-    _tile_base,
-)
-from .host import (
-    block_d,
-    cu_seqlens,
-    dot_precision,
-    layout,
-    long_rows,
-    new_empty,
-    new_rowvec,
-    on_input_device,
-    prep,
-    rowvec_strides,
-    view,
-)
+from .common import (_key_tile, _row_probs, _row_scores, _NO_SPECIALIZE, _key_tile_range,
+                     _load_rowvec, _load_tile, _load_view, _online_softmax_step, _lse_log2,
+                     _row_off, _row_program, _store_tile, _tile_base, _tile_offsets, _tile_base_or)
+from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
+                   on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
 
 __all__ = ["attn_jvp", "attn_tangent"]
@@ -76,18 +52,9 @@ def _tangent_prologue(Q, K, V, QD, KD, VD, O, OD, RS, b64, h64, hk64, q_start64,
     l_off = _row_off(RS, b64, h64, q_start64)
     k_base = _tile_base(K, b64, hk64, k_start64)
     v_base = _tile_base(V, b64, hk64, k_start64)
-    kd_base, stride_kdn = k_base, K[3]  # K̇'s where given (else never read)
-    if HAS_KD:
-        kd_base = _tile_base(KD, b64, hk64, k_start64)
-        stride_kdn = KD[3]
-    vd_base, stride_vdn = v_base, V[3]
-    if HAS_VD:
-        vd_base = _tile_base(VD, b64, hk64, k_start64)
-        stride_vdn = VD[3]
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n_q
-    rows_m = _rows(offs_m, LONG)
+    kd_base, stride_kdn = _tile_base_or(KD, b64, hk64, k_start64, k_base, K[3], HAS_KD)
+    vd_base, stride_vdn = _tile_base_or(VD, b64, hk64, k_start64, v_base, V[3], HAS_VD)
+    offs_m, offs_d, m_ok, rows_m = _tile_offsets(m0, n_q, BLOCK_M, BLOCK_D, LONG)
     q = _load_tile(q_base, rows_m, Q[3], m_ok, offs_d, HEAD_DIM, True, EVEN_D)
     qd = q
     if HAS_QD:
@@ -156,10 +123,7 @@ def _attn_jvp_kernel(
                                       BLOCK_N, EVEN_D, LONG)
         s = _row_scores(q, k, offs_m, offs_n, start_n, mid_lo, mid_hi, n_q, n_k, shift, window,
                         qk_scale, PREC, CAUSAL, WINDOW)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet
-        p = tl.exp2(s - m_use[:, None])
-        corr = tl.exp2(m_i - m_use)
+        p, corr, m_new = _online_softmax_step(s, m_i)
         v = _load_tile(v_base, rows, stride_vn, n_ok, offs_d, HEAD_DIM, True, EVEN_D)
         p_sum = tl.sum(p, 1)
         l_i = l_i * corr + p_sum

@@ -24,7 +24,7 @@ import argparse
 
 import lightning.pytorch as pl
 
-from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+from ttt_flash.lightning import ByteTextDataModule, LanguageModel
 from ttt_flash.models import GPTConfig
 
 

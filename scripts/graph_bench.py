@@ -93,7 +93,7 @@ def lm_module_rows(shapes=((1, 1024), (8, 2048)), steps: int = 26, every: int = 
     start to one at its end, as Lightning runs it (the module's own loop, clipping at 1.0)."""
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    from ttt_flash.lightning import ByteTextDataModule, LanguageModel
     from ttt_flash.models import GPTConfig
 
     class Record(pl.Callback):

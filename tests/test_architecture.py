@@ -37,6 +37,7 @@ FLOORS: Dict[str, int] = {
     "ttt_flash.attention": 2,
     "ttt_flash.distributed": 2,
     "ttt_flash.second_order.optim": 2,
+    "ttt_flash.second_order.hessian_optimizer": 2,
     "ttt_flash.fsdp": 2,
     "ttt_flash": 2,  # the package façade: flash_attention, flash_attention_varlen
     # 3: the registry of attention implementations

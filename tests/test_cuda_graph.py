@@ -399,7 +399,7 @@ def _memory_run(cls, cuda_graph: bool, accelerator: str, steps: int = 3):
 def _lm_run(cuda_graph: bool, accelerator: str, steps: int = 3, precision=None, optimizer="sophiah", **trainer_kw):
     import lightning.pytorch as pl
 
-    from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    from ttt_flash.lightning import ByteTextDataModule, LanguageModel
     from ttt_flash.models import GPTConfig
 
     pl.seed_everything(0, verbose=False)

@@ -12,7 +12,7 @@ from ttt_flash.second_order import (
     hvp,
     top_eigenvalue,
 )
-from ttt_flash.lightning.lm import ByteTextDataModule, HessianRefresh, LanguageModel
+from ttt_flash.lightning import ByteTextDataModule, HessianRefresh, LanguageModel
 from ttt_flash.models import GPT, GPTConfig
 from ttt_flash.second_order.optim import SophiaH
 

@@ -7,7 +7,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from ttt_flash.lightning.lm import ByteTextDataModule, HessianRefresh, LanguageModel, stdlib_source_files
+from ttt_flash.lightning import ByteTextDataModule, HessianRefresh, LanguageModel
+from ttt_flash.tasks import stdlib_source_files
 from ttt_flash.models import GPTConfig
 from ttt_flash.second_order.optim import SophiaH
 

@@ -5,7 +5,7 @@ Public names:
 * :class:`MAML`: MAML / FOMAML / Meta-SGD / ANIL meta-training (manual optimization).
 * :class:`SinusoidDataModule`, :class:`InContextRegressionDataModule`: tasks generated on
   the fly (:mod:`ttt_flash.tasks`), seedable.
-* :class:`LanguageModel`, :class:`ByteTextDataModule`, :class:`HessianRefresh`
+* :class:`LanguageModel`, :class:`ByteTextDataModule` (``data.py``), :class:`HessianRefresh`
   (``hessian_refresh.py``): GPT language
   modelling with Sophia-H / AdaHessian / AdamW on byte-level text (stdlib sources by default).
 * :class:`GradMemKV`, :class:`TTTE2EMQAR`, :class:`MemoryLayerMQAR`,
@@ -18,9 +18,9 @@ Public names:
   included (:mod:`ttt_flash.lightning.fsdp2`, docs/distributed.md).
 """
 
-from .data import InContextRegressionDataModule, SinusoidDataModule
+from .data import ByteTextDataModule, InContextRegressionDataModule, SinusoidDataModule
 from .hessian_refresh import HessianRefresh
-from .lm import ByteTextDataModule, LanguageModel
+from .lm import LanguageModel
 from .maml import MAML
 from .memory import AssociativeRecallDataModule, GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
 from .resume import ResumableCheckpoint, ResumableCSVLogger

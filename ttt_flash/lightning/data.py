@@ -1,4 +1,5 @@
-"""LightningDataModules that generate few-shot tasks on the fly (:mod:`ttt_flash.tasks`).
+"""LightningDataModules: few-shot tasks generated on the fly (:mod:`ttt_flash.tasks`), and
+byte-level text for language modelling (:class:`ByteTextDataModule`).
 
 Every item of a dataloader is one :class:`ttt_flash.tasks.MetaBatch` of
 ``meta_batch_size`` tasks (the loaders use ``batch_size=None``: the dataset already
@@ -6,23 +7,31 @@ yields meta-batches). Meta-batch ``i`` of a split is drawn from a generator seed
 ``(seed, split, i)``, so runs are reproducible and independent of ``num_workers``.
 Validation and test meta-batches are the same every epoch (comparable curves); training
 meta-batches are fresh every epoch (epoch ``e`` uses indices ``e·train_batches ...``).
+
+:class:`ByteTextDataModule`: byte-level tokens (vocabulary 256) from text files, by default
+the running Python's standard-library sources (no download); random windows for training,
+fixed evenly spaced windows for validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
 from lightning.pytorch import LightningDataModule
+from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ..tasks import InContextRegressionTasks, MetaBatch, SinusoidTasks
+from ..tasks import (ByteWindows, InContextRegressionTasks, MetaBatch, SinusoidTasks, expand_paths, read_corpus,
+                     stdlib_source_files)
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader
 
-__all__ = ["SinusoidDataModule", "InContextRegressionDataModule", "GeneratedDataModule", "SeededBatches"]
+__all__ = ["SinusoidDataModule", "InContextRegressionDataModule", "GeneratedDataModule", "SeededBatches",
+           "ByteTextDataModule"]
 
 _SPLITS = {"train": 0, "val": 1, "test": 2}
 
@@ -156,3 +165,101 @@ class InContextRegressionDataModule(GeneratedDataModule):
     def token_dim(self) -> int:
         """Token width ``dim + 2``: the transformer's ``in_dim``."""
         return self.tasks.token_dim
+
+
+class ByteTextDataModule(LightningDataModule):
+    """Byte-level language-modelling data: tokens are the bytes of text files (vocabulary 256).
+
+    The corpus is the concatenation of the files (each followed by a newline), capped at
+    ``max_bytes``; the last ``val_fraction`` of it is the validation split (contiguous, so
+    no window straddles the two). Batches are ``(x, y)`` pairs of (batch_size, seq_len)
+    int64 tensors, ``y`` the next bytes of ``x``.
+
+    Args:
+        paths: text files, directories (all their files, recursively, sorted) or glob
+            patterns, read in the given order. ``None``: the running Python's
+            standard-library sources (:func:`ttt_flash.tasks.stdlib_source_files`): no download needed.
+        seq_len: N, tokens per window.
+        batch_size: windows per batch.
+        max_bytes: corpus size cap (``None``: no cap).
+        val_fraction: fraction of the corpus held out for validation, in (0, 1).
+        train_batches: training batches per epoch; each epoch draws fresh random windows.
+        val_batches: validation batches; the same evenly spaced windows every epoch.
+        seed: seeds the training windows (window i of the run is a function of (seed, i)).
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        paths: Optional[List[str]] = None,
+        seq_len: int = 256,
+        batch_size: int = 8,
+        max_bytes: Optional[int] = 8 * 2**20,
+        val_fraction: float = 0.05,
+        train_batches: int = 1000,
+        val_batches: int = 16,
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        super().__init__()
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("train_batches", train_batches),
+                            ("val_batches", val_batches)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2):
+            raise ValueError(f"max_bytes must be an int >= 2 or None, got {max_bytes!r}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if isinstance(paths, str):
+            paths = [paths]
+        self.save_hyperparameters()
+        self.paths = paths
+        self.train_tokens: Optional[Tensor] = None
+        self.val_tokens: Optional[Tensor] = None
+        self.files: List[Path] = []
+        self._train_order = EpochSampler(train_batches * batch_size, fresh=True)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The training order's position (epoch, windows delivered), saved in checkpoints."""
+        return {"train_order": self._train_order.state_dict()}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if "train_order" in state_dict:
+            self._train_order.load_state_dict(state_dict["train_order"])
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_tokens is not None:
+            return
+        hp = self.hparams
+        self.files = stdlib_source_files() if self.paths is None else expand_paths(self.paths)
+        corpus = read_corpus(self.files, hp.max_bytes)
+        tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
+        n_val = int(round(tokens.numel() * hp.val_fraction))
+        self.train_tokens, self.val_tokens = tokens[: tokens.numel() - n_val], tokens[tokens.numel() - n_val :]
+        need = hp.seq_len + 1
+        for split, t in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if t.numel() < need:
+                raise ValueError(
+                    f"the {split} split has {t.numel()} bytes, fewer than seq_len + 1 = {need} "
+                    f"(corpus {tokens.numel()} bytes from {len(self.files)} files, val_fraction "
+                    f"{hp.val_fraction}): give more text, a larger max_bytes or a shorter seq_len"
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        n = hp.train_batches * hp.batch_size
+        ds = ByteWindows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
+        return ResumableLoader(ds, batch_size=hp.batch_size, sampler=self._train_order, num_workers=hp.num_workers,
+                               drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
+
+    def val_dataloader(self) -> DataLoader:
+        hp = self.hparams
+        n = hp.val_batches * hp.batch_size
+        ds = ByteWindows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
+        return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers,
+                          generator=torch.Generator().manual_seed(hp.seed))
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

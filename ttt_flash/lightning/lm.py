@@ -1,5 +1,6 @@
 """Language modelling with second-order optimisers: a LightningModule for
-:class:`ttt_flash.models.GPT`, a byte-level text DataModule and a Hessian-refresh callback.
+:class:`ttt_flash.models.GPT` and its Hessian-refresh callback; the byte-level text data is
+:class:`ttt_flash.lightning.data.ByteTextDataModule`.
 
 * :class:`LanguageModel`: next-token training of a GPT with ``optimizer`` one of
   ``"sophiah"`` (:class:`ttt_flash.second_order.optim.SophiaH`), ``"adamw"`` or ``"adahessian"``
@@ -10,9 +11,6 @@
   (:meth:`ttt_flash.second_order.optim.SophiaH.update_hessian`). With ``attention="ttt_flash"`` every
   Hessian-vector product is exact. :class:`LanguageModel` adds one by itself when its
   optimizer is second-order and the Trainer has none.
-* :class:`ByteTextDataModule`: byte-level tokens (vocabulary 256) from text files, by
-  default the running Python's standard-library sources (no download); random windows
-  for training, fixed evenly spaced windows for validation.
 
 Logged: ``train/loss``, ``train/lr``, ``train/step_time_s`` (wall clock of the whole step,
 Hessian refresh included; with ``cuda_graph=True`` on CUDA the step's span on the GPU stream
@@ -26,7 +24,7 @@ Example (a CPU smoke run)::
 
     >>> import lightning.pytorch as pl
     >>> from ttt_flash.models import GPTConfig
-    >>> from ttt_flash.lightning.lm import ByteTextDataModule, LanguageModel
+    >>> from ttt_flash.lightning import ByteTextDataModule, LanguageModel
     >>> model = LanguageModel(GPTConfig.tiny(n_layer=1), optimizer="sophiah", lr=1e-3)
     >>> data = ByteTextDataModule(seq_len=32, batch_size=2, max_bytes=2**16)
     >>> trainer = pl.Trainer(fast_dev_run=1, logger=False, enable_progress_bar=False,
@@ -39,32 +37,21 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict
-from pathlib import Path
-from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Union
+from typing import Literal, Mapping, Optional, Tuple, Union
 
 import torch
-from lightning.pytorch import LightningDataModule, LightningModule
+from lightning.pytorch import LightningModule
 from torch import Tensor
-from torch.utils.data import DataLoader
 
 from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
 from ..models import GPT, GPTConfig
 from ..second_order import probe_like
 from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
-from ..tasks import ByteWindows, expand_paths, read_corpus, stdlib_source_files
-from .resume import EpochSampler, ResumableLoader
 from .context_parallel import ContextParallelPlan
 from .hessian_refresh import HESSIAN_MODES, HessianRefresh
 from .fsdp2 import FSDP2Steps
 
-__all__ = [
-    "LanguageModel",
-    "HessianRefresh",
-    "ByteTextDataModule",
-    "OPTIMIZERS",
-    "stdlib_source_files",
-    "read_corpus",
-]
+__all__ = ["LanguageModel", "HessianRefresh", "OPTIMIZERS"]
 
 #: Accepted values of ``LanguageModel(optimizer=...)``.
 OPTIMIZERS = ("sophiah", "adamw", "adahessian")
@@ -80,7 +67,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
     """Next-token language modelling with :class:`ttt_flash.models.GPT`.
 
     Batches are ``(x, y)`` pairs of (B, N) token ids with ``y`` the next tokens of ``x``
-    (:class:`ByteTextDataModule`). Weight decay applies to the matrices (2-D parameters)
+    (:class:`~ttt_flash.lightning.data.ByteTextDataModule`). Weight decay applies to the matrices (2-D parameters)
     only, not to norm gains or biases.
 
     Args:
@@ -513,104 +500,3 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         _, loss, _, b = self._loss(batch)
         self.log("test/loss", loss, batch_size=b, on_epoch=True, sync_dist=True)
         self.log("test/bits_per_token", loss / math.log(2), batch_size=b, on_epoch=True, sync_dist=True)
-
-
-# --------------------------------------------------------------------------- data
-
-
-class ByteTextDataModule(LightningDataModule):
-    """Byte-level language-modelling data: tokens are the bytes of text files (vocabulary 256).
-
-    The corpus is the concatenation of the files (each followed by a newline), capped at
-    ``max_bytes``; the last ``val_fraction`` of it is the validation split (contiguous, so
-    no window straddles the two). Batches are ``(x, y)`` pairs of (batch_size, seq_len)
-    int64 tensors, ``y`` the next bytes of ``x``.
-
-    Args:
-        paths: text files, directories (all their files, recursively, sorted) or glob
-            patterns, read in the given order. ``None``: the running Python's
-            standard-library sources (:func:`stdlib_source_files`): no download needed.
-        seq_len: N, tokens per window.
-        batch_size: windows per batch.
-        max_bytes: corpus size cap (``None``: no cap).
-        val_fraction: fraction of the corpus held out for validation, in (0, 1).
-        train_batches: training batches per epoch; each epoch draws fresh random windows.
-        val_batches: validation batches; the same evenly spaced windows every epoch.
-        seed: seeds the training windows (window i of the run is a function of (seed, i)).
-        num_workers: DataLoader workers.
-    """
-
-    def __init__(
-        self,
-        paths: Optional[List[str]] = None,
-        seq_len: int = 256,
-        batch_size: int = 8,
-        max_bytes: Optional[int] = 8 * 2**20,
-        val_fraction: float = 0.05,
-        train_batches: int = 1000,
-        val_batches: int = 16,
-        seed: int = 0,
-        num_workers: int = 0,
-    ):
-        super().__init__()
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("train_batches", train_batches),
-                            ("val_batches", val_batches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2):
-            raise ValueError(f"max_bytes must be an int >= 2 or None, got {max_bytes!r}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
-        if isinstance(paths, str):
-            paths = [paths]
-        self.save_hyperparameters()
-        self.paths = paths
-        self.train_tokens: Optional[Tensor] = None
-        self.val_tokens: Optional[Tensor] = None
-        self.files: List[Path] = []
-        self._train_order = EpochSampler(train_batches * batch_size, fresh=True)
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The training order's position (epoch, windows delivered), saved in checkpoints."""
-        return {"train_order": self._train_order.state_dict()}
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        if "train_order" in state_dict:
-            self._train_order.load_state_dict(state_dict["train_order"])
-
-    def setup(self, stage: Optional[str] = None) -> None:
-        if self.train_tokens is not None:
-            return
-        hp = self.hparams
-        self.files = stdlib_source_files() if self.paths is None else expand_paths(self.paths)
-        corpus = read_corpus(self.files, hp.max_bytes)
-        tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8) if corpus else torch.zeros(0, dtype=torch.uint8)
-        n_val = int(round(tokens.numel() * hp.val_fraction))
-        self.train_tokens, self.val_tokens = tokens[: tokens.numel() - n_val], tokens[tokens.numel() - n_val :]
-        need = hp.seq_len + 1
-        for split, t in (("training", self.train_tokens), ("validation", self.val_tokens)):
-            if t.numel() < need:
-                raise ValueError(
-                    f"the {split} split has {t.numel()} bytes, fewer than seq_len + 1 = {need} "
-                    f"(corpus {tokens.numel()} bytes from {len(self.files)} files, val_fraction "
-                    f"{hp.val_fraction}): give more text, a larger max_bytes or a shorter seq_len"
-                )
-
-    def train_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        n = hp.train_batches * hp.batch_size
-        ds = ByteWindows(self.train_tokens, hp.seq_len, hp.seed, random=True, count=n)
-        return ResumableLoader(ds, batch_size=hp.batch_size, sampler=self._train_order, num_workers=hp.num_workers,
-                               drop_last=True, generator=torch.Generator().manual_seed(hp.seed))
-
-    def val_dataloader(self) -> DataLoader:
-        hp = self.hparams
-        n = hp.val_batches * hp.batch_size
-        ds = ByteWindows(self.val_tokens, hp.seq_len, hp.seed, random=False, count=n)
-        return DataLoader(ds, batch_size=hp.batch_size, shuffle=False, num_workers=hp.num_workers,
-                          generator=torch.Generator().manual_seed(hp.seed))
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()

@@ -344,7 +344,7 @@ def _block_errors(page, line, files, text, load):
         else:
             script = _source(d)
             if script is None or not (ROOT / script).is_file():
-                errors.append(f"{f}: no command of one script of scripts/ (`python scripts/NAME.py ...`)")
+                errors.append(f"{f}: no command of one script of scripts/ (`python scripts/<name>.py ...`)")
         data[f] = (d, list(_records(d, d.get("seed"))))
     recipes = {d["recipe"] for d, _ in data.values() if "recipe" in d}
     seed_col, seed, checked = None, None, 0

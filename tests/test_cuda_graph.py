@@ -463,27 +463,6 @@ def test_lm_whole_step_graphs_replay_bitwise_equal_to_eager(optimizer, precision
     assert all(s["step"].item() == 10 and s["hessian_step"].item() == 5 for s in opt.state.values())
 
 
-@pytest.mark.gpu
-def test_lm_logs_its_step_numbers_as_host_tensors():
-    """The numbers a graphed LanguageModel step logs (learning rate, step time, peak memory,
-    refresh time) stay on the host: Lightning would copy a Python number to the GPU, a copy
-    that waits for the replay queued before it."""
-    _, trainer = _lm_run(True, "gpu", steps=4)
-    metrics = trainer.callback_metrics
-    for key in ("train/lr", "train/step_time_s", "train/peak_mem_gib", "train/hessian_refresh_s"):
-        assert metrics[key].device.type == "cpu", key
-    assert metrics["train/loss"].device.type == "cuda"  # the loss is the graph's own output
-
-
-def test_host_number_is_a_cpu_scalar_of_the_default_dtype():
-    from ttt_flash.lightning._step import host_number
-
-    for value in (0.1, 3, 2.5e-7):
-        t = host_number(value)
-        assert t.device.type == "cpu" and t.dim() == 0 and t.dtype == torch.get_default_dtype()
-        assert t.item() == torch.tensor(float(value)).item()
-
-
 @pytest.fixture
 def graph_as_eager(monkeypatch):
     """The modules' graphed path with each captured step run eagerly: the Lightning side of

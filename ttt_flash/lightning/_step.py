@@ -16,19 +16,7 @@ import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number"]
-
-
-def host_number(value: float) -> torch.Tensor:
-    """``value`` as a 0-dim CPU tensor of the default dtype, for ``LightningModule.log``.
-
-    Lightning turns a logged Python number into a tensor on the module's device; on CUDA that
-    is a host-to-device copy, and a copy from pageable memory waits for the GPU stream to
-    finish its queued work. A step that logs a few numbers after launching its kernels (or a
-    CUDA-graph replay) would wait for them each time. Logged as a CPU tensor, the metric stays
-    on the host and the logged values are the same.
-    """
-    return torch.tensor(float(value), dtype=torch.get_default_dtype())
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast"]
 
 
 class StepTimer:
@@ -65,11 +53,9 @@ class StepTimer:
         :meth:`start` was not called)."""
         if cuda and not self.events:
             torch.cuda.synchronize()
-            module.log("train/peak_mem_gib", host_number(torch.cuda.max_memory_allocated() / 2**30),
-                       batch_size=batch_size)
+            module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
         elif cuda:
-            module.log("train/peak_mem_gib", host_number(torch.cuda.max_memory_allocated() / 2**30),
-                       batch_size=batch_size)
+            module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
             if self._events is None:
                 return None
             self._events[1].record()
@@ -78,12 +64,12 @@ class StepTimer:
                 return None
             previous[1].synchronize()  # recorded a step ago: normally complete already
             elapsed = previous[0].elapsed_time(previous[1]) / 1e3
-            module.log("train/step_time_s", host_number(elapsed), batch_size=batch_size)
+            module.log("train/step_time_s", elapsed, batch_size=batch_size)
             return elapsed
         if self._start is None:
             return None
         elapsed = time.perf_counter() - self._start
-        module.log("train/step_time_s", host_number(elapsed), batch_size=batch_size)
+        module.log("train/step_time_s", elapsed, batch_size=batch_size)
         return elapsed
 
 

@@ -25,7 +25,7 @@ from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from ..tasks import (ByteWindows, InContextRegressionTasks, MetaBatch, SinusoidTasks, expand_paths, read_corpus,
+from ..tasks import (ByteWindows, InContextRegressionTasks, SinusoidTasks, expand_paths, read_corpus,
                      stdlib_source_files)
 from .curriculum import StagedTasks, staged
 from .resume import EpochSampler, ResumableLoader

@@ -16,7 +16,27 @@ import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number"]
+
+
+def host_number(value) -> torch.Tensor:
+    """``value`` (a Python number) as a 0-dim CPU tensor for ``LightningModule.log``, of the
+    dtype Lightning gives a logged number (the default dtype, at least float32): the same
+    logged value.
+
+    Lightning turns a logged Python number into a tensor on the module's device; on CUDA that
+    is a blocking copy from host memory, which waits for all the work queued on the stream (a
+    replayed CUDA-graph step). A CPU tensor is logged where it is: no copy, no wait.
+    """
+    dtype = torch.get_default_dtype()
+    return torch.tensor(value, dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32)
+
+
+def _peak_memory_gib() -> float:
+    """The caching allocator's peak of allocated bytes since the last reset, in GiB: the number
+    ``torch.cuda.max_memory_allocated()`` returns, read without flattening every other statistic."""
+    stats = torch.cuda.memory_stats_as_nested_dict()
+    return stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0) / 2**30
 
 
 class StepTimer:
@@ -48,14 +68,20 @@ class StepTimer:
         self._start = time.perf_counter()
 
     def log(self, module, cuda: bool, batch_size: int) -> Optional[float]:
-        """Log ``train/step_time_s`` (and on CUDA ``train/peak_mem_gib``) on ``module``; return
-        the logged seconds (with ``events`` on CUDA the previous step's; None if there is none yet, or if
-        :meth:`start` was not called)."""
-        if cuda and not self.events:
-            torch.cuda.synchronize()
-            module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
-        elif cuda:
-            module.log("train/peak_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=batch_size)
+        """Log ``train/step_time_s`` (and on CUDA ``train/peak_mem_gib``, once) on ``module`` as
+        CPU tensors (:func:`host_number`); return the logged seconds (with ``events`` on CUDA the
+        previous step's; None if there is none yet, or if :meth:`start` was not called)."""
+        if cuda:
+            if not self.events:
+                torch.cuda.synchronize()  # the wall clock of the whole step
+            module.log("train/peak_mem_gib", host_number(_peak_memory_gib()), batch_size=batch_size)
+        elapsed = self._elapsed(cuda)
+        if elapsed is not None:
+            module.log("train/step_time_s", host_number(elapsed), batch_size=batch_size)
+        return elapsed
+
+    def _elapsed(self, cuda: bool) -> Optional[float]:
+        if cuda and self.events:
             if self._events is None:
                 return None
             self._events[1].record()
@@ -63,14 +89,10 @@ class StepTimer:
             if previous is None:
                 return None
             previous[1].synchronize()  # recorded a step ago: normally complete already
-            elapsed = previous[0].elapsed_time(previous[1]) / 1e3
-            module.log("train/step_time_s", elapsed, batch_size=batch_size)
-            return elapsed
+            return previous[0].elapsed_time(previous[1]) / 1e3
         if self._start is None:
             return None
-        elapsed = time.perf_counter() - self._start
-        module.log("train/step_time_s", elapsed, batch_size=batch_size)
-        return elapsed
+        return time.perf_counter() - self._start
 
 
 class LocalGradients:

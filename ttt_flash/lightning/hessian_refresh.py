@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..fsdp import update_hessian as fsdp_update_hessian
 from ..second_order.optim import HessianOptimizer
+from ._step import host_number
 
 __all__ = ["HessianRefresh", "HESSIAN_MODES"]
 
@@ -197,5 +198,6 @@ class HessianRefresh(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Logged every batch (0 without a refresh), so that no row repeats a stale value.
         if self._second_order(trainer):
-            pl_module.log("train/hessian_refresh_s", self._refresh_s, on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log("train/hessian_refresh_s", host_number(self._refresh_s), on_step=True, on_epoch=False,
+                          batch_size=1)
         self._refresh_s = 0.0

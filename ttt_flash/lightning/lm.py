@@ -43,7 +43,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
+from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, host_number, outside_autocast
 from ..models import GPT, GPTConfig
 from ..second_order import probe_like
 from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
@@ -481,7 +481,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             loss, shown, weight, b = self._loss(batch)
         self._local.add(weight)
         self.log("train/loss", shown, prog_bar=True, batch_size=b)
-        self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=b)
+        self.log("train/lr", host_number(self.trainer.optimizers[0].param_groups[0]["lr"]), batch_size=b)
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:

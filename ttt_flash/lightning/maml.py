@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from ._step import GraphedTraining, LocalGradients, StepTimer
+from ._step import GraphedTraining, LocalGradients, StepTimer, host_number
 from .checkpoint_io import save_hyperparameters_with_net
 from .fsdp2 import FSDP2Steps
 from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
@@ -388,7 +388,7 @@ class MAML(LightningModule):
         tasks = batch.num_tasks
         self._timer.log(self, cuda, tasks)
         self._log("train", sums, tasks)
-        self.log("train/seq_len", float(batch.support_inputs.shape[-2]), batch_size=tasks)
+        self.log("train/seq_len", host_number(batch.support_inputs.shape[-2]), batch_size=tasks)
         return sums["loss_post"] / tasks
 
     def training_step(self, batch: MetaBatch, batch_idx: int) -> Tensor:

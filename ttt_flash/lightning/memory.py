@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, outside_autocast
+from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, host_number, outside_autocast
 from .checkpoint_io import save_hyperparameters_with_net
 from .context_parallel import ContextParallelPlan
 from .curriculum import staged
@@ -244,7 +244,7 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
             metrics = self._metrics(batch, train=True)
         self._log_all("train", metrics, batch.context.shape[0])
         self.log("train/inner_lr", self._inner_lr().detach(), batch_size=batch.context.shape[0])
-        self.log("train/context_len", float(batch.context.shape[1]), batch_size=batch.context.shape[0])
+        self.log("train/context_len", host_number(batch.context.shape[1]), batch_size=batch.context.shape[0])
         return metrics["loss_post"]
 
     def _evaluate(self, batch: RecallBatch, stage: str) -> None:
@@ -292,7 +292,7 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
         b = batch.context.shape[0]
         elapsed = self._timer.log(self, batch.context.is_cuda, b)
         if elapsed is not None:
-            self.log("train/tokens_per_s", batch.num_tokens / elapsed, batch_size=b)
+            self.log("train/tokens_per_s", host_number(batch.num_tokens / elapsed), batch_size=b)
 
 
 # --------------------------------------------------------------------------- the modules

@@ -183,3 +183,74 @@ def test_graphed_lm_on_cuda_logs_its_host_numbers_as_cpu_tensors(logged):
     assert all(metrics[name].device.type == "cpu" for name in host)
     assert metrics["train/loss"].device.type == "cuda"  # the graph's own output
     assert len(rows) == 6 and all(r["train/peak_mem_gib"] > 0 for _, r in rows)
+
+
+def test_late_host_value_returns_the_previous_push():
+    from ttt_flash.lightning._step import LateHostValue
+
+    late = LateHostValue()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    values = [torch.tensor(v, device=device) for v in (2.5, 1.25, 0.5)]
+    out = [late.push(v) for v in values]
+    assert out[0] is None and [o.item() for o in out[1:]] == [2.5, 1.25]
+    assert all(o.device.type == "cpu" for o in out[1:])
+    late.reset()
+    assert late.push(values[0]) is None
+
+
+class ProgressBarLosses(pl.Callback):
+    def __init__(self):
+        self.shown, self.losses = [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["train/loss"])  # read after the run: no wait here
+        self.shown.append(trainer.progress_bar_metrics.get("train/loss_prev"))
+
+
+def test_graph_path_shows_the_previous_loss_on_the_progress_bar(monkeypatch, one_thread):
+    _graph_as_eager(monkeypatch)
+    pl.seed_everything(0, verbose=False)
+    model, data = _lm(cuda_graph=True)
+    rec = ProgressBarLosses()
+    trainer = pl.Trainer(max_steps=4, accelerator="cpu", logger=Rows(), log_every_n_steps=1, callbacks=[rec],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    trainer.fit(model, data)
+    assert "train/loss" not in trainer.progress_bar_metrics
+    assert rec.shown[0] is None and rec.shown[1:] == [loss.item() for loss in rec.losses[:-1]]
+
+
+class Census(pl.Callback):
+    """The synchronising calls of training batches ``first`` to ``last`` (ttt_flash.bench.common.SyncCensus)."""
+
+    def __init__(self, first: int, last: int):
+        from ttt_flash.bench.common import SyncCensus
+
+        self.first, self.last, self.census = first, last, SyncCensus()
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if batch_idx == self.first:
+            self.census.start()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx == self.last:
+            self.census.stop()
+
+
+@pytest.mark.gpu
+def test_graphed_lm_steps_make_no_synchronising_call():
+    """Once both graphs are captured, a graphed LanguageModel step (no logger) waits for the
+    GPU only at the CUDA events of the step before (the step time, the progress bar's loss)."""
+    pl.seed_everything(0, verbose=False)
+    model, data = _lm(cuda_graph=True)
+    rec, census = ProgressBarLosses(), Census(first=3, last=6)
+    trainer = pl.Trainer(max_steps=8, accelerator="gpu", devices=1, logger=False, callbacks=[census, rec],
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0)
+    try:
+        trainer.fit(model, data)
+    finally:
+        census.census.stop()
+    assert {k: g.eager_calls for k, g in model._graphed.graphs.items()} == {"refresh_update": 0, "update": 0}
+    assert not census.census.calls, "synchronising calls:\n" + "\n".join(census.census.calls)
+    assert rec.shown[0] is None and rec.shown[1:] == [loss.item() for loss in rec.losses[:-1]]

@@ -15,6 +15,8 @@ import os
 import platform
 import statistics
 import time
+import traceback
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -39,6 +41,7 @@ __all__ = [
     "measure",
     "write_json",
     "LiveBytes",
+    "SyncCensus",
 ]
 
 
@@ -279,3 +282,44 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._track(t)
         return out
+
+
+class SyncCensus:
+    """The synchronising CUDA calls PyTorch flags (``torch.cuda.set_sync_debug_mode("warn")``:
+    ``.item()``, blocking copies between host and device, ...) made between :meth:`start` and
+    :meth:`stop`, each as its innermost Python frames outside torch (``file:line <- ...``) in
+    :attr:`calls`. ``torch.cuda.synchronize()`` and ``Event.synchronize()`` are not flagged.
+    Other warnings pass through. Start and stop may sit in different hooks (a Lightning callback)."""
+
+    def __init__(self, frames: int = 4):
+        self.frames = frames
+        self.calls: List[str] = []
+        self._catch = None
+        self._mode = 0
+
+    def start(self) -> None:
+        if self._catch is not None:
+            return
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        shown = warnings.showwarning
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, *args, **kw: self._record(message, shown, args, kw)
+        self._mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def _record(self, message, shown, args, kw) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            shown(message, *args, **kw)
+            return
+        skip = ("/torch/", "/warnings.py", __file__)
+        frames = [f for f in traceback.extract_stack()[:-2] if not any(s in f.filename for s in skip)]
+        self.calls.append(" <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}"
+                                      for f in reversed(frames[-self.frames:])))
+
+    def stop(self) -> None:
+        if self._catch is None:
+            return
+        torch.cuda.set_sync_debug_mode(self._mode)
+        self._catch.__exit__(None, None, None)
+        self._catch = None

@@ -16,7 +16,7 @@ import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number", "LateHostValue"]
 
 
 def host_number(value) -> torch.Tensor:
@@ -37,6 +37,38 @@ def _peak_memory_gib() -> float:
     ``torch.cuda.max_memory_allocated()`` returns, read without flattening every other statistic."""
     stats = torch.cuda.memory_stats_as_nested_dict()
     return stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0) / 2**30
+
+
+class LateHostValue:
+    """A CUDA scalar read on the host one step late, so that the host never waits for the
+    step that computes it: :meth:`push` queues a copy of this step's value into pinned host
+    memory and returns the previous step's copy, waiting only for that copy (queued a step ago,
+    normally complete already); None at the first push.
+
+    Lightning turns every progress-bar metric into a Python number after each step; a CUDA
+    tensor there waits for the step's work (a replayed graph) to finish.
+    """
+
+    def __init__(self):
+        self._pending = None  # the previous push: (pinned host tensor, CUDA event after its copy)
+
+    def reset(self) -> None:
+        self._pending = None
+
+    def push(self, value: torch.Tensor) -> Optional[torch.Tensor]:
+        if value.is_cuda:
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            host.copy_(value.detach(), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host, copied = value.detach().clone(), None
+        previous, self._pending = self._pending, (host, copied)
+        if previous is None:
+            return None
+        if previous[1] is not None:
+            previous[1].synchronize()
+        return previous[0]
 
 
 class StepTimer:

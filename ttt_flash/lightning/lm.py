@@ -18,7 +18,9 @@ from CUDA events, logged one step late), on CUDA ``train/peak_mem_gib``; with So
 ``train/clip_fraction`` (coordinates whose step was clipped); with a second-order optimizer
 ``train/hessian_refresh_s`` (time of the Hessian-vector product and update, without the
 ``create_graph`` backward; 0 on steps without a refresh); ``val/loss`` and ``val/bits_per_token`` (loss / ln 2: bits per
-byte for byte tokens).
+byte for byte tokens). The numbers computed on the host are logged as CPU tensors. With
+``cuda_graph=True`` on CUDA the progress bar shows ``train/loss_prev``, the previous step's loss
+read without waiting for the GPU, in place of ``train/loss`` (logged as before).
 
 Example (a CPU smoke run)::
 
@@ -43,7 +45,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, host_number, outside_autocast
+from ._step import (GraphedTraining, GraphedZeroGrad, LateHostValue, LocalGradients, StepTimer, host_number,
+                    outside_autocast)
 from ..models import GPT, GPTConfig
 from ..second_order import probe_like
 from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
@@ -187,6 +190,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         # cuda_graph: the step time from CUDA events, one step late (no host synchronisation)
         self._timer, self._local = StepTimer(events=cuda_graph), LocalGradients()
         self._graphed = GraphedTraining(cuda_graph)
+        self._late_loss = LateHostValue()  # cuda_graph: the progress bar's loss, one step late
         self._fsdp2 = FSDP2Steps()
 
     @property
@@ -310,6 +314,7 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         local = self.second_order or self.context_parallel_plan.active
         self._local.begin(self.trainer, local)
         self._graphed.reset()
+        self._late_loss.reset()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self._fsdp2.open:  # FSDP2 refresh step: the full gradients reduce-scattered to the shards
@@ -473,14 +478,19 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return loss.clone()
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        if self._graphed.enabled and self._graphed.usable(batch[0].is_cuda, self._graph_blocker()):
+        graphed = self._graphed.enabled and self._graphed.usable(batch[0].is_cuda, self._graph_blocker())
+        if graphed:
             x, y = self._check_batch(batch)
             loss = shown = self._graphed_step(x, y)
             weight, b = x.numel(), x.shape[0]
         else:
             loss, shown, weight, b = self._loss(batch)
         self._local.add(weight)
-        self.log("train/loss", shown, prog_bar=True, batch_size=b)
+        self.log("train/loss", shown, prog_bar=not graphed, batch_size=b)
+        if graphed:  # the progress bar reads its numbers on the host: the previous step's loss, no wait
+            previous = self._late_loss.push(shown)
+            if previous is not None:
+                self.log("train/loss_prev", previous, prog_bar=True, logger=False, batch_size=b)
         self.log("train/lr", host_number(self.trainer.optimizers[0].param_groups[0]["lr"]), batch_size=b)
         return loss
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -69,3 +70,36 @@ def test_no_script_writes_its_own_timing_loop():
     bad = [str(p.relative_to(ROOT)) for p in sorted(SCRIPTS.rglob("*.py"))
            if "Event(enable_timing" in p.read_text()]
     assert not bad, f"scripts timing with their own CUDA events (use ttt_flash.bench.common): {bad}"
+
+
+def _prof_lm_step(*args):
+    return subprocess.run([sys.executable, str(SCRIPTS / "prof_lm_step.py"), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+
+
+def test_prof_lm_step_parses_its_arguments_and_needs_cuda(tmp_path):
+    out = _prof_lm_step("--help")
+    assert out.returncode == 0 and "--out" in out.stdout and "--modes" in out.stdout
+    out = _prof_lm_step("--out", str(tmp_path), "--shape", "1x")
+    assert out.returncode != 0 and "BATCHxSEQ_LEN" in out.stderr and "Traceback" not in out.stderr
+    out = _prof_lm_step("--out", str(tmp_path), "--modes", "eager,fast")
+    assert out.returncode != 0 and "comma-separated modes" in out.stderr
+    if not torch.cuda.is_available():
+        out = _prof_lm_step("--out", str(tmp_path / "o"))
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.strip().splitlines() == ["prof_lm_step.py needs a CUDA GPU (it profiles the GPU training "
+                                                   "step); torch sees none"]
+        assert not (tmp_path / "o").exists()
+
+
+def test_prof_lm_step_builds_the_recipe_module(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import prof_lm_step
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    model, data, kw = prof_lm_step.build(str(ROOT / "recipes" / "sophia_gpt.yaml"), (1, 1024), 60, True, str(tmp_path))
+    assert model.hparams.cuda_graph is True and model.hparams.optimizer == "sophiah" and model.hparams.hessian_every == 10
+    assert model.gpt_config.n_layer == 12 and model.gpt_config.attention == "ttt_flash"
+    assert (data.hparams.seq_len, data.hparams.batch_size, data.hparams.train_batches) == (1024, 1, 60)
+    assert kw["precision"] == "bf16-mixed" and kw["gradient_clip_val"] == 1.0

@@ -17,8 +17,9 @@ Everything else goes through ``kernel[grid]``: the switch off, the interpreter, 
 version outside 3.6 to 3.9, an autotuned or heuristics-wrapped kernel (anything but a plain
 ``JITFunction``), a pre-run hook on the kernel or a launch hook in ``triton.knobs``, an
 argument of another kind (a callable grid, a runtime argument passed by keyword), and any
-error on the direct path. Triton knobs that change the compiled code (``TRITON_DEBUG``) are
-read when a specialization is first launched: after changing one, call :func:`clear`.
+error on the direct path. Triton knobs that change the compiled code (``TRITON_DEBUG``) and
+the globals a kernel reads are looked at when a specialization is first launched: after
+changing one, call :func:`clear`.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class _Table:
             return
         if compiled.metadata.target.backend != "cuda":  # other backends specialize otherwise
             return
+        if not all(p.is_constexpr for p in self.params[self.n_runtime:n_args]):
+            return  # a runtime argument after a constexpr: the key holds it by value
         tail = []
         for p in self.params[n_args:]:
             if not p.is_constexpr:

@@ -299,6 +299,19 @@ def test_runtime_argument_by_keyword_is_not_bound(toy):
     assert len(toy.triton_calls) == 2
 
 
+def _toy_late(X, BLOCK: tl.constexpr, Y):
+    pass
+
+
+def test_runtime_argument_after_a_constexpr_is_not_bound(toy):
+    kernel = JITFunction(_toy_late)
+    kernel.run = toy.run  # records into toy.triton_calls
+    x, y = torch.zeros(4), torch.zeros(4)
+    for _ in range(2):
+        cached.launch(kernel, (1,), x, 16, y)
+    assert len(toy.triton_calls) == 2 and not cached._TABLES[id(kernel)].entries
+
+
 def test_launcher_error_falls_back_and_stops_caching(toy):
     first = _launch(toy, *_args())
 

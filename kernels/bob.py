@@ -23,6 +23,7 @@ from .bob_row import (_bob_direct_kernel, _bob_direct_shift_kernel, _bob_stats_k
 from .common import LOG2E
 from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvecs,
                    on_input_device, prep, rowvec_strides, view)
+from .launch import launch
 
 
 @on_input_device
@@ -120,7 +121,7 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     def row_grid(cfg):
         return (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
 
-    def launch(cfg, **kw):
+    def meta(cfg, **kw):
         return dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
                     num_stages=cfg.num_stages, **kw, **flags)
 
@@ -132,11 +133,12 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
     if p.affine is not None:
         cfg = p.affine.tiles
         q_, k_, v_, do_, uq_, uk_, uv_ = ins
-        _bob_affine_kernel[row_grid(cfg)](
+        launch(
+            _bob_affine_kernel, row_grid(cfg),
             q_, k_, v_, view(o, varlen), do_, uq_, uk_, uv_, view(qb, varlen),
             view(dob, varlen), lse, delta, alpha, ee, rho, *sizes,
-            **launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, NEED_E=p.need_e,
-                     WRITE_STATS=p.write_stats, ROWSUM=p.rowsum))
+            **meta(cfg, NEED_QB=need_qb, NEED_DOB=need_dob, NEED_E=p.need_e,
+                   WRITE_STATS=p.write_stats, ROWSUM=p.rowsum))
     if p.stats is not None:
         cfg = p.stats.tiles
         if p.stats.gluon:
@@ -146,11 +148,11 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       stats=True, consumers=cfg.consumers,
                                       **gluon_kw(cfg))
         elif shift:
-            _bob_stats_shift_kernel[row_grid(cfg)](*ins, lse, alpha, ee, sh, *sizes,
-                                                   **launch(cfg, NEED_E=p.need_e))
+            launch(_bob_stats_shift_kernel, row_grid(cfg), *ins, lse, alpha, ee, sh, *sizes,
+                   **meta(cfg, NEED_E=p.need_e))
         else:
-            _bob_stats_kernel[row_grid(cfg)](*ins, lse, delta, alpha, ee, *sizes,
-                                             **launch(cfg, NEED_E=p.need_e))
+            launch(_bob_stats_kernel, row_grid(cfg), *ins, lse, delta, alpha, ee, *sizes,
+                   **meta(cfg, NEED_E=p.need_e))
     if p.direct is not None:
         cfg = p.direct.tiles
         if p.direct.gluon:
@@ -161,15 +163,15 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       **gluon_kw(cfg))
         else:
             outs = (view(qb, varlen), view(dob, varlen))
-            kw = launch(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
-                        SPLIT=split and bool(split_row), STATS_FIRST=p.stats_first,
-                        WRITE_STATS=p.write_stats, NEED_E=p.need_e)
+            kw = meta(cfg, NEED_QB=need_qb, NEED_DOB=need_dob,
+                      SPLIT=split and bool(split_row), STATS_FIRST=p.stats_first,
+                      WRITE_STATS=p.write_stats, NEED_E=p.need_e)
             if shift:
-                _bob_direct_shift_kernel[row_grid(cfg)](*ins, *outs, lse, *stats_out, sh,
-                                                        *sizes, **kw)
+                launch(_bob_direct_shift_kernel, row_grid(cfg), *ins, *outs, lse, *stats_out, sh,
+                       *sizes, **kw)
             else:
-                _bob_direct_kernel[row_grid(cfg)](*ins, *outs, lse, delta, *stats_out, rho,
-                                                  *sizes, ROWSUM=p.rowsum, **kw)
+                launch(_bob_direct_kernel, row_grid(cfg), *ins, *outs, lse, delta, *stats_out,
+                       rho, *sizes, ROWSUM=p.rowsum, **kw)
     if p.col is not None:
         cfg = p.col.tiles
         if p.col.gluon:
@@ -179,10 +181,11 @@ def attn_bob(q, k, v, o, lse, do, delta, uq, uk, uv, *, scale, causal, window,
                                       out=(kb, vb), consumers=cfg.consumers, **gluon_kw(cfg))
         else:
             vb_col = vb if p.col_vb else None
-            _bob_col_kernel[(triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)](
+            launch(
+                _bob_col_kernel, (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch),
                 *ins, view(kb, varlen), view(vb_col, varlen), lse,
                 None if shift else delta, alpha, ee, None if shift else rho, sh, *sizes,
-                **launch(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
-                         SPLIT=split and bool(split_col), ROWSUM=p.rowsum, SHIFT=shift,
-                         QMAJOR=cfg.qmajor))
+                **meta(cfg, NEED_KB=p.col_kb, NEED_VB=p.col_vb,
+                       SPLIT=split and bool(split_col), ROWSUM=p.rowsum, SHIFT=shift,
+                       QMAJOR=cfg.qmajor))
     return qb, kb, vb, dob

@@ -17,6 +17,7 @@ from .dkdv import _attn_bwd_dkdv_kernel
 from .dq import _attn_bwd_dq_kernel
 from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
                    new_rowvecs, on_input_device, prep, rowvec_strides, view)
+from .launch import launch
 
 
 @on_input_device
@@ -66,7 +67,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
         # dQ first: its programs also form D = rowsum(dO∘O) and ρ, which dK/dV read
         cfg = p.dq.tiles
         grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-        _attn_bwd_dq_kernel[grid](
+        launch(
+            _attn_bwd_dq_kernel, grid,
             *(view(x, lay.varlen) for x in (q, k, v, o, do, dq)), lse, delta,
             shifted, rowvec_strides(lay), cu, *args,
             BLOCK_M=cfg.block_m,
@@ -87,7 +89,8 @@ def attn_bwd(q, k, v, o, lse, do, *, scale, causal, window, cu_seqlens_q=None,
                                     stages=cfg.stages, maxnreg=cfg.maxnreg, out=(dk, dv))
         elif lay.n_k > 0:
             grid = (triton.cdiv(lay.n_k, cfg.block_n), lay.h_kv, lay.batch)
-            _attn_bwd_dkdv_kernel[grid](
+            launch(
+                _attn_bwd_dkdv_kernel, grid,
                 *(view(x, lay.varlen) for x in (q, k, v, do, dk, dv)), lse,
                 delta if shifted is None else shifted[3],
                 shifted and shifted[:3], rowvec_strides(lay), cu, *args,

@@ -15,6 +15,7 @@ from .common import (_key_tile, _row_scores, LOG2E, _NO_SPECIALIZE, _key_tile_ra
 from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
                    on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
+from .launch import launch
 
 
 @triton.jit
@@ -124,7 +125,8 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
     bd = block_d(lay.head_dim)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     nat = q.element_size() == 4  # float32: scores in natural units (_attn_fwd_inner)
-    _attn_fwd_kernel[grid](
+    launch(
+        _attn_fwd_kernel, grid,
         view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),
         lse, rowvec_strides(lay), cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
         lay.n_q, lay.n_k, lay.groups, scale if nat else scale * LOG2E, int(window or 0),

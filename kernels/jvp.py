@@ -34,6 +34,7 @@ from .common import (_key_tile, _row_probs, _row_scores, _NO_SPECIALIZE, _key_ti
 from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
                    on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
+from .launch import launch
 
 __all__ = ["attn_jvp", "attn_tangent"]
 
@@ -255,7 +256,8 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
     bd = block_d(lay.head_dim)
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-    _attn_jvp_kernel[grid](
+    launch(
+        _attn_jvp_kernel, grid,
         *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),
         lse, lsed, rowvec_strides(lay),
         cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
@@ -299,7 +301,8 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
     bd = block_d(lay.head_dim)
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
     grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-    _attn_tangent_kernel[grid](
+    launch(
+        _attn_tangent_kernel, grid,
         *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),
         lse, lsed, rho, rowvec_strides(lay),
         cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),

@@ -55,6 +55,7 @@ def test_every_named_script_exists():
     ("graph_bench.py", ["OUT", "--lm-shapes", "8x2048x3"], "--lm-shapes: BATCHxSEQ_LEN pairs"),
     ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
     ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "0x1024c"], "--shapes takes BxN items"),
+    ("kernels/launch_host.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
 ])
 def test_shape_arguments_refuse_bad_values_before_any_work(script, args, message, tmp_path):
     # checked before the GPU is asked for, with the argument named and an example of the form

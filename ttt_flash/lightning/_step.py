@@ -32,13 +32,6 @@ def host_number(value) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype if dtype in (torch.float32, torch.float64) else torch.float32)
 
 
-def _peak_memory_gib() -> float:
-    """The caching allocator's peak of allocated bytes since the last reset, in GiB: the number
-    ``torch.cuda.max_memory_allocated()`` returns, read without flattening every other statistic."""
-    stats = torch.cuda.memory_stats_as_nested_dict()
-    return stats.get("allocated_bytes", {}).get("all", {}).get("peak", 0) / 2**30
-
-
 class LateHostValue:
     """A CUDA scalar read on the host one step late, so that the host never waits for the
     step that computes it: :meth:`push` queues a copy of this step's value into pinned host
@@ -106,7 +99,7 @@ class StepTimer:
         if cuda:
             if not self.events:
                 torch.cuda.synchronize()  # the wall clock of the whole step
-            module.log("train/peak_mem_gib", host_number(_peak_memory_gib()), batch_size=batch_size)
+            module.log("train/peak_mem_gib", host_number(torch.cuda.max_memory_allocated() / 2**30), batch_size=batch_size)
         elapsed = self._elapsed(cuda)
         if elapsed is not None:
             module.log("train/step_time_s", host_number(elapsed), batch_size=batch_size)

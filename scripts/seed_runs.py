@@ -277,6 +277,7 @@ def run_record(run: Run, runs_dir: Path, result: dict, probe: bool, tiny: bool =
         "recipe": run.recipe.name, "seed": run.seed, "role": run.role,
         "overrides": run.overrides(probe, tiny),
         "rc": result.get("rc"), "wall_s": result.get("wall_s"), "gpu": result.get("gpu"),
+        "stopped": result.get("rc") not in (None, 0),  # exited otherwise than done (deadline, crash): no verdict
         "steps": (max(tsteps) + 1) if tsteps else 0,
         "median_step_s_at_final_length": _median(at_final),
         "peak_mem_gib": max(peaks) if peaks else None,
@@ -294,8 +295,8 @@ def _stats(values: List[Optional[float]]) -> dict:
 def seed_verdict(recipe: Recipe, method: dict, baseline: Optional[dict]) -> bool:
     """Whether one seed meets the target (docs/long-context.md) against its own baseline."""
     m, b = method.get("last"), (baseline or {}).get("last")
-    if m is None or b is None:
-        return False
+    if m is None or b is None or method.get("stopped") or (baseline or {}).get("stopped"):
+        return False  # a run that did not finish proves nothing, whatever its last validation said
     if recipe.kind == "acc":
         return m >= 10 * recipe.chance and m > b
     pre = method.get("last_pre")
@@ -315,6 +316,8 @@ def summarize(recipes: List[Recipe], runs: List[Run], records: Dict[str, dict], 
             b = records.get(f"{recipe.name}_base_s{seed}", {})
             entry["per_seed"][seed] = {"method": m.get("last"), "baseline": b.get("last"), "pre": m.get("last_pre"),
                                        "met": seed_verdict(recipe, m, b),
+                                       "stopped": [r for r, rec in (("method", m), ("baseline", b)) if rec.get("stopped")],
+                                       "steps": m.get("steps"), "base_steps": b.get("steps"),
                                        "step_s": m.get("median_step_s_at_final_length"),
                                        "base_step_s": b.get("median_step_s_at_final_length"),
                                        "peak_mem_gib": m.get("peak_mem_gib"), "wall_s": m.get("wall_s"),
@@ -337,6 +340,14 @@ def _f(x, digits=4) -> str:
     return "—" if x is None else f"{x:.{digits}f}"
 
 
+def _met(p: dict) -> str:
+    stopped = p.get("stopped") or []
+    if stopped:
+        logged = p["steps" if stopped[0] == "method" else "base_steps"]
+        return f"unfinished ({' and '.join(stopped)} stopped, logged to step {logged})"
+    return "yes" if p["met"] else "no"
+
+
 def table(summary: dict) -> str:
     if summary["probe"]:
         rows = ["| recipe | context | median step, method | median step, baseline | peak memory (method) | "
@@ -351,7 +362,7 @@ def table(summary: dict) -> str:
     for name, e in summary["recipes"].items():
         for seed, p in e["per_seed"].items():
             rows.append(f"| {name} | {e['context']:,} | {e['metric']} | {seed} | {_f(p['method'])} | "
-                        f"{_f(p['baseline'])} ({e['baseline']}) | {_f(p['pre'])} | {'yes' if p['met'] else 'no'} | "
+                        f"{_f(p['baseline'])} ({e['baseline']}) | {_f(p['pre'])} | {_met(p)} | "
                         f"{_f(p['step_s'], 3)} s | {p['wall_s']} s |")
     rows.append("")
     for name, e in summary["recipes"].items():
@@ -360,7 +371,9 @@ def table(summary: dict) -> str:
                   else "target post <= 0.7 x pre and <= first order")
         rows.append(f"{name}: method min / median / max {_f(m['min'])} / {_f(m['median'])} / {_f(m['max'])} "
                     f"over {m['n']} seeds; baseline {_f(b['min'])} / {_f(b['median'])} / {_f(b['max'])}; "
-                    f"{target}: {'MET for every seed' if e['met'] else 'NOT MET'}")
+                    f"{target}: {'MET for every seed' if e['met'] else 'NOT MET'}"
+                    + (f" ({unfinished} seed(s) with a run that did not finish: resume them with --resume)"
+                       if (unfinished := sum(bool(p.get('stopped')) for p in e['per_seed'].values())) else ""))
     return "\n".join(rows)
 
 

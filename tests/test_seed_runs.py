@@ -58,6 +58,29 @@ def test_min_median_max_and_the_worst_seed_decides(script, tmp_path):
     assert "NOT MET" in script.table(summary)
 
 
+def test_a_stopped_run_gets_no_verdict(script, tmp_path):
+    """A run stopped at the deadline (or crashed) is reported unfinished, whatever its last
+    validation said, and the recipe is not met until it is resumed to the end."""
+    recipe = script.Recipe.load(TTT)
+    runs = script.plan([recipe], [0, 1], probe=False)
+    runs_dir = tmp_path / "runs"
+    for seed in (0, 1):
+        _write(runs_dir, f"ttt_e2e_mqar_131k_s{seed}", "val/acc_post", [0.05, 0.9])
+        _write(runs_dir, f"ttt_e2e_mqar_131k_base_s{seed}", "val/acc_post", [0.0, 0.02])
+    rc = {"ttt_e2e_mqar_131k_s1": 143}  # seed 1's method was stopped by SIGTERM
+    records = {r.name: script.run_record(r, runs_dir, {"rc": rc.get(r.name, 0), "wall_s": 1.0}, probe=False)
+               for r in runs}
+    summary = script.summarize([recipe], runs, records, probe=False)
+    e = summary["recipes"]["ttt_e2e_mqar_131k"]
+    assert [p["met"] for p in e["per_seed"].values()] == [True, False] and e["met"] is False
+    assert e["per_seed"][1]["stopped"] == ["method"] and e["per_seed"][0]["stopped"] == []
+    text = script.table(summary)
+    assert "unfinished (method stopped, logged to step 40)" in text
+    assert "NOT MET (1 seed(s) with a run that did not finish" in text
+    records["ttt_e2e_mqar_131k_s1"] = script.run_record(runs[1], runs_dir, {"rc": 0}, probe=False)  # resumed to the end
+    assert script.summarize([recipe], runs, records, probe=False)["recipes"]["ttt_e2e_mqar_131k"]["met"] is True
+
+
 def test_maml_target_is_pre_and_first_order_of_the_same_seed(script, tmp_path):
     recipe = script.Recipe.load(MAML)
     assert recipe.baseline == ["--model.init_args.first_order=true"] and recipe.kind == "maml"

@@ -10,6 +10,7 @@ the target metric, and whether the target holds for the worst seed.
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --tiny --in-process  # no process per run
     python3 scripts/seed_runs.py --recipe recipes/*_131k.yaml --out DIR --gpus 0,1 --deadline 540 --resume  # again: continue
     python3 scripts/seed_runs.py --recipe recipes/ttt_e2e_mqar_131k.yaml --out DIR --summarize-only
+    python3 scripts/seed_runs.py --recipe recipes/maml_transformer_131k.yaml --out DIR --set trainer.precision=bf16-mixed  # an override of every run
 
 Every run is ``ttt-flash fit --config RECIPE --seed_everything S --data.init_args.seed S`` (seed
 S seeds the weights and the data), its CSV log under ``DIR/runs/<recipe>_s<S>/``; the baseline
@@ -125,11 +126,13 @@ class Run:
     seed: int
     role: str  # "method" or "baseline"
     probe_steps: int = PROBE_STEPS
+    extra: List[str] = field(default_factory=list)  # --set KEY=VALUE overrides of every run
 
     def overrides(self, probe: bool, tiny: bool) -> List[str]:
         out = [f"--seed_everything={self.seed}", f"--data.init_args.seed={self.seed}"]
+        out += [f"--{kv}" for kv in self.extra]
         if self.role == "baseline":
-            out += self.recipe.baseline
+            out += self.recipe.baseline  # after --set, so that the baseline's switch always holds
         if tiny:
             out += _TINY_COMMON + _TINY[self.recipe.model_class]
         if probe:
@@ -141,14 +144,15 @@ class Run:
 
 
 def plan(recipes: List[Recipe], seeds: List[int], probe: bool, roles=("method", "baseline"),
-         probe_steps: int = PROBE_STEPS) -> List[Run]:
+         probe_steps: int = PROBE_STEPS, extra: Optional[List[str]] = None) -> List[Run]:
     """Every method run (recipes in the given order, then seeds), then every baseline: the
     methods cost most, so they start first (give the dearest recipe first)."""
     seeds = [seeds[0]] if probe else seeds
     runs = []
     for role in ("method", "baseline"):
         if role in roles:
-            runs += [Run(f"{r.name}{'' if role == 'method' else '_base'}_s{s}", r, s, role, probe_steps)
+            runs += [Run(f"{r.name}{'' if role == 'method' else '_base'}_s{s}", r, s, role, probe_steps,
+                         list(extra or []))
                      for r in recipes for s in seeds]
     return runs
 
@@ -392,6 +396,9 @@ def main(argv=None) -> int:
                    help="a few steps (--probe-steps) at the final length, no validation (seed: the first)")
     p.add_argument("--probe-steps", type=int, default=PROBE_STEPS,
                    help="steps per probe run (>= 2: the first, with compilation, is not timed)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a LightningCLI override for every run, method and baseline alike (repeatable), "
+                        "e.g. --set trainer.precision=bf16-mixed; recorded in seeds.json")
     p.add_argument("--roles", default="method,baseline", help="which runs: method, baseline or both")
     p.add_argument("--tiny", action="store_true", help="CPU, tiny shapes, 4 steps, one run at a time (a dry run)")
     p.add_argument("--resume", action="store_true",
@@ -418,7 +425,11 @@ def main(argv=None) -> int:
         p.error(f"--roles must be method, baseline or both (comma-separated), got {a.roles!r}")
     if a.probe_steps < 2:
         p.error(f"--probe-steps must be >= 2 (the first step compiles and is not timed), got {a.probe_steps}")
-    runs = plan(recipes, seeds, a.probe, roles, a.probe_steps)
+    for kv in a.set:
+        if "=" not in kv or kv.startswith("-") or not kv.split("=", 1)[0]:
+            p.error(f"--set takes KEY=VALUE with a LightningCLI key and no leading dashes "
+                    f"(e.g. --set trainer.precision=bf16-mixed), got {kv!r}")
+    runs = plan(recipes, seeds, a.probe, roles, a.probe_steps, a.set)
     a.out.mkdir(parents=True, exist_ok=True)
     results_file = a.out / "results.json"
     results: Dict[str, dict] = json.loads(results_file.read_text()) if results_file.is_file() else {}

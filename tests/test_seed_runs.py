@@ -81,6 +81,21 @@ def test_a_stopped_run_gets_no_verdict(script, tmp_path):
     assert script.summarize([recipe], runs, records, probe=False)["recipes"]["ttt_e2e_mqar_131k"]["met"] is True
 
 
+def test_set_overrides_every_run_and_the_baseline_switch_wins(script, tmp_path, capsys):
+    recipe = script.Recipe.load(MAML)
+    runs = script.plan([recipe], [1], probe=False, extra=["trainer.precision=bf16-mixed", "model.init_args.first_order=false"])
+    assert runs[0].overrides(False, False) == ["--seed_everything=1", "--data.init_args.seed=1",
+                                                "--trainer.precision=bf16-mixed", "--model.init_args.first_order=false"]
+    assert runs[1].overrides(False, False)[-2:] == ["--model.init_args.first_order=false",
+                                                     "--model.init_args.first_order=true"]  # the last one wins
+    cmd = script.command(runs[0], tmp_path, "", probe=False, tiny=False)
+    assert "--trainer.precision=bf16-mixed" in cmd
+    for bad in ("--trainer.precision=bf16-mixed", "trainer.precision", "=x"):
+        with pytest.raises(SystemExit):
+            script.main(["--recipe", str(MAML), "--out", str(tmp_path), f"--set={bad}", "--summarize-only"])
+        assert "--set takes KEY=VALUE" in capsys.readouterr().err
+
+
 def test_maml_target_is_pre_and_first_order_of_the_same_seed(script, tmp_path):
     recipe = script.Recipe.load(MAML)
     assert recipe.baseline == ["--model.init_args.first_order=true"] and recipe.kind == "maml"

@@ -5,6 +5,7 @@ full-attention GPT of the same size.
 
     python3 scripts/real_text_positions.py --out DIR                          # GPU defaults: evaluate 131,072-byte documents
     python3 scripts/real_text_positions.py --out DIR --eval-only              # evaluate the checkpoints DIR/<model>.pt again
+    python3 scripts/real_text_positions.py --out DIR --bf16 --deadline 500    # pause after 500 s; the same command continues
     python3 scripts/real_text_positions.py --out DIR --tiny                   # the same on the CPU, tiny shapes (a dry run)
     python3 scripts/real_text_positions.py --out DIR --paths /usr/lib/python3*/ /usr/share/doc   # another offline corpus
 
@@ -163,9 +164,11 @@ def _autocast(a, device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
 
 
-def train(name: str, a, train_tokens: Tensor, device, stop_after: Optional[int] = None) -> Optional[Dict]:
+def train(name: str, a, train_tokens: Tensor, device, stop_after: Optional[int] = None,
+          deadline: Optional[float] = None) -> Optional[Dict]:
     """Train the model ``name``; its checkpoint DIR/<name>.pt at the end. Every ``a.save_every``
-    steps (and at ``stop_after``, which then returns None) the whole state goes to
+    steps (and at ``stop_after``, or once ``time.perf_counter()`` passes ``deadline``: both
+    then return None) the whole state goes to
     DIR/<name>.partial.pt, from which a later call continues exactly: the windows are a function
     of (seed, index) and nothing else is random."""
     from ttt_flash.tasks import ByteWindows
@@ -197,6 +200,12 @@ def train(name: str, a, train_tokens: Tensor, device, stop_after: Optional[int] 
     while state["step"] < a.steps:
         if a.max_train_s and time.perf_counter() - started > a.max_train_s:
             break
+        if deadline is not None and time.perf_counter() > deadline and state["step"] > 0:
+            save(partial)
+            bar.close()
+            print(f"{name}: paused at step {state['step']} of {a.steps} (--deadline); run the same command "
+                  f"again to continue from {partial}", flush=True)
+            return None
         length = curriculum.length_at(state["step"])
         batch, seen = max(1, a.tokens_per_step // length), state["seen"]
         windows = ByteWindows(train_tokens, length, a.seed, random=True, count=seen + batch)
@@ -312,6 +321,9 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-step", type=int, default=131072, help="bytes per step (batch = this // length)")
     p.add_argument("--save-every", type=int, default=50, help="steps between resumable saves (DIR/<model>.partial.pt; 0: none)")
     p.add_argument("--max-train-s", type=float, default=0.0, help="stop a model's training after this many seconds (0: never)")
+    p.add_argument("--deadline", type=float, default=0.0,
+                   help="pause after this many seconds of this call (saving DIR/<model>.partial.pt; the same "
+                        "command continues it); 0: never")
     p.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     p.add_argument("--n-head", type=int, default=4, help="attention heads")
     p.add_argument("--d-model", type=int, default=256, help="residual width")
@@ -339,8 +351,10 @@ def main(argv=None) -> int:
     for flag in ("eval_len", "docs", "bins", "steps", "tokens_per_step", "window", "chunk"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if a.save_every < 0 or a.max_train_s < 0:
-        p.error(f"--save-every and --max-train-s must be >= 0, got {a.save_every} and {a.max_train_s}")
+    if a.save_every < 0 or a.max_train_s < 0 or a.deadline < 0:
+        p.error(f"--save-every, --max-train-s and --deadline must be >= 0, got {a.save_every}, {a.max_train_s} "
+                f"and {a.deadline}")
+    deadline = time.perf_counter() + a.deadline if a.deadline else None
     try:
         a.curriculum = parse_curriculum(a.curriculum)
     except ValueError as e:
@@ -367,7 +381,8 @@ def main(argv=None) -> int:
     result["config"]["corpus_files"] = len(files)
     for name in models:
         if not a.eval_only and not (a.out / f"{name}.pt").is_file():
-            train(name, a, train_tokens, device)
+            if train(name, a, train_tokens, device, deadline=deadline) is None:
+                return 0  # paused at --deadline: no evaluation until every model has trained
         if not (a.out / f"{name}.pt").is_file():
             p.error(f"no checkpoint {a.out / f'{name}.pt'} to evaluate (run without --eval-only first)")
         result["models"][name] = evaluate(name, a, docs, bins, device)

@@ -131,6 +131,14 @@ def test_interrupted_training_continues_exactly(script, tmp_path):
     split = script.train("ttt", a, tokens, torch.device("cpu"))
     assert not (a.out / "ttt.partial.pt").exists()
     assert split["steps"] == straight["steps"] == 4 and split["train_bytes"] == straight["train_bytes"]
+    a.out = tmp_path / "deadline"
+    a.out.mkdir()
+    assert script.train("ttt", a, tokens, torch.device("cpu"), deadline=0.0) is None  # past it: one step, then a pause
+    assert torch.load(a.out / "ttt.partial.pt")["state"]["step"] == 1 and not (a.out / "ttt.pt").exists()
+    paused = script.train("ttt", a, tokens, torch.device("cpu"))
+    assert paused["steps"] == 4
+    for key, value in torch.load(a.out / "ttt.pt")["model"].items():
+        torch.testing.assert_close(value, torch.load(tmp_path / "straight" / "ttt.pt")["model"][key], rtol=0, atol=0)
     one = torch.load(tmp_path / "straight" / "ttt.pt")["model"]
     two = torch.load(tmp_path / "split" / "ttt.pt")["model"]
     for key in one:

@@ -12,8 +12,9 @@ import triton.language as tl
 from .common import (_key_tile, _row_scores, LOG2E, _NO_SPECIALIZE, _key_tile_range, _load_tile,
                      _online_softmax_step, _row_base, _row_program, _store_tile, _tile_base,
                      _tile_offsets)
-from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
-                   on_input_device, prep, rowvec_strides, view)
+from .host import (block_d, call_cache, cdiv, cu_seqlens, dot_precision, layout, long_rows,
+                   new_like, new_rowvec, on_input_device, prep, remember, rowvec_strides, view)
+from . import configs
 from . import plan as _plan
 from .launch import launch
 
@@ -91,6 +92,29 @@ def _attn_fwd_kernel(
     tl.store(l_base + offs_m, lse, mask=m_ok)
 
 
+_CALLS = call_cache()  # dense calls: key -> (lay, plan, grid, nat, launch keywords)
+
+
+def _fwd_call(q, k, v, o, lay, causal_, use_window):
+    """What a forward call's launch is, apart from its tensors and scalars: (lay, plan, grid,
+    nat, launch keywords); the grid and keywords None for a Gluon plan."""
+    p = _plan.fwd(lay, q.dtype, q.device, window=use_window,
+                  contiguous=q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+    if p.gluon:
+        return lay, p, None, None, None
+    cfg = p.tiles
+    bd = block_d(lay.head_dim)
+    grid = (cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    nat = q.element_size() == 4  # float32: scores in natural units (_attn_fwd_inner)
+    meta = dict(
+        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
+        EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
+        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype), NAT=nat,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return lay, p, grid, nat, meta
+
+
 @on_input_device
 def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=None,
              max_seqlen_q=None, max_seqlen_k=None):
@@ -99,40 +123,45 @@ def attn_fwd(q, k, v, *, scale, causal, window, cu_seqlens_q=None, cu_seqlens_k=
     ``o`` is contiguous in the input dtype; ``lse`` float32, (B, H_q, N_q) dense or
     (H_q, T_q) varlen, -inf for rows that see no key. float32 inputs use IEEE float32 dots.
     The plan (``plan.fwd``) runs the sm_90 Gluon forward (``gluon/fwd.py``) where its scope
-    allows, the Triton kernel below everywhere else.
+    allows, the Triton kernel below everywhere else. A dense call's launch is cached per call
+    shape (``host.call_cache``).
     """
-    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     q, k, v = prep(q), prep(k), prep(v)
+    causal_ = bool(causal)
+    use_window = causal_ and window is not None
+    key = call = None
+    if cu_seqlens_q is None:
+        key = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), q.dtype, q.device,
+               causal_, use_window, configs.generation())
+        call = _CALLS.get(key)
+    lay = layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) if call is None else call[0]
     scale = lay.head_dim ** -0.5 if scale is None else float(scale)
-    causal_, use_window = bool(causal), bool(causal) and window is not None
-    o = new_empty(q.shape, q.dtype, q.device)
+    o = new_like(q)
     lse = new_rowvec(lay, q.device)
     if o.numel() == 0 or lay.n_q == 0:
         if lse.numel():
             lse.fill_(float("-inf"))
         return o.zero_(), lse
-    p = _plan.fwd(lay, q.dtype, q.device, window=use_window,
-                  contiguous=q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
-    cfg = p.tiles
+    if call is None:
+        call = _fwd_call(q, k, v, o, lay, causal_, use_window)
+        if key is not None:
+            remember(_CALLS, key, call)
+    _, p, grid, nat, meta = call
     if p.gluon:
         from .gluon import fwd as _gluon_fwd  # imported where it runs: sm_90
 
+        cfg = p.tiles
         _gluon_fwd.launch_fwd(q, k, v, scale=scale, causal=causal_, block_n=cfg.block_n,
                               block_m=cfg.block_m, num_warps=cfg.num_warps, stages=cfg.stages,
                               warp_specialize=cfg.warp_specialize, consumers=cfg.consumers,
                               pingpong=cfg.pingpong, maxnreg=cfg.maxnreg, out=(o, lse))
         return o, lse
-    bd = block_d(lay.head_dim)
-    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
-    nat = q.element_size() == 4  # float32: scores in natural units (_attn_fwd_inner)
+    varlen = lay.varlen
     launch(
         _attn_fwd_kernel, grid,
-        view(q, lay.varlen), view(k, lay.varlen), view(v, lay.varlen), view(o, lay.varlen),
+        view(q, varlen), view(k, varlen), view(v, varlen), view(o, varlen),
         lse, rowvec_strides(lay), cu_seqlens(cu_seqlens_q, cu_seqlens_k, q),
         lay.n_q, lay.n_k, lay.groups, scale if nat else scale * LOG2E, int(window or 0),
-        HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=bd,
-        EVEN_D=bd == lay.head_dim, CAUSAL=causal_, WINDOW=use_window, IS_VARLEN=lay.varlen,
-        LONG=long_rows(lay, q, k, v, o), PREC=dot_precision(q.dtype), NAT=nat,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **meta,
     )
     return o, lse

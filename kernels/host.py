@@ -17,6 +17,11 @@ import torch
 import triton
 
 
+#: The composers' per-call-shape caches (:func:`call_cache`), emptied by ``plan.clear_cache``.
+CALL_CACHES: list = []
+#: Most entries of one composer's cache; past it the cache is emptied and refilled.
+CALL_CACHE_MAX = 1024
+
 #: Test hook: when True, every output is allocated filled with NaN, so that an element a
 #: kernel forgets to write fails loudly.
 POISON_OUTPUTS = False
@@ -35,6 +40,39 @@ class Layout:
     n_q: int  # dense length, or max_seqlen_q for varlen (grid size)
     n_k: int
     t_q: int  # total query tokens (B*N_q dense, T_q varlen)
+
+
+def call_cache() -> dict:
+    """A composer's cache of what a dense call's launches are (plan, grids, launch keywords),
+    keyed by everything they depend on: the shapes and strides of the tensors the kernels
+    read (after :func:`prep`), dtype, device, the flags, and ``configs.generation()``. A
+    repeated call shape then skips the layout, plan and keyword building (host time)."""
+    cache: dict = {}
+    CALL_CACHES.append(cache)
+    return cache
+
+
+def remember(cache: dict, key, value):
+    """``cache[key] = value`` (the cache emptied first when full); returns ``value``."""
+    if len(cache) >= CALL_CACHE_MAX:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def clear_call_caches() -> None:
+    for cache in CALL_CACHES:
+        cache.clear()
+
+
+def strides(x: Optional[torch.Tensor]):
+    """``x.stride()``, None for an absent ``x`` (a call cache key's part)."""
+    return None if x is None else x.stride()
+
+
+def shape(x: Optional[torch.Tensor]):
+    """``x.shape``, None for an absent ``x`` (a call cache key's part)."""
+    return None if x is None else x.shape
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +155,14 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def new_like(x: torch.Tensor) -> torch.Tensor:
+    """``new_empty(x.shape, x.dtype, x.device)``, through ``empty_like`` (contiguous): the
+    cheaper call (a ``torch.Size`` argument costs host time to parse)."""
+    if POISON_OUTPUTS:
+        return torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def _rowvec_shape(lay: Layout) -> tuple:
     """Shape of a row vector (``lse``'s layout): (B, H_q, N_q) dense, (H_q, T_q) varlen."""
     return (lay.h_q, lay.t_q) if lay.varlen else (lay.batch, lay.h_q, lay.n_q)
@@ -132,8 +178,16 @@ def new_rowvecs(lay: Layout, device, count: int) -> tuple:
     return new_empty((count, *_rowvec_shape(lay)), torch.float32, device).unbind(0)
 
 
+@functools.lru_cache(maxsize=None)
 def block_d(head_dim: int) -> int:
+    """The kernels' padded head dim: the next power of two, at least 16 (cached: Triton's
+    ``next_power_of_2`` is a constexpr function whose host call costs microseconds)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` for host integers (ceil(a / b)), without its constexpr-function call."""
+    return -(-a // b)
 
 
 def dot_precision(dtype: torch.dtype):

@@ -31,8 +31,8 @@ import triton.language as tl
 from .common import (_key_tile, _row_probs, _row_scores, _NO_SPECIALIZE, _key_tile_range,
                      _load_rowvec, _load_tile, _load_view, _online_softmax_step, _lse_log2,
                      _row_off, _row_program, _store_tile, _tile_base, _tile_offsets, _tile_base_or)
-from .host import (block_d, cu_seqlens, dot_precision, layout, long_rows, new_empty, new_rowvec,
-                   on_input_device, prep, rowvec_strides, view)
+from .host import (block_d, cdiv, cu_seqlens, dot_precision, layout, long_rows, new_like,
+                   new_rowvec, on_input_device, prep, rowvec_strides, view)
 from . import plan as _plan
 from .launch import launch
 
@@ -244,8 +244,8 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
     qd, kd, vd = prep(qd), prep(kd), prep(vd)
     scale = lay.head_dim ** -0.5 if scale is None else float(scale)
     causal_, use_window = bool(causal), bool(causal) and window is not None
-    o = new_empty(q.shape, q.dtype, q.device)
-    od = new_empty(q.shape, q.dtype, q.device)
+    o = new_like(q)
+    od = new_like(q)
     lse = new_rowvec(lay, q.device)
     lsed = new_rowvec(lay, q.device)
     if o.numel() == 0 or lay.n_q == 0:
@@ -255,7 +255,7 @@ def attn_jvp(q, k, v, qd, kd, vd, *, scale, causal, window, cu_seqlens_q=None, c
         return o.zero_(), lse, od.zero_(), lsed
     bd = block_d(lay.head_dim)
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
-    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    grid = (cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     launch(
         _attn_jvp_kernel, grid,
         *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),
@@ -290,7 +290,7 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
     lse = lse.contiguous()
     scale = lay.head_dim ** -0.5 if scale is None else float(scale)
     causal_, use_window = bool(causal), bool(causal) and window is not None
-    od = new_empty(q.shape, q.dtype, q.device)
+    od = new_like(q)
     lsed = new_rowvec(lay, q.device)
     rho = new_rowvec(lay, q.device)
     if od.numel() == 0 or lay.n_q == 0:
@@ -300,7 +300,7 @@ def attn_tangent(q, k, v, o, lse, qd, kd, vd, *, scale, causal, window, cu_seqle
         return od.zero_(), lsed, rho
     bd = block_d(lay.head_dim)
     cfg = _plan.tiles("jvp", bd, q.dtype, q.device)
-    grid = (triton.cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
+    grid = (cdiv(lay.n_q, cfg.block_m), lay.h_q, lay.batch)
     launch(
         _attn_tangent_kernel, grid,
         *(view(x, lay.varlen) for x in (q, k, v, qd, kd, vd, o, od)),

@@ -19,7 +19,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from . import configs
-from .host import Layout, block_d, device_capability
+from .host import Layout, block_d, clear_call_caches, device_capability
 from .gluon import scope
 
 Tiles = Union[configs.TileConfig, configs.GluonConfig]
@@ -240,7 +240,9 @@ def explain(kind: str, lay: Layout, dtype: torch.dtype, device: torch.device, **
 
 
 def clear_cache() -> None:
-    """Forget every cached plan (after changing ``configs`` tables in place, in tests)."""
+    """Forget every cached plan (after changing ``configs`` tables in place, in tests), and
+    the composers' per-call-shape caches built from them (``host.call_cache``)."""
+    clear_call_caches()
     _tiles.cache_clear()
     _fwd.cache_clear()
     _bwd.cache_clear()

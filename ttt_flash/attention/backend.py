@@ -23,18 +23,22 @@ BACKENDS = ("auto", "triton", "reference")
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_KERNELS = []  # the kernels module once imported (a per-call import statement costs host time)
+
+
 def _triton_module():
+    if _KERNELS:
+        return _KERNELS[0]
     from .. import kernels  # imported lazily: importing triton is slow and optional on CPU
 
+    _KERNELS.append(kernels)
     return kernels
 
 
 def _interpreting() -> bool:
     # The one reader of TRITON_INTERPRET is kernels/configs.py (the Triton interpreter is a
     # kernels matter); backend="triton" imports the kernels anyway.
-    from ..kernels import configs
-
-    return configs.interpreting()
+    return _triton_module().configs.interpreting()
 
 
 def resolve_backend(backend: str, q: Tensor) -> str:

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .backend import resolve_backend
+from .backend import _interpreting, resolve_backend
 from .functions import _Spec
 
 __all__ = ["check_dense", "check_varlen", "LAYOUTS"]
@@ -176,10 +176,70 @@ def _check_shapes(q, k, v, ndim: int, rank_message: str) -> None:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[-1]} and {k.shape[-1]}")
 
 
+#: Dense calls already validated: key (:func:`_dense_key`) -> (spec, bnhd, with_lse). A call
+#: whose checks warned (the layout guess, the head-dim fallback) is not kept, so it warns again.
+_DENSE_OK: dict = {}
+_DENSE_OK_MAX = 1024
+
+
+def _dense_key(q, k, v, causal, scale, window, backend, precise_bob, deterministic, layout, return_lse):
+    """Everything a dense call's checks read, the types of the non-tensor arguments included
+    (``causal=1`` is refused where ``causal=True`` passes, and they are equal keys in a dict);
+    for ``backend="triton"`` off CUDA also whether the Triton interpreter is on."""
+    key = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device, causal.__class__, causal, scale.__class__, scale,
+           window.__class__, window, backend, precise_bob.__class__, precise_bob,
+           deterministic.__class__, deterministic, layout, return_lse.__class__, return_lse)
+    if backend == "triton" and not q.is_cuda:
+        key += (_interpreting(),)
+    return key
+
+
+def _may_warn(q, k, layout, backend, spec) -> bool:
+    """Whether the checks of this (valid) call may have warned: the layout guess of
+    :func:`_check_layout` or ``backend="auto"`` falling back to the reference on CUDA (the head
+    dim above the kernels'). Such calls are not cached, so that each one warns as before."""
+    looks_bnhd = layout is None and 0 < q.shape[2] < q.shape[1] and 0 < k.shape[2] < k.shape[1]
+    return looks_bnhd or (backend == "auto" and spec.backend == "reference" and q.is_cuda)
+
+
 def check_dense(q, k, v, *, causal, scale, window, backend, precise_bob, deterministic, layout, return_lse):
     """Validate a :func:`~ttt_flash.attention.api.flash_attention` call and resolve its backend.
 
     Returns:
+        ``(q, k, v, spec, bnhd, with_lse)``: q, k, v as (B, H, N, D) views (transposed, not
+        copied, for ``layout="bnhd"``), the call's ``_Spec``, whether the output goes back to
+        (B, N, H, D), and whether the log-sum-exp is returned.
+
+    A call like one already validated (same tensor types, shapes, dtypes and devices, same
+    arguments of the same types: :func:`_dense_key`) reuses that result (host time per call);
+    the first call of each kind runs every check.
+    """
+    key = None
+    if not torch.compiler.is_compiling():
+        try:
+            key = _dense_key(q, k, v, causal, scale, window, backend, precise_bob, deterministic, layout,
+                             return_lse)
+            hit = _DENSE_OK.get(key)
+        except (AttributeError, TypeError, ImportError):  # not tensors, unhashable: the checks say
+            key = hit = None
+        if hit is not None:
+            spec, bnhd, with_lse = hit
+            if bnhd:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            return q, k, v, spec, bnhd, with_lse
+    out = _check_dense(q, k, v, causal=causal, scale=scale, window=window, backend=backend,
+                       precise_bob=precise_bob, deterministic=deterministic, layout=layout,
+                       return_lse=return_lse)
+    if key is not None and not _may_warn(q, k, layout, backend, out[3]):
+        if len(_DENSE_OK) >= _DENSE_OK_MAX:
+            _DENSE_OK.clear()
+        _DENSE_OK[key] = out[3:]
+    return out
+
+
+def _check_dense(q, k, v, *, causal, scale, window, backend, precise_bob, deterministic, layout, return_lse):
+    """The checks of :func:`check_dense`, every one run. Returns:
         ``(q, k, v, spec, bnhd, with_lse)``: q, k, v as (B, H, N, D) views (transposed, not
         copied, for ``layout="bnhd"``), the call's ``_Spec``, whether the output goes back to
         (B, N, H, D), and whether the log-sum-exp is returned.

@@ -141,10 +141,26 @@ class _Spec:
     deterministic: bool = False
 
     def kernel_kwargs(self) -> dict:
-        """Keywords only the Triton composers take."""
-        return {} if self.backend == "reference" else {"deterministic": self.deterministic}
+        """Keywords only the Triton composers take (a dict kept on the spec: pass it as
+        ``**``, never change it)."""
+        kw = self.__dict__.get("_kernel_kw")
+        if kw is None:
+            kw = {} if self.backend == "reference" else {"deterministic": self.deterministic}
+            object.__setattr__(self, "_kernel_kw", kw)
+        return kw
 
     def kwargs(self, cu_q, cu_k) -> dict:
+        """The composers' keywords. A dense call's (no ``cu_seqlens``) is kept on the spec
+        (host time per call): pass it as ``**``, never change it."""
+        if cu_q is None and cu_k is None:
+            kw = self.__dict__.get("_dense_kw")
+            if kw is None:
+                kw = self._kwargs(None, None)
+                object.__setattr__(self, "_dense_kw", kw)
+            return kw
+        return self._kwargs(cu_q, cu_k)
+
+    def _kwargs(self, cu_q, cu_k) -> dict:
         return dict(
             scale=self.scale,
             causal=self.causal,

@@ -33,6 +33,7 @@ call: the Functions eagerly, the custom operators of :mod:`ttt_flash.attention.o
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Optional
@@ -140,25 +141,23 @@ class _Spec:
     precise_bob: bool = True
     deterministic: bool = False
 
+    @functools.cached_property
+    def _kernel_kw(self) -> dict:
+        return {} if self.backend == "reference" else {"deterministic": self.deterministic}
+
+    @functools.cached_property
+    def _dense_kw(self) -> dict:
+        return self._kwargs(None, None)
+
     def kernel_kwargs(self) -> dict:
         """Keywords only the Triton composers take (a dict kept on the spec: pass it as
         ``**``, never change it)."""
-        kw = self.__dict__.get("_kernel_kw")
-        if kw is None:
-            kw = {} if self.backend == "reference" else {"deterministic": self.deterministic}
-            object.__setattr__(self, "_kernel_kw", kw)
-        return kw
+        return self._kernel_kw
 
     def kwargs(self, cu_q, cu_k) -> dict:
         """The composers' keywords. A dense call's (no ``cu_seqlens``) is kept on the spec
         (host time per call): pass it as ``**``, never change it."""
-        if cu_q is None and cu_k is None:
-            kw = self.__dict__.get("_dense_kw")
-            if kw is None:
-                kw = self._kwargs(None, None)
-                object.__setattr__(self, "_dense_kw", kw)
-            return kw
-        return self._kwargs(cu_q, cu_k)
+        return self._dense_kw if cu_q is None and cu_k is None else self._kwargs(cu_q, cu_k)
 
     def _kwargs(self, cu_q, cu_k) -> dict:
         return dict(

@@ -40,27 +40,37 @@ def _shape(text: str):
     return b, n, causal
 
 
+def chain(x, causal: bool, rec=None, backend: str = "auto"):
+    """One eager chain over ``x = [q, k, v, do, uq, uk, uv]`` (q, k, v, do requiring grad):
+    forward, the first backward with ``create_graph``, the inner product <U, grad>, the
+    backward over backward; appends its phases' host seconds (fwd, bwd, inner, BoB) to ``rec``.
+    Returns (o, dq, dk, dv, q̄, k̄, v̄, dō). ``scripts/kernels/host_stub.py`` times the same."""
+    from ttt_flash import flash_attention
+
+    q, k, v, do, uq, uk, uv = x
+    t0 = time.perf_counter()
+    o = flash_attention(q, k, v, causal=causal, backend=backend)
+    t1 = time.perf_counter()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    t2 = time.perf_counter()
+    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
+    t3 = time.perf_counter()
+    bars = torch.autograd.grad(s, (q, k, v, do))
+    t4 = time.perf_counter()
+    if rec is not None:
+        rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+    return (o, dq, dk, dv, *bars)
+
+
 def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from ttt_flash import flash_attention
-
     x = [torch.randn(b, 12, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
-    q, k, v, do = (t.requires_grad_(True) for t in x[:4])
-    u = x[4:]
+    for t in x[:4]:
+        t.requires_grad_(True)
 
     def run(rec=None):
-        t0 = time.perf_counter()
-        o = flash_attention(q, k, v, causal=causal)
-        t1 = time.perf_counter()
-        g = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-        t2 = time.perf_counter()
-        inner = sum((a * w).sum() for a, w in zip(g, u))
-        t3 = time.perf_counter()
-        torch.autograd.grad(inner, (q, k, v, do))
-        t4 = time.perf_counter()
-        if rec is not None:
-            rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
+        chain(x, causal, rec)
 
     for _ in range(10):
         run()

@@ -43,6 +43,9 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/kernels/, also when loaded by path
+import host_phases as _phases  # noqa: E402  (the chain; imports nothing but torch at load)
+
 PHASES = ("fwd", "bwd", "inner", "bob")
 COMPOSER_MODULES = ("fwd", "bwd", "bob", "jvp")
 
@@ -78,23 +81,8 @@ def make_inputs(b, h, n, d, dtype, seed=0):
 
 
 def chain(x, causal, rec=None):
-    """One eager chain; appends (fwd, bwd, inner, bob) host seconds to ``rec``; returns its
-    outputs (o, dq, dk, dv, q̄, k̄, v̄, dō)."""
-    from ttt_flash import flash_attention
-
-    q, k, v, do, uq, uk, uv = x
-    t0 = time.perf_counter()
-    o = flash_attention(q, k, v, causal=causal, backend="triton")
-    t1 = time.perf_counter()
-    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-    t2 = time.perf_counter()
-    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
-    t3 = time.perf_counter()
-    bars = torch.autograd.grad(s, (q, k, v, do))
-    t4 = time.perf_counter()
-    if rec is not None:
-        rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-    return (o, dq, dk, dv, *bars)
+    """One chain of ``host_phases.chain`` on the Triton path (its launches stubbed)."""
+    return _phases.chain(x, causal, rec, backend="triton")
 
 
 def measure(x, causal, iters, warmup, rounds):
@@ -139,6 +127,10 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--out", help="folder for host_stub.json and host_stub_profile.txt")
     a = p.parse_args(argv)
+    for name, low in (("batch", 1), ("heads", 1), ("seq", 1), ("head_dim", 1), ("iters", 1), ("warmup", 0),
+                      ("rounds", 1), ("profile", 0), ("top", 1), ("threads", 1)):
+        if getattr(a, name) < low:
+            p.error(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(a, name)}")
     torch.set_num_threads(a.threads)
     import triton
 

@@ -351,9 +351,9 @@ def main(argv=None) -> int:
     for flag in ("eval_len", "docs", "bins", "steps", "tokens_per_step", "window", "chunk"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
-    if a.save_every < 0 or a.max_train_s < 0 or a.deadline < 0:
-        p.error(f"--save-every, --max-train-s and --deadline must be >= 0, got {a.save_every}, {a.max_train_s} "
-                f"and {a.deadline}")
+    for flag in ("save_every", "max_train_s", "deadline"):
+        if getattr(a, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(a, flag)}")
     deadline = time.perf_counter() + a.deadline if a.deadline else None
     try:
         a.curriculum = parse_curriculum(a.curriculum)

@@ -85,7 +85,8 @@ def test_refuses_bad_arguments(script, tmp_path, capsys):
                           (["--curriculum", "0-64"], "FIRST_STEP:LENGTH"),
                           (["--models", "ttt,lstm"], "--models must name some of"),
                           (["--chunk", "64"], "must be shorter than the first training length"),
-                          (["--docs", "100000"], "fewer than --docs x (--eval-len + 1)")):
+                          (["--docs", "100000"], "fewer than --docs x (--eval-len + 1)"),
+                          (["--deadline", "-1"], "--deadline must be >= 0")):
         with pytest.raises(SystemExit):
             script.main(["--out", str(tmp_path), "--tiny", *argv])
         assert message in capsys.readouterr().err

@@ -30,9 +30,12 @@ step: the batch is ``tokens_per_step // length``), AdamW with warm-up and cosine
 same number of steps; each model's training wall time is recorded (a model may also stop at
 ``--max-train-s``). Checkpoints go to DIR/<model>.pt; a model whose checkpoint is there is not
 trained again, and an interrupted one continues exactly from DIR/<model>.partial.pt (saved every
-``--save-every`` steps). Writes DIR/positions.json (per model: mean loss per bin in nats and bits per byte,
-the overall mean, steps, training time, parameters; the bins; the configuration), DIR/positions.png
-(bits per byte against position, log scale; needs matplotlib) and prints a table last.
+``--save-every`` steps). Each evaluated model is kept in DIR/<model>.eval.json; DIR/positions.json
+gathers every model evaluated in DIR with the same configuration, also by other processes, so
+three processes with ``--models`` one each leave the whole comparison (per model: mean loss per
+bin in nats and bits per byte, the overall mean, steps, training time, parameters; the bins; the
+configuration). Also writes DIR/positions.png (bits per byte against position, log scale; needs
+matplotlib) and prints a table last.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -264,6 +268,42 @@ def evaluate(name: str, a, docs: List[tuple], bins: List[List[int]], device) -> 
             "mean_nats": float(mean.mean()), "mean_bits_per_byte": float(mean.mean()) / math.log(2)}
 
 
+#: Options that do not change what a model is or how it is evaluated.
+_RUN_ONLY = ("out", "models", "eval_only", "deadline", "max_train_s", "save_every", "tiny")
+
+
+def setup(result: dict) -> dict:
+    """What makes two evaluations comparable: the configuration without the run-only options,
+    the corpus sizes and the bins."""
+    config = {k: v for k, v in result["config"].items() if k not in _RUN_ONLY}
+    return {"config": config, "corpus_bytes": result["corpus_bytes"], "held_out_bytes": result["held_out_bytes"],
+            "bins": result["bins"]}
+
+
+def _write_json(path: Path, obj) -> None:
+    """Written whole, then renamed: a process reading it never sees half a file."""
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def gathered(out: Path, result: dict) -> Dict[str, dict]:
+    """The models evaluated in ``out`` (``<model>.eval.json``) with the same setup as ``result``,
+    in the order of MODELS; one evaluated with another setup is left out with a note."""
+    want, models = json.loads(json.dumps(setup(result))), {}
+    for name in MODELS:
+        path = out / f"{name}.eval.json"
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        if saved["setup"] != want:
+            print(f"{path.name}: evaluated with another configuration; left out of positions.json "
+                  f"(evaluate it again with --eval-only --models {name})", flush=True)
+            continue
+        models[name] = saved["model"]
+    return models
+
+
 def plot(path: Path, result: dict) -> Optional[str]:
     """The PNG of bits per byte against position; the reason when matplotlib is missing."""
     try:
@@ -385,14 +425,16 @@ def main(argv=None) -> int:
                 return 0  # paused at --deadline: no evaluation until every model has trained
         if not (a.out / f"{name}.pt").is_file():
             p.error(f"no checkpoint {a.out / f'{name}.pt'} to evaluate (run without --eval-only first)")
-        result["models"][name] = evaluate(name, a, docs, bins, device)
-        (a.out / "positions.json").write_text(json.dumps(result, indent=1))
+        evaluated = evaluate(name, a, docs, bins, device)
+        _write_json(a.out / f"{name}.eval.json", {"setup": setup(result), "model": evaluated})
+    # every model evaluated in DIR with this setup, also by other processes (--models one each)
+    result["models"] = gathered(a.out, result)
     message = plot(a.out / "positions.png", result)
     if message:
         print(message, flush=True)
     else:
         result["png"] = "positions.png"
-    (a.out / "positions.json").write_text(json.dumps(result, indent=1))
+    _write_json(a.out / "positions.json", result)
     print(table(result), flush=True)
     return 0
 

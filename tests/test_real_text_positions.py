@@ -144,3 +144,21 @@ def test_interrupted_training_continues_exactly(script, tmp_path):
     two = torch.load(tmp_path / "split" / "ttt.pt")["model"]
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=0)
+
+
+def test_one_process_per_model_gathers_every_model(script, tmp_path, capsys):
+    """Models trained and evaluated by separate runs (--models one each) all reach positions.json
+    and its table; a model evaluated with another setup is left out, with a note naming it."""
+    for name in ("full", "ttt"):
+        assert script.main(["--out", str(tmp_path), "--tiny", "--models", name, "--deadline", "600"]) == 0
+        assert (tmp_path / f"{name}.eval.json").is_file()
+    result = json.loads((tmp_path / "positions.json").read_text())
+    assert list(result["models"]) == ["ttt", "full"]  # in the order of MODELS
+    assert "| ttt |" in capsys.readouterr().out.split("| model |")[-1]
+    alone = json.loads((tmp_path / "full.eval.json").read_text())["model"]
+    assert result["models"]["full"]["bits_per_byte"] == alone["bits_per_byte"]
+    # another number of bins: the earlier evaluations are not comparable and are left out
+    assert script.main(["--out", str(tmp_path), "--tiny", "--models", "full", "--eval-only", "--bins", "4"]) == 0
+    again = json.loads((tmp_path / "positions.json").read_text())
+    assert list(again["models"]) == ["full"] and len(again["models"]["full"]["bits_per_byte"]) == 4
+    assert "ttt.eval.json: evaluated with another configuration" in capsys.readouterr().out

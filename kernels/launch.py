@@ -9,15 +9,15 @@ Triton specializes on: the device, every keyword (constexprs and options such as
 float, bool, None, tuples element by element). A later call with the same key hands the
 compiled kernel's launcher
 (``CompiledKernel.run``, the object ``JITFunction.run`` ends in on Triton 3.6 to 3.9) the
-grid, torch's current stream (a CUDA graph being captured records the launch) and the
-arguments in signature order, skipping argument binding, the cache-key string, the launch
-metadata and the hooks' dispatch.
+grid, torch's current stream and the arguments in signature order, skipping argument
+binding, the cache-key string, the launch metadata and the hooks' dispatch.
 
-Everything else goes through ``kernel[grid]``: the switch off, the interpreter, a Triton
-version outside 3.6 to 3.9, an autotuned or heuristics-wrapped kernel (anything but a plain
-``JITFunction``), a pre-run hook on the kernel or a launch hook in ``triton.knobs``, an
-argument of another kind (a callable grid, a runtime argument passed by keyword), and any
-error on the direct path. Triton knobs that change the compiled code (``TRITON_DEBUG``) and
+Everything else goes through ``kernel[grid]``: the switch off, a launch while torch's current
+stream is being captured into a CUDA graph (a graph's replays cost no host time, so capture
+takes Triton's route), the interpreter, a Triton version outside 3.6 to 3.9, an autotuned or
+heuristics-wrapped kernel (anything but a plain ``JITFunction``), a pre-run hook on the
+kernel or a launch hook in ``triton.knobs``, an argument of another kind (a callable grid, a
+runtime argument passed by keyword), and any error on the direct path. Triton knobs that change the compiled code (``TRITON_DEBUG``) and
 the globals a kernel reads are looked at when a specialization is first launched: after
 changing one, call :func:`clear`.
 """
@@ -75,6 +75,15 @@ def _device_and_stream():
     active = driver.active
     device = active.get_current_device()
     return device, active.get_current_stream(device)
+
+
+#: torch's check of its current CUDA stream for graph capture (no CUDA build: never capturing)
+_IS_CAPTURING = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
+
+
+def _capturing() -> bool:
+    """Whether torch's current CUDA stream is being captured into a CUDA graph."""
+    return _IS_CAPTURING()
 
 
 def _hooked(kernel) -> bool:
@@ -162,7 +171,8 @@ def launch(kernel, grid, *args, **meta):
     table = _TABLES.get(id(kernel), False)
     if table is False:
         table = _table(kernel)
-    if table is None or callable(grid):
+    if table is None or callable(grid) or _capturing():
+        # during capture the host cost is paid once, and the replays have none: Triton's route
         return kernel[grid](*args, **meta)
     try:
         device, stream = _device_and_stream()

@@ -332,3 +332,23 @@ def test_entries_are_capped(toy, monkeypatch):
         _launch(toy, *_args(), BLOCK=block, num_warps=4)
     assert len(cached._TABLES[id(toy)].entries) == 2
     assert len(toy.triton_calls) == 5
+
+
+def test_capture_goes_through_triton(toy, monkeypatch):
+    """While torch's current stream is being captured, a launch that would hit takes Triton's
+    route (its host cost is paid once; the graph's replays have none); after capture, hits
+    launch directly again."""
+    first = _launch(toy, *_args())  # binds
+    monkeypatch.setattr(cached, "_capturing", lambda: True)
+    for _ in range(2):
+        _launch(toy, *_args())
+    assert len(toy.triton_calls) == 3 and not first.calls
+    monkeypatch.setattr(cached, "_capturing", lambda: False)
+    _launch(toy, *_args())
+    assert len(toy.triton_calls) == 3 and len(first.calls) == 1
+
+
+def test_capture_check_answers_outside_capture():
+    """Outside a capture the check answers False, also on a torch built without CUDA (where
+    torch's own check raises)."""
+    assert cached._capturing() is False

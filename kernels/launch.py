@@ -17,9 +17,9 @@ stream is being captured into a CUDA graph (a graph's replays cost no host time,
 takes Triton's route), the interpreter, a Triton version outside 3.6 to 3.9, an autotuned or
 heuristics-wrapped kernel (anything but a plain ``JITFunction``), a pre-run hook on the
 kernel or a launch hook in ``triton.knobs``, an argument of another kind (a callable grid, a
-runtime argument passed by keyword), and any error on the direct path. Triton knobs that change the compiled code (``TRITON_DEBUG``) and
-the globals a kernel reads are looked at when a specialization is first launched: after
-changing one, call :func:`clear`.
+runtime argument passed by keyword), and any error on the direct path. Triton knobs that
+change the compiled code (``TRITON_DEBUG``) and the globals a kernel reads are looked at when a
+specialization is first launched: after changing one, call :func:`clear`.
 """
 
 from __future__ import annotations
@@ -77,13 +77,9 @@ def _device_and_stream():
     return device, active.get_current_stream(device)
 
 
-#: torch's check of its current CUDA stream for graph capture (no CUDA build: never capturing)
-_IS_CAPTURING = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
-
-
-def _capturing() -> bool:
-    """Whether torch's current CUDA stream is being captured into a CUDA graph."""
-    return _IS_CAPTURING()
+#: Whether torch's current CUDA stream is being captured into a CUDA graph: torch's own check,
+#: called directly on the launch path (a torch without CUDA never captures)
+_capturing = torch._C._cuda_isCurrentStreamCapturing if torch.cuda._is_compiled() else (lambda: False)
 
 
 def _hooked(kernel) -> bool:

@@ -418,3 +418,29 @@ def test_progress_off_a_terminal_is_plain_lines(monkeypatch, tmp_path, capsys):
     assert lines and re.match(r"step 1/2 · [\d.]+ it/s · 0:00:\d\d · train/loss_post [\d.]+", lines[0]), out
     assert re.search(r"^validation at step 2: val/loss_post [\d.]+ · val/loss_pre [\d.]+$", out, flags=re.M), out
     assert "•" not in out  # no rich bar (its fields are separated by •)
+
+
+def test_smoke_marks_its_ranks_only_while_it_runs(monkeypatch, tmp_path):
+    """A --smoke run sets SMOKE_RUN_ENV for the processes Lightning's DDP launcher starts and
+    restores the environment afterwards; a process with it set and a LOCAL_RANK runs as a smoke
+    run (no checkpoint) although its command line has no --smoke."""
+    from ttt_flash import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(cli.SMOKE_RUN_ENV, raising=False)
+    seen = []
+    real = cli._run_cli
+    monkeypatch.setattr(cli, "_run_cli", lambda *a: (seen.append(os.environ.get(cli.SMOKE_RUN_ENV)), real(*a))[1])
+    assert main(["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--smoke"]) == 0
+    assert seen == ["1"] and cli.SMOKE_RUN_ENV not in os.environ
+    # a rank of that run: the smoke overrides on its command line, no --smoke, the marker set
+    from ttt_flash._smoke import insert_after_configs, smoke_overrides
+
+    recipe = str(RECIPES / "maml_sinusoid.yaml")
+    argv = ["fit", *insert_after_configs(["--config", recipe], smoke_overrides([recipe])),
+            "--trainer.logger.init_args.version=rank1"]
+    monkeypatch.setenv(cli.SMOKE_RUN_ENV, "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert main(argv) == 0
+    assert not list(tmp_path.rglob("*.ckpt"))  # ran as a smoke run: no checkpoints
+    assert os.environ[cli.SMOKE_RUN_ENV] == "1"  # a value set before the run is left as it was

@@ -44,6 +44,17 @@ def test_fit_under_ddp_from_another_folder(tmp_path):
     assert "max_steps=1` reached" in r.stdout, r.stdout[-3000:]
 
 
+
+def test_smoke_under_ddp_from_another_folder(tmp_path):
+    """--smoke with two DDP processes: rank 1, started from the command line without --smoke,
+    runs as a smoke run too (the same callbacks on every rank), so the run ends."""
+    r = run_cli(["fit", "--config", str(RECIPES / "maml_sinusoid.yaml"), "--smoke", "--trainer.accelerator=cpu",
+                 "--trainer.devices=2", "--trainer.strategy=ddp", "--trainer.enable_progress_bar=false"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "GLOBAL_RANK: 1" in r.stdout, r.stdout[-3000:]
+    assert "max_steps=2` reached" in r.stdout and "no checkpoint (--smoke)" in r.stdout, r.stdout[-3000:]
+    assert not list(tmp_path.rglob("*.ckpt"))
+
 def _rows(path):
     import csv
 

@@ -58,6 +58,10 @@ runs/NAME/; the last line of a run names them.
 """
 
 
+#: Set while a ``--smoke`` run runs, for the processes Lightning's DDP launcher starts.
+SMOKE_RUN_ENV = "TTT_FLASH_SMOKE_RUN"
+
+
 def _short_help(command: str) -> str:
     what = {"fit": "Train", "validate": "Validate", "test": "Test"}[command]
     return _FIT_HELP.format(command=command, what=what)
@@ -84,6 +88,9 @@ def _lightning(argv: Sequence[str]) -> int:
             sys.stderr.write(message + "\n")
             return 2
     smoke = "--smoke" in argv
+    # a process Lightning's DDP launcher started for a smoke run: its command line is the
+    # parent's sys.argv, which holds the smoke overrides already but not --smoke itself
+    smoke_rank = not smoke and os.environ.get(SMOKE_RUN_ENV) == "1" and "LOCAL_RANK" in os.environ
     if smoke:
         from ._smoke import insert_after_configs, smoke_overrides
 
@@ -103,9 +110,12 @@ def _lightning(argv: Sequence[str]) -> int:
     check_ckpt_path(argv)
     SETTINGS_LISTED.clear()
     LAST_RUN.clear()
+    saved_env = os.environ.get(SMOKE_RUN_ENV)
+    if smoke:  # every rank of a smoke run under DDP runs it as a smoke run (same callbacks)
+        os.environ[SMOKE_RUN_ENV] = "1"
     try:
         # LightningCLI on sys.argv = [<ttt-flash script path>, *argv], quiet, short unknown-key errors, CPU threads
-        _run_cli(recipe_cli(argv, smoke=smoke), LightningModule, LightningDataModule)
+        _run_cli(recipe_cli(argv, smoke=smoke or smoke_rank), LightningModule, LightningDataModule)
     except SIGTERMException:
         code = interrupt_exit_code()
         _report(run_report(stopped="SIGINT" if code == 130 else "SIGTERM"))
@@ -120,6 +130,11 @@ def _lightning(argv: Sequence[str]) -> int:
         raise SystemExit(f"ttt-flash: error: the checkpoint's weights do not fit this run's model ({why}):\n  "
                          + "\n  ".join(lines[:3])
                          + (f"\n  ... {len(lines) - 3} more" if len(lines) > 3 else "")) from None
+    finally:
+        if saved_env is None:
+            os.environ.pop(SMOKE_RUN_ENV, None)
+        else:
+            os.environ[SMOKE_RUN_ENV] = saved_env
     _report(run_report())
     return 0
 

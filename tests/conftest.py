@@ -32,6 +32,12 @@ def _drop_checkout_from_path():
 
 _drop_checkout_from_path()
 
+# Lightning adds a logging.StreamHandler bound to the sys.stderr of its first import: imported
+# here, that is the session's stream, not a test's capsys stream that is closed after the test
+# (a later test's log line, e.g. "Seed set to 0", would then fail with "I/O operation on
+# closed file" depending on which test a worker ran first).
+import lightning.pytorch  # noqa: E402,F401
+
 
 def pytest_configure(config):
     """Under pytest-xdist (README's ``-n auto``) the worker processes share the cores: each one

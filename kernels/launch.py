@@ -37,9 +37,9 @@ from triton.runtime.jit import JITFunction
 
 from . import configs
 
-#: The switch: launch through the cache. Off by default; ``TTT_FLASH_CACHED_LAUNCH=1`` in the
-#: environment at import turns it on, :func:`use_cached_launch` inside a ``with`` block.
-ENABLED: bool = os.environ.get("TTT_FLASH_CACHED_LAUNCH", "0") == "1"
+#: The switch: launch through the cache. On by default; ``TTT_FLASH_CACHED_LAUNCH=0`` in the
+#: environment at import turns it off, :func:`use_cached_launch` inside a ``with`` block.
+ENABLED: bool = os.environ.get("TTT_FLASH_CACHED_LAUNCH", "1") != "0"
 
 #: Triton versions whose ``JITFunction.run`` ends in ``kernel.run(grid_0, grid_1, grid_2,
 #: stream, kernel.function, kernel.packed_metadata, launch_metadata, enter_hook, exit_hook,

@@ -63,7 +63,7 @@ def test_a_failed_case_is_a_row_with_its_error(capsys):
     assert capsys.readouterr().out == "[lm] n=8  eager_ms=1.000\n"
 
 
-def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monkeypatch):
+def test_autograd_threads_switch_picks_where_every_provider_runs_its_backward(tmp_path, monkeypatch):
     import torch
 
     from ttt_flash.bench import chain as bench
@@ -81,15 +81,17 @@ def test_no_autograd_threads_times_under_single_threaded_autograd(tmp_path, monk
         return run, first_order
 
     monkeypatch.setattr(bench, "make_provider", spy)
+    # the default: the calling thread, as the library's second-order steps run
     rc = main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
-               "ttt_flash", "--rep-ms", "1", "--no-check", "--no-autograd-threads", "--out", str(tmp_path)])
+               "ttt_flash", "--rep-ms", "1", "--no-check", "--out", str(tmp_path)])
     assert rc == 0 and seen and not any(seen)
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["config"]["autograd_threads"] is False
     seen.clear()
-    main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
-          "ttt_flash", "--rep-ms", "1", "--no-check", "--out", str(tmp_path)])
-    assert seen and all(seen)
+    rc = main(["--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "8", "--providers",
+               "ttt_flash", "--rep-ms", "1", "--no-check", "--autograd-threads", "--out", str(tmp_path)])
+    assert rc == 0 and seen and all(seen)
+    assert json.loads((tmp_path / "bench.json").read_text())["config"]["autograd_threads"] is True
 
 
 @pytest.mark.parametrize("cuda", [False, True], ids=["cpu-defaults", "cuda-defaults"])

@@ -82,8 +82,8 @@ def test_chain_bitwise_equal_with_the_switch(dtype, causal):
         assert all(t is None for t in cached._TABLES.values())
 
 
-def test_switch_default_is_off_and_restored():
-    assert cached.ENABLED is (os.environ.get("TTT_FLASH_CACHED_LAUNCH", "0") == "1")
+def test_switch_default_is_on_and_restored():
+    assert cached.ENABLED is (os.environ.get("TTT_FLASH_CACHED_LAUNCH", "1") != "0")
     saved = cached.ENABLED
     with cached.use_cached_launch(not saved):
         assert cached.ENABLED is (not saved)

@@ -4,8 +4,9 @@ its time when the GPU work is a fraction of a millisecond.
 For each shape: the median host time (no synchronisation) of the forward, the first backward
 with ``create_graph``, the chain's inner product <U, grad> and the backward-over-backward, over
 ``--iters`` chains after 10 warm-up chains; the CUDA kernels one chain launches and their GPU
-time (profiler); and a
-cProfile of 50 chains (by own time and by cumulative time) in OUT/<shape>.txt.
+time (profiler); and a cProfile of 50 chains (by own time and by cumulative time) in
+OUT/<shape>_<mode>.txt. Each shape twice (``--modes``): the backward passes on the calling
+thread, as the library runs them, and on PyTorch's per-device autograd threads.
 
     python3 scripts/kernels/host_phases.py --out OUT                     # the four shapes of docs/benchmarks.md
     python3 scripts/kernels/host_phases.py --out OUT --shapes 1x1024,1x1024c
@@ -44,25 +45,39 @@ def chain(x, causal: bool, rec=None, backend: str = "auto"):
     """One eager chain over ``x = [q, k, v, do, uq, uk, uv]`` (q, k, v, do requiring grad):
     forward, the first backward with ``create_graph``, the inner product <U, grad>, the
     backward over backward; appends its phases' host seconds (fwd, bwd, inner, BoB) to ``rec``.
-    Returns (o, dq, dk, dv, q̄, k̄, v̄, dō). ``scripts/kernels/host_stub.py`` times the same."""
+    Returns (o, dq, dk, dv, q̄, k̄, v̄, dō). ``scripts/kernels/host_stub.py`` times the same.
+    The backward passes run where the library runs its own (the calling thread unless
+    ``use_calling_thread(False)`` is in force: PyTorch's per-device autograd threads)."""
     from ttt_flash import flash_attention
+    from ttt_flash.second_order import calling_thread_backward
 
     q, k, v, do, uq, uk, uv = x
-    t0 = time.perf_counter()
-    o = flash_attention(q, k, v, causal=causal, backend=backend)
-    t1 = time.perf_counter()
-    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-    t2 = time.perf_counter()
-    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
-    t3 = time.perf_counter()
-    bars = torch.autograd.grad(s, (q, k, v, do))
-    t4 = time.perf_counter()
+    with calling_thread_backward():
+        t0 = time.perf_counter()
+        o = flash_attention(q, k, v, causal=causal, backend=backend)
+        t1 = time.perf_counter()
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        t2 = time.perf_counter()
+        s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
+        t3 = time.perf_counter()
+        bars = torch.autograd.grad(s, (q, k, v, do))
+        t4 = time.perf_counter()
     if rec is not None:
         rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
     return (o, dq, dk, dv, *bars)
 
 
-def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
+def phases(n: int, causal: bool, b: int, iters: int, out: str, mode: str = "calling") -> dict:
+    """One shape's row; ``mode`` "calling": the backward passes on the calling thread (the
+    library's default), "threads": on PyTorch's per-device autograd threads."""
+    from ttt_flash.second_order import use_calling_thread
+
+    with use_calling_thread(mode == "calling"):
+        row = _phases(n, causal, b, iters, out, mode)
+    return row
+
+
+def _phases(n: int, causal: bool, b: int, iters: int, out: str, mode: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     x = [torch.randn(b, 12, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(7)]
@@ -92,13 +107,13 @@ def phases(n: int, causal: bool, b: int, iters: int, out: str) -> dict:
         run()
     torch.cuda.synchronize()
     pr.disable()
-    key = f"b{b}_n{n}_{'causal' if causal else 'full'}"
+    key = f"b{b}_n{n}_{'causal' if causal else 'full'}_{mode}"
     with open(os.path.join(out, key + ".txt"), "w") as f:
         for order in ("tottime", "cumulative"):
             buf = io.StringIO()
             pstats.Stats(pr, stream=buf).sort_stats(order).print_stats(45)
             f.write(buf.getvalue())
-    return dict(key=key, forward_ms=med[0], backward_ms=med[1], inner_ms=med[2], bob_ms=med[3],
+    return dict(key=key, mode=mode, forward_ms=med[0], backward_ms=med[1], inner_ms=med[2], bob_ms=med[3],
                 total_ms=sum(med), gpu_ms=gpu_ms, kernels=kernels)
 
 
@@ -108,17 +123,23 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="1x1024,1x1024c,1x4096c,8x2048c",
                    help="comma-separated BxN, a trailing c for causal")
     p.add_argument("--iters", type=int, default=100, help="chains timed per shape")
+    p.add_argument("--modes", default="calling,threads",
+                   help="where the backward passes run, comma-separated: calling (the calling "
+                        "thread, the library's default), threads (PyTorch's per-device autograd threads)")
     a = p.parse_args(argv)
     shapes = [_shape(x) for x in a.shapes.split(",")]
+    modes = a.modes.split(",")
+    if not modes or any(m not in ("calling", "threads") for m in modes):
+        raise SystemExit(f"--modes takes calling and/or threads separated by commas; got {a.modes!r}")
     if not torch.cuda.is_available():
         raise SystemExit("host_phases.py needs a CUDA GPU (it times kernel launches)")
     os.makedirs(a.out, exist_ok=True)
-    rows = [phases(n, c, b, a.iters, a.out) for b, n, c in shapes]
+    rows = [phases(n, c, b, a.iters, a.out, m) for b, n, c in shapes for m in modes]
     with open(os.path.join(a.out, "host_phases.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
-    print(f"{'shape':<18}{'forward':>9}{'backward':>10}{'inner':>8}{'BoB':>8}{'total':>8}{'kernels':>9}  (host ms)")
+    print(f"{'shape':<26}{'forward':>9}{'backward':>10}{'inner':>8}{'BoB':>8}{'total':>8}{'kernels':>9}  (host ms)")
     for r in rows:
-        print(f"{r['key']:<18}{r['forward_ms']:9.3f}{r['backward_ms']:10.3f}{r['inner_ms']:8.3f}"
+        print(f"{r['key']:<26}{r['forward_ms']:9.3f}{r['backward_ms']:10.3f}{r['inner_ms']:8.3f}"
               f"{r['bob_ms']:8.3f}{r['total_ms']:8.3f}{len(r['kernels']):9d}")
     return 0
 

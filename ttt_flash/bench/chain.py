@@ -45,6 +45,7 @@ from .common import (
     shape_text, write_json,
 )
 from ..attention.reference import naive_attention
+from ..second_order.grad import calling_thread_backward, use_calling_thread
 
 __all__ = ["BenchConfig", "run_bench", "chain_flops", "make_provider", "main"]
 
@@ -62,10 +63,11 @@ class BenchConfig(AttentionShape):
     rep_ms: float = 100.0
     check: bool = True  #: compare ttt_flash with a float64 reference before timing
     out: Optional[str] = "bench_out"
-    #: False: time every provider under ``torch.autograd.set_multithreading_enabled(False)``
-    #: (backward on the calling thread instead of autograd's per-device thread; see
+    #: False (default): every provider's backward runs on the calling thread
+    #: (``torch.autograd.set_multithreading_enabled(False)``), as the library's second-order
+    #: steps run; True: on PyTorch's per-device autograd threads, PyTorch's default (see
     #: docs/benchmarks.md: at short lengths the chain is host-bound)
-    autograd_threads: bool = True
+    autograd_threads: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,7 +123,8 @@ def _sdpa_first_order_fn(cfg: BenchConfig, backend: Optional[str], q, k, v, do) 
 
             with sdpa_kernel(getattr(SDPBackend, backend)):
                 o = attend()
-        return (o, *torch.autograd.grad(o, (q, k, v), do))
+        with calling_thread_backward():  # the chain's backward runs on the calling thread too
+            return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     return run
 
@@ -151,11 +154,18 @@ def _single_threaded(fn: Callable) -> Callable:
     return run
 
 
+def _on_autograd_threads(fn: Callable) -> Callable:
+    def run():
+        with use_calling_thread(False), torch.autograd.set_multithreading_enabled(True):
+            return fn()
+
+    return run
+
+
 def _measure(cfg: BenchConfig, provider: str, n: int) -> dict:
     def build():
         fn, first_order = make_provider(cfg, provider, n)
-        if not cfg.autograd_threads:
-            fn = _single_threaded(fn)
+        fn = _on_autograd_threads(fn) if cfg.autograd_threads else _single_threaded(fn)
         return fn, chain_flops(cfg, n, first_order), {"first_order": first_order}
 
     return measure(cfg, provider, n, build)
@@ -363,9 +373,10 @@ def build_parser(cuda: Optional[bool] = None) -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed repetitions per measurement (ms)")
     p.add_argument("--no-check", action="store_true",
                    help="skip the correctness check against float64 before timing")
-    p.add_argument("--autograd-threads", action=argparse.BooleanOptionalAction, default=True,
-                   help="--no-autograd-threads: run every provider's backward on the calling thread "
-                        "(torch.autograd.set_multithreading_enabled(False))")
+    p.add_argument("--autograd-threads", action=argparse.BooleanOptionalAction, default=False,
+                   help="run every provider's backward on PyTorch's per-device autograd threads "
+                        "(PyTorch's default); without it, on the calling thread, as the library's "
+                        "second-order steps run (torch.autograd.set_multithreading_enabled(False))")
     p.add_argument("--out", default="bench_out", help="folder for bench.json and bench.png")
     p.add_argument("--jvp", action="store_true", help="forward-mode benchmark instead (ttt_flash.bench.jvp; "
                    "its options: ttt-flash bench --jvp --help)")

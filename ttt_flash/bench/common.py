@@ -26,6 +26,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..second_order.grad import calling_thread_backward
+
 __all__ = [
     "AttentionShape",
     "shape_text",
@@ -83,12 +85,15 @@ def attention_chain(attn: Callable[[Tensor, Tensor, Tensor], Tensor], q: Tensor,
     ``⟨u_q, dq⟩ + ⟨u_k, dk⟩ + ⟨u_v, dv⟩`` w.r.t. ``(q, k, v, do)``.
 
     ``q``, ``k``, ``v``, ``do`` must require grad; ``u`` holds three tensors of the shapes of
-    ``(q, k, v)``. Returns ``(o, dq, dk, dv, q̄, k̄, v̄, dō)``.
+    ``(q, k, v)``. Returns ``(o, dq, dk, dv, q̄, k̄, v̄, dō)``. Both backward passes run on
+    the calling thread, as the library's second-order steps do
+    (:class:`ttt_flash.second_order.calling_thread_backward`).
     """
-    o = attn(q, k, v)
-    grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-    inner = sum((g * w).sum() for g, w in zip(grads, u))
-    return (o, *grads, *torch.autograd.grad(inner, (q, k, v, do)))
+    with calling_thread_backward():
+        o = attn(q, k, v)
+        grads = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+        inner = sum((g * w).sum() for g, w in zip(grads, u))
+        return (o, *grads, *torch.autograd.grad(inner, (q, k, v, do)))
 
 
 def attended_pairs(n: int, causal: bool, window: Optional[int]) -> float:

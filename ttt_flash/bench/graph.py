@@ -7,7 +7,10 @@ Three parts (``--parts``), each a list of rows in one JSON file (``bench_graph.j
   not (and B=8, 2,048 causal): eager wall time, host enqueue time (the calls without a
   synchronisation), GPU kernel time (the profiler's sum over the chain's kernels), the chain
   captured and replayed, and first-order SDPA flash (forward + backward); ratios eager / SDPA
-  and replay / kernel time.
+  and replay / kernel time. The chain's and SDPA's backward passes run on the calling thread
+  (the library's default, :class:`ttt_flash.second_order.calling_thread_backward`); the
+  ``*_threads`` columns repeat eager, host and SDPA with both on PyTorch's per-device autograd
+  threads.
 * ``meta``: one second-order MAML meta-step: a 4-block pre-LN transformer (d_model 256, 4 heads
   of 64, GELU MLP ×4, Linear(8→256) in, Linear(256→1) out, bf16 weights, MSE), ``--tasks``
   tasks, each one inner SGD step (lr 0.01) on a support sequence and the loss on a query
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .common import attention_chain, is_oom, write_json
+from ..second_order.grad import calling_thread_backward, use_calling_thread
 from ..cuda_graph import CapturedStep, graph_safe_generator
 
 __all__ = ["main", "chain_rows", "meta_rows", "lm_rows", "format_table", "build_parser"]
@@ -71,16 +76,20 @@ def _bench(fn: Callable, warmup_ms: float = 25, rep_ms: float = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def _host_ms(fn: Callable, reps: int = 20) -> float:
-    """Host time per call of ``fn`` enqueued back to back without a synchronisation."""
+def _host_ms(fn: Callable, reps: int = 100, block: int = 20) -> float:
+    """Host time per call of ``fn``: the median over ``reps`` calls enqueued back to back, a
+    synchronisation after every ``block`` calls (the queue never fills)."""
     fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
         fn()
-    host = (time.perf_counter() - t0) / reps * 1e3
+        times.append(time.perf_counter() - t0)
+        if i % block == block - 1:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
-    return host
+    return statistics.median(times) * 1e3
 
 
 def _kernel_ms(fn: Callable, reps: int = 5) -> Optional[float]:
@@ -143,13 +152,19 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
             row["graph_equal"] = all(torch.equal(a, b_) for a, b_ in zip(got, want))
             lq, lk, lv = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
-            def sdpa():
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
-                return torch.autograd.grad(o, (lq, lk, lv), do)
+            def sdpa():  # the first-order step, its backward on the same thread as the chain's
+                with calling_thread_backward():
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
+                    return torch.autograd.grad(o, (lq, lk, lv), do)
 
             row["sdpa_flash_ms"] = _bench(sdpa)
             row["eager_over_sdpa"] = row["eager_ms"] / row["sdpa_flash_ms"]
+            with use_calling_thread(False):  # both on PyTorch's per-device autograd threads
+                row["eager_threads_ms"] = _bench(eager)
+                row["host_threads_ms"] = _host_ms(eager)
+                row["sdpa_flash_threads_ms"] = _bench(sdpa)
+            row["eager_over_sdpa_threads"] = row["eager_threads_ms"] / row["sdpa_flash_threads_ms"]
             if row["kernel_ms"]:
                 row["graph_over_kernel"] = row["graph_ms"] / row["kernel_ms"]
             del graphed
@@ -303,7 +318,8 @@ def format_table(result: dict) -> str:
     lines = []
     chain = [r for r in result["rows"] if r["part"] == "chain"]
     if chain:
-        lines.append("chain (ms)        eager   host  kernel  graph  sdpa_fa  eager/sdpa  graph/kernel  equal")
+        lines.append("chain (ms)        eager   host  kernel  graph  sdpa_fa  eager/sdpa  graph/kernel  equal"
+                     "  | autograd threads: eager   host  sdpa_fa  eager/sdpa")
         for r in chain:
             label = f"B{r['batch']} N{r['n']} {'causal' if r['causal'] else 'full'}"
             if "error" in r:
@@ -311,7 +327,10 @@ def format_table(result: dict) -> str:
                 continue
             lines.append(f"{label:16s} {r['eager_ms']:6.2f} {r['host_ms']:6.2f} {(r['kernel_ms'] or math.nan):6.2f} "
                          f"{r['graph_ms']:6.2f} {r['sdpa_flash_ms']:7.2f} {r['eager_over_sdpa']:10.2f} "
-                         f"{r.get('graph_over_kernel', math.nan):12.2f}  {r['graph_equal']}")
+                         f"{r.get('graph_over_kernel', math.nan):12.2f}  {str(r['graph_equal']):5s}"
+                         f"  | {'':16s}{r.get('eager_threads_ms', math.nan):6.2f} "
+                         f"{r.get('host_threads_ms', math.nan):6.2f} {r.get('sdpa_flash_threads_ms', math.nan):7.2f} "
+                         f"{r.get('eager_over_sdpa_threads', math.nan):10.2f}")
     meta = [r for r in result["rows"] if r["part"] == "meta"]
     if meta:
         lines.append("meta-step (ms, GiB)       N  provider            ms     GiB  bitwise")

@@ -84,12 +84,14 @@ the model.
 
 
 from .estimators import Eigen, exact_diagonal, hutchinson_diagonal, hutchinson_trace, hvp, top_eigenvalue
-from .grad import COMPILE_DOUBLE_BACKWARD_MESSAGE, second_order_grad
+from .grad import COMPILE_DOUBLE_BACKWARD_MESSAGE, calling_thread_backward, second_order_grad, use_calling_thread
 from .hessian import MODES, PROBES, HessianOperator, probe_like, select_params
 from .recomputation import forward_over_reverse, recompute, recomputed, unit_modules
 
 __all__ = [
     "second_order_grad",
+    "calling_thread_backward",
+    "use_calling_thread",
     "COMPILE_DOUBLE_BACKWARD_MESSAGE",
     "HessianOperator",
     "Eigen",

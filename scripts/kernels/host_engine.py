@@ -1,0 +1,405 @@
+"""import gc, json, os, statistics, sys, time
+import torch, triton, triton.language as tl
+from ttt_flash import flash_attention
+import ttt_flash.kernels.launch as L
+
+if len(sys.argv) < 2 or not torch.cuda.is_available():
+    raise SystemExit("usage: python3 scripts/kernels/host_engine.py OUT [--sdpa] (needs a CUDA GPU)")
+out = sys.argv[1]
+os.makedirs(out, exist_ok=True)
+if "--sdpa" in sys.argv[2:]:
+    sdpa_part(out)
+    raise SystemExit(0)
+res = {}
+dev = "cuda"
+
+def med_us(fn, n=3000, warm=100, sync=False):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(n):
+        t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+        if sync or i % 200 == 199:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+def sdpa_part(out):
+    import triton.testing
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from ttt_flash.bench.common import attention_chain
+    from ttt_flash.second_order import use_calling_thread
+
+    rows = []
+    def host_ms(fn, reps=200):
+        ts = []
+        fn(); torch.cuda.synchronize()
+        for i in range(reps):
+            t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+            if i % 20 == 19: torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return statistics.median(ts) * 1e3
+    def bench(fn):
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    for n, causal in ((1024, False), (1024, True), (4096, False), (4096, True)):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda: torch.randn(1, 12, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+        q, k, v, do, uq, uk, uv = (r() for _ in range(7))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, do)]
+        attn = lambda a, b, c: flash_attention(a, b, c, causal=causal, layout="bhnd")
+        eager = lambda: attention_chain(attn, *leaves, (uq, uk, uv))
+        lq, lk, lv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
+            return torch.autograd.grad(o, (lq, lk, lv), do)
+        row = {"n": n, "causal": causal}
+        for rnd in range(2):
+            for mode in ("default", "calling"):
+                with use_calling_thread(mode == "calling"), torch.autograd.set_multithreading_enabled(mode == "default"):
+                    for name, fn in (("chain", eager), ("sdpa", sdpa)):
+                        row.setdefault(f"{name}_{mode}_ms", []).append(bench(fn))
+                        row.setdefault(f"{name}_{mode}_host", []).append(host_ms(fn))
+        row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
+        for mode in ("default", "calling"):
+            row[f"ratio_{mode}"] = row[f"chain_{mode}_ms"] / row[f"sdpa_{mode}_ms"]
+        row["ratio_chain_calling_sdpa_default"] = row["chain_calling_ms"] / row["sdpa_default_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    json.dump(rows, open(f"{out}/probe2.json", "w"), indent=1)
+    print(f"{'case':10s} {'chain d':>8s} {'host d':>7s} {'chain c':>8s} {'host c':>7s} {'sdpa d':>7s} {'host':>6s} {'sdpa c':>7s} {'host':>6s} {'r d':>5s} {'r c':>5s} {'r c/d':>5s}")
+    for r in rows:
+        print(f"{r['n']}{'c' if r['causal'] else ' ':9s} {r['chain_default_ms']:8.3f} {r['chain_default_host']:7.3f} {r['chain_calling_ms']:8.3f} {r['chain_calling_host']:7.3f} "
+              f"{r['sdpa_default_ms']:7.3f} {r['sdpa_default_host']:6.3f} {r['sdpa_calling_ms']:7.3f} {r['sdpa_calling_host']:6.3f} {r['ratio_default']:5.2f} {r['ratio_calling']:5.2f} {r['ratio_chain_calling_sdpa_default']:5.2f}")
+
+
+x = torch.randn(1, 12, 1024, 64, device=dev, dtype=torch.bfloat16)
+y = torch.randn_like(x)
+res["cuda_mul"] = med_us(lambda: x * y)
+res["cuda_empty_like"] = med_us(lambda: torch.empty_like(x))
+res["cuda_sum"] = med_us(lambda: x.sum())
+res["cuda_mulsum3"] = med_us(lambda: (x * y).sum() + (x * y).sum() + (x * y).sum())
+xc = torch.randn(1, 12, 16, 64)
+res["cpu_mul"] = med_us(lambda: xc * xc)
+for d, t in (("cuda", x), ("cpu", xc)):
+    a = t.clone().requires_grad_()
+    res[f"grad_trivial_{d}"] = med_us(lambda: torch.autograd.grad((a * 2).sum(), a), n=1000)
+    with torch.autograd.set_multithreading_enabled(False):
+        res[f"grad_trivial_{d}_nothread"] = med_us(lambda: torch.autograd.grad((a * 2).sum(), a), n=1000)
+
+@triton.jit
+def _k(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+z = torch.zeros(4096, device=dev)
+res["triton_launch"] = med_us(lambda: _k[(4,)](z, 4096, BLOCK=1024))
+with L.use_cached_launch(True):
+    res["cached_launch"] = med_us(lambda: L.launch(_k, (4,), z, 4096, BLOCK=1024))
+
+def make(n, causal):
+    g = torch.Generator(device=dev).manual_seed(0)
+    r = lambda: torch.randn(1, 12, n, 64, device=dev, dtype=torch.bfloat16, generator=g)
+    xs = [r() for _ in range(7)]
+    for t in xs[:4]:
+        t.requires_grad_()
+    return xs
+
+def chain(xs, causal, rec=None):
+    q, k, v, do, uq, uk, uv = xs
+    t0 = time.perf_counter()
+    o = flash_attention(q, k, v, causal=causal)
+    t1 = time.perf_counter()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    t2 = time.perf_counter()
+    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
+    t3 = time.perf_counter()
+    b = torch.autograd.grad(s, (q, k, v, do))
+    t4 = time.perf_counter()
+    if rec is not None:
+        rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+    return b
+
+variants = {
+    "off": dict(launch=False), "on": dict(launch=True),
+    "on_nothread": dict(launch=True, nothread=True), "on_nogc": dict(launch=True, nogc=True),
+    "on_sync_each": dict(launch=True, sync=True),
+}
+chains = {}
+for n, causal in ((1024, False), (1024, True)):
+    xs = make(n, causal)
+    recs = {k: [] for k in variants}
+    for rnd in range(6):
+        for name, v in (variants.items() if rnd % 2 == 0 else reversed(list(variants.items()))):
+            with L.use_cached_launch(v["launch"]), torch.autograd.set_multithreading_enabled(not v.get("nothread")):
+                if v.get("nogc"):
+                    gc.disable()
+                for i in range(60):
+                    chain(xs, causal, recs[name] if i >= 10 else None)
+                    if v.get("sync") or i % 20 == 19:
+                        torch.cuda.synchronize()
+                gc.enable()
+                torch.cuda.synchronize()
+    key = f"n{n}{'c' if causal else ''}"
+    chains[key] = {name: [statistics.median(r[i] for r in rec) * 1e3 for i in range(5)] for name, rec in recs.items()}
+res["chains_ms_fwd_bwd_inner_bob_total"] = chains
+
+from torch.profiler import profile, ProfilerActivity
+xs = make(1024, False)
+with L.use_cached_launch(True):
+    for _ in range(20):
+        chain(xs, False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            chain(xs, False)
+        torch.cuda.synchronize()
+tab = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+open(f"{out}/profile.txt", "w").write(tab)
+print(tab[:6000])
+json.dump(res, open(f"{out}/probe.json", "w"), indent=1)
+for k, v in res.items():
+    if k != "chains_ms_fwd_bwd_inner_bob_total":
+        print(f"{k:28s} {v:8.2f} us")
+print("chain host ms: fwd bwd inner bob total")
+for key, d in chains.items():
+    for name, v in d.items():
+        print(f"{key:7s} {name:14s}", " ".join(f"{t:6.3f}" for t in v))
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import ttt_flash.kernels.launch as L
+from ttt_flash import flash_attention
+
+DEV = "cuda"
+
+
+def med_us(fn, n=3000, warm=100, sync=False):
+    """Median host microseconds of ``fn()`` (a synchronisation every 200 calls)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if sync or i % 200 == 199:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
+
+
+def micro() -> dict:
+    import triton
+    import triton.language as tl
+
+    res = {}
+    x = torch.randn(1, 12, 1024, 64, device=DEV, dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+    res["cuda_mul"] = med_us(lambda: x * y)
+    res["cuda_empty_like"] = med_us(lambda: torch.empty_like(x))
+    res["cuda_sum"] = med_us(lambda: x.sum())
+    res["cuda_mulsum3"] = med_us(lambda: (x * y).sum() + (x * y).sum() + (x * y).sum())
+    xc = torch.randn(1, 12, 16, 64)
+    res["cpu_mul"] = med_us(lambda: xc * xc)
+    for d, t in (("cuda", x), ("cpu", xc)):
+        a = t.clone().requires_grad_()
+        res[f"grad_trivial_{d}"] = med_us(lambda: torch.autograd.grad((a * 2).sum(), a), n=1000)
+        with torch.autograd.set_multithreading_enabled(False):
+            res[f"grad_trivial_{d}_nothread"] = med_us(lambda: torch.autograd.grad((a * 2).sum(), a), n=1000)
+
+    @triton.jit
+    def _k(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    z = torch.zeros(4096, device=DEV)
+    with L.use_cached_launch(False):
+        res["triton_launch"] = med_us(lambda: _k[(4,)](z, 4096, BLOCK=1024))
+    with L.use_cached_launch(True):
+        res["cached_launch"] = med_us(lambda: L.launch(_k, (4,), z, 4096, BLOCK=1024))
+    return res
+
+
+def make(n):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    xs = [torch.randn(1, 12, n, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(7)]
+    for t in xs[:4]:
+        t.requires_grad_()
+    return xs
+
+
+def chain(xs, causal, rec=None):
+    """The chain with plain ``torch.autograd.grad`` calls: where its backward runs is the
+    caller's ``torch.autograd.set_multithreading_enabled`` setting."""
+    q, k, v, do, uq, uk, uv = xs
+    t0 = time.perf_counter()
+    o = flash_attention(q, k, v, causal=causal)
+    t1 = time.perf_counter()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
+    t2 = time.perf_counter()
+    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
+    t3 = time.perf_counter()
+    b = torch.autograd.grad(s, (q, k, v, do))
+    t4 = time.perf_counter()
+    if rec is not None:
+        rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
+    return b
+
+
+VARIANTS = {
+    "off": dict(launch=False), "on": dict(launch=True),
+    "on_nothread": dict(launch=True, nothread=True), "on_nogc": dict(launch=True, nogc=True),
+    "on_sync_each": dict(launch=True, sync=True),
+}
+
+
+def chain_variants() -> dict:
+    chains = {}
+    for n, causal in ((1024, False), (1024, True)):
+        xs = make(n)
+        recs = {k: [] for k in VARIANTS}
+        for rnd in range(6):
+            order = list(VARIANTS.items()) if rnd % 2 == 0 else list(reversed(list(VARIANTS.items())))
+            for name, v in order:
+                with L.use_cached_launch(v["launch"]), \
+                        torch.autograd.set_multithreading_enabled(not v.get("nothread")):
+                    if v.get("nogc"):
+                        gc.disable()
+                    for i in range(60):
+                        chain(xs, causal, recs[name] if i >= 10 else None)
+                        if v.get("sync") or i % 20 == 19:
+                            torch.cuda.synchronize()
+                    gc.enable()
+                    torch.cuda.synchronize()
+        key = f"n{n}{'c' if causal else ''}"
+        chains[key] = {name: [statistics.median(r[i] for r in rec) * 1e3 for i in range(5)]
+                       for name, rec in recs.items()}
+    return chains
+
+
+def profile_table(out: str) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    xs = make(1024)
+    with L.use_cached_launch(True):
+        for _ in range(20):
+            chain(xs, False)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(20):
+                chain(xs, False)
+            torch.cuda.synchronize()
+    tab = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+    with open(os.path.join(out, "profile.txt"), "w") as f:
+        f.write(tab)
+    return tab
+
+
+def host_ms(fn, reps=200):
+    ts = []
+    fn()
+    torch.cuda.synchronize()
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+        if i % 20 == 19:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e3
+
+
+def sdpa_part(out: str) -> None:
+    import torch.nn.functional as F
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ttt_flash.bench.common import attention_chain
+    from ttt_flash.second_order import use_calling_thread
+
+    def bench(fn):
+        return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    rows = []
+    for n, causal in ((1024, False), (1024, True), (4096, False), (4096, True)):
+        g = torch.Generator(device=DEV).manual_seed(0)
+        q, k, v, do, uq, uk, uv = (torch.randn(1, 12, n, 64, device=DEV, dtype=torch.bfloat16, generator=g)
+                                   for _ in range(7))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, do)]
+
+        def attn(a, b, c):
+            return flash_attention(a, b, c, causal=causal, layout="bhnd")
+
+        def eager():
+            return attention_chain(attn, *leaves, (uq, uk, uv))
+
+        lq, lk, lv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+
+        def sdpa():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
+            return torch.autograd.grad(o, (lq, lk, lv), do)
+
+        row = {"n": n, "causal": causal}
+        for _ in range(2):
+            for mode in ("default", "calling"):
+                with use_calling_thread(mode == "calling"), \
+                        torch.autograd.set_multithreading_enabled(mode == "default"):
+                    for name, fn in (("chain", eager), ("sdpa", sdpa)):
+                        row.setdefault(f"{name}_{mode}_ms", []).append(bench(fn))
+                        row.setdefault(f"{name}_{mode}_host", []).append(host_ms(fn))
+        row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
+        for mode in ("default", "calling"):
+            row[f"ratio_{mode}"] = row[f"chain_{mode}_ms"] / row[f"sdpa_{mode}_ms"]
+        row["ratio_chain_calling_sdpa_default"] = row["chain_calling_ms"] / row["sdpa_default_ms"]
+        rows.append(row)
+        print(row, flush=True)
+    with open(os.path.join(out, "probe2.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"{'case':10s} {'chain d':>8s} {'host d':>7s} {'chain c':>8s} {'host c':>7s} {'sdpa d':>7s} {'host':>6s} "
+          f"{'sdpa c':>7s} {'host':>6s} {'r d':>5s} {'r c':>5s} {'r c/d':>5s}")
+    for r in rows:
+        print(f"{r['n']}{'c' if r['causal'] else ' ':9s} {r['chain_default_ms']:8.3f} {r['chain_default_host']:7.3f} "
+              f"{r['chain_calling_ms']:8.3f} {r['chain_calling_host']:7.3f} {r['sdpa_default_ms']:7.3f} "
+              f"{r['sdpa_default_host']:6.3f} {r['sdpa_calling_ms']:7.3f} {r['sdpa_calling_host']:6.3f} "
+              f"{r['ratio_default']:5.2f} {r['ratio_calling']:5.2f} {r['ratio_chain_calling_sdpa_default']:5.2f}")
+
+
+def main(argv) -> int:
+    if len(argv) < 1 or argv[0].startswith("-") or not torch.cuda.is_available():
+        raise SystemExit("usage: python3 scripts/kernels/host_engine.py OUT [--sdpa] (needs a CUDA GPU)")
+    out = argv[0]
+    os.makedirs(out, exist_ok=True)
+    if "--sdpa" in argv[1:]:
+        sdpa_part(out)
+        return 0
+    res = micro()
+    res["chains_ms_fwd_bwd_inner_bob_total"] = chains = chain_variants()
+    print(profile_table(out)[:6000])
+    with open(os.path.join(out, "probe.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    for k, v in res.items():
+        if k != "chains_ms_fwd_bwd_inner_bob_total":
+            print(f"{k:28s} {v:8.2f} us")
+    print("chain host ms: fwd bwd inner bob total")
+    for key, d in chains.items():
+        for name, v in d.items():
+            print(f"{key:7s} {name:14s}", " ".join(f"{t:6.3f}" for t in v))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -10,7 +10,8 @@ Three parts (``--parts``), each a list of rows in one JSON file (``bench_graph.j
   and replay / kernel time. The chain's and SDPA's backward passes run on the calling thread
   (the library's default, :class:`ttt_flash.second_order.calling_thread_backward`); the
   ``*_threads`` columns repeat eager, host and SDPA with both on PyTorch's per-device autograd
-  threads.
+  threads. Eager, host and SDPA are measured in 5 interleaved rounds (both placements in each):
+  medians over the rounds, eager / SDPA the median of the rounds' ratios.
 * ``meta``: one second-order MAML meta-step: a 4-block pre-LN transformer (d_model 256, 4 heads
   of 64, GELU MLP ×4, Linear(8→256) in, Linear(256→1) out, bf16 weights, MSE), ``--tasks``
   tasks, each one inner SGD step (lr 0.01) on a support sequence and the loss on a query
@@ -122,7 +123,7 @@ def _peak_gib(fn: Callable) -> float:
 
 
 def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dtype=torch.bfloat16,
-               extra=((8, 2048, True),), progress: bool = True) -> List[dict]:
+               extra=((8, 2048, True),), progress: bool = True, rounds: int = 5) -> List[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ..attention import flash_attention
@@ -142,8 +143,6 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
             def step(q, k, v, do, uq, uk, uv):
                 return attention_chain(attn, *[t.detach().requires_grad_() for t in (q, k, v, do)], (uq, uk, uv))
 
-            row["eager_ms"] = _bench(eager)
-            row["host_ms"] = _host_ms(eager)
             row["kernel_ms"] = _kernel_ms(eager)
             graphed = CapturedStep(step, (q, k, v, do, uq, uk, uv), name="chain")
             row["graph_ms"] = _bench(graphed.replay)
@@ -158,13 +157,23 @@ def chain_rows(seq_lens: Sequence[int], heads: int = 12, head_dim: int = 64, dty
                         o = F.scaled_dot_product_attention(lq, lk, lv, is_causal=causal)
                     return torch.autograd.grad(o, (lq, lk, lv), do)
 
-            row["sdpa_flash_ms"] = _bench(sdpa)
-            row["eager_over_sdpa"] = row["eager_ms"] / row["sdpa_flash_ms"]
-            with use_calling_thread(False):  # both on PyTorch's per-device autograd threads
-                row["eager_threads_ms"] = _bench(eager)
-                row["host_threads_ms"] = _host_ms(eager)
-                row["sdpa_flash_threads_ms"] = _bench(sdpa)
-            row["eager_over_sdpa_threads"] = row["eager_threads_ms"] / row["sdpa_flash_threads_ms"]
+            # eager, host and SDPA in interleaved rounds, the calling thread (the library's
+            # default) then PyTorch's per-device autograd threads in each: at short lengths
+            # both sides are host-bound and the host's speed drifts, so each ratio compares
+            # measurements seconds apart; medians over the rounds
+            got_rounds = {k: [] for k in ("eager_ms", "host_ms", "sdpa_flash_ms", "eager_over_sdpa",
+                                          "eager_threads_ms", "host_threads_ms", "sdpa_flash_threads_ms",
+                                          "eager_over_sdpa_threads")}
+            for _ in range(rounds):
+                for suffix, calling in (("", True), ("_threads", False)):
+                    with use_calling_thread(calling):
+                        e, h, sd = _bench(eager), _host_ms(eager), _bench(sdpa)
+                    got_rounds[f"eager{suffix}_ms"].append(e)
+                    got_rounds[f"host{suffix}_ms"].append(h)
+                    got_rounds[f"sdpa_flash{suffix}_ms"].append(sd)
+                    got_rounds[f"eager_over_sdpa{suffix}"].append(e / sd)
+            row.update({k: statistics.median(v) for k, v in got_rounds.items()})
+            row["rounds"] = rounds
             if row["kernel_ms"]:
                 row["graph_over_kernel"] = row["graph_ms"] / row["kernel_ms"]
             del graphed

@@ -142,3 +142,49 @@ def test_cuda_backward_runs_on_the_calling_thread_only_with_the_switch_on():
     with use_calling_thread(False):
         second_order_grad(loss, [x])
     assert Spy.seen[0][1] != me  # PyTorch's autograd thread for the device
+
+
+def _record_backward_flags(monkeypatch):
+    """``torch.autograd.backward`` (what ``Tensor.backward`` calls) recording the flag it sees."""
+    seen = []
+    real = torch.autograd.backward
+
+    def spy(*args, **kwargs):
+        seen.append(torch._C._is_multithreading_enabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "backward", spy)
+    return seen
+
+
+def _lightning_modules():
+    from ttt_flash.lightning import ByteTextDataModule, LanguageModel
+    from ttt_flash.lightning.data import InContextRegressionDataModule
+    from ttt_flash.lightning.maml import MAML
+    from ttt_flash.lightning.memory import AssociativeRecallDataModule, GradMemKV
+    from ttt_flash.memory import GradMem
+    from ttt_flash.models import GPTConfig, NetConfig
+
+    maml = MAML(net=NetConfig(kind="transformer", in_dim=6, d_model=16, n_heads=2, n_layers=1), inner_steps=1,
+                inner_lr=0.05, loss="incontext_mse")
+    yield "maml", maml, InContextRegressionDataModule(dim=4, seq_len=8, support_size=2, query_size=2,
+                                                      meta_batch_size=2, train_batches=2, val_batches=1)
+    mem = GradMemKV(GradMem(GPTConfig(vocab_size=9, n_layer=1, n_head=2, d_model=16), memory_tokens=2))
+    yield "memory", mem, AssociativeRecallDataModule(num_keys=4, num_values=4, num_pairs=2, num_queries=2,
+                                                     context_len=8, batch_size=2, train_batches=2, val_batches=1)
+    lm = LanguageModel(GPTConfig.tiny(n_layer=1, d_model=32, n_head=2), optimizer="sophiah", hessian_every=1)
+    yield "lm", lm, ByteTextDataModule(seq_len=16, batch_size=2, max_bytes=2**14, train_batches=2, val_batches=1)
+
+
+def test_lightning_modules_run_their_backward_on_the_calling_thread(monkeypatch, tmp_path):
+    import lightning.pytorch as pl
+
+    for name, module, data in _lightning_modules():
+        seen = _record_backward_flags(monkeypatch)
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+                             num_sanity_val_steps=0, default_root_dir=tmp_path)
+        trainer.fit(module, data)
+        assert len(seen) >= 2 and not any(seen), (name, seen)
+        assert torch._C._is_multithreading_enabled()
+        monkeypatch.undo()

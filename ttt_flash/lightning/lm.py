@@ -48,7 +48,7 @@ from torch import Tensor
 from ._step import (GraphedTraining, GraphedZeroGrad, LateHostValue, LocalGradients, StepTimer, host_number,
                     outside_autocast)
 from ..models import GPT, GPTConfig
-from ..second_order import probe_like
+from ..second_order import calling_thread_backward, probe_like
 from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
 from .context_parallel import ContextParallelPlan
 from .hessian_refresh import HESSIAN_MODES, HessianRefresh
@@ -253,16 +253,19 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return [HessianRefresh(mode=self.hparams.get("hessian_mode", "rev_rev"), recompute=recompute)]
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        """Lightning's backward (with ``create_graph`` before a Hessian refresh), on the calling
+        thread like the refresh's products (:class:`ttt_flash.second_order.calling_thread_backward`)."""
         if self._graphed.take_backward():
             return  # the graph replayed this step's backward (and the Hessian refresh)
-        if self.hessian_refresh_pending:
-            with warnings.catch_warnings():
-                # The parameter <-> gradient cycle is broken by update_hessian(), which
-                # replaces p.grad with a detached copy.
-                warnings.filterwarnings("ignore", message=_CYCLE_WARNING)
-                super().backward(loss, *args, create_graph=True, **kwargs)
-        else:
-            super().backward(loss, *args, **kwargs)
+        with calling_thread_backward():
+            if self.hessian_refresh_pending:
+                with warnings.catch_warnings():
+                    # The parameter <-> gradient cycle is broken by update_hessian(), which
+                    # replaces p.grad with a detached copy.
+                    warnings.filterwarnings("ignore", message=_CYCLE_WARNING)
+                    super().backward(loss, *args, create_graph=True, **kwargs)
+            else:
+                super().backward(loss, *args, **kwargs)
 
     # ------------------------------------------------------------------ steps
 

@@ -42,6 +42,7 @@ from .checkpoint_io import save_hyperparameters_with_net
 from .fsdp2 import FSDP2Steps
 from ..meta import (HESSIAN_MODES, check_inner_optimizer, functional_loss, imaml_meta_gradient, inner_loop,
                     proximal_inner_loop, reptile_meta_gradient, select_adapted)
+from ..second_order.grad import calling_thread_backward
 from ..tasks import MetaBatch, incontext_mse
 from ..models import NetConfig
 
@@ -228,6 +229,12 @@ class MAML(LightningModule):
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)} under --trainer.strategy=fsdp2 is not supported: "
                                  "use algorithm: maml without meta_sgd and cuda_graph, or --trainer.strategy=ddp")
+
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        """The outer backward (``manual_backward``), on the calling thread like the inner
+        loops' (:class:`ttt_flash.second_order.calling_thread_backward`)."""
+        with calling_thread_backward():
+            super().backward(loss, *args, **kwargs)
 
     def configure_optimizers(self):
         # capturable on CUDA with or without cuda_graph: the graphed and the eager run then step

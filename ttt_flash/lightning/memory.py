@@ -46,6 +46,7 @@ from .context_parallel import ContextParallelPlan
 from .curriculum import staged
 from .data import GeneratedDataModule
 from ..memory import FastWeightTTT, GradMem, MemoryLM
+from ..second_order.grad import calling_thread_backward
 from ..tasks import AssociativeRecallTasks, RecallBatch
 
 __all__ = ["AssociativeRecallDataModule", "GradMemKV", "TTTE2EMQAR", "MemoryLayerMQAR"]
@@ -229,9 +230,12 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
         return None
 
     def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        """Lightning's backward, on the calling thread like the memory writes'
+        (:class:`ttt_flash.second_order.calling_thread_backward`)."""
         if self._graphed.take_backward():
             return  # the graph replayed this step's backward
-        super().backward(loss, *args, **kwargs)
+        with calling_thread_backward():
+            super().backward(loss, *args, **kwargs)
 
     def training_step(self, batch: RecallBatch, batch_idx: int) -> Tensor:
         self._local.add(batch.query_targets.numel())

@@ -30,7 +30,8 @@ __all__ = ["second_order_grad", "COMPILE_DOUBLE_BACKWARD_MESSAGE", "calling_thre
 #: The switch: the library's own backward passes run on the calling thread
 #: (:func:`second_order_grad`, so the inner loops of :mod:`ttt_flash.meta`, the memory layers'
 #: writes and :class:`~ttt_flash.second_order.HessianOperator`'s products, which Sophia-H and
-#: AdaHessian refresh with; the attention chain of :mod:`ttt_flash.bench`). On by default;
+#: AdaHessian refresh with; the Lightning modules' ``backward``; the attention chain of
+#: :mod:`ttt_flash.bench`). On by default;
 #: ``TTT_FLASH_CALLING_THREAD_BACKWARD=0`` in the environment at import turns it off (PyTorch's
 #: per-device autograd threads, its default), :func:`use_calling_thread` inside a ``with`` block.
 CALLING_THREAD: bool = os.environ.get("TTT_FLASH_CALLING_THREAD_BACKWARD", "1") != "0"

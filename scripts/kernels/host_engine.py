@@ -21,14 +21,18 @@ Parts, on one CUDA GPU (bf16, B = 1, H = 12, d = 64):
   thread: the chain; the same chain with attention replaced by ``q * k * v`` (the chain's own
   PyTorch work, its inner product and two ``autograd.grad`` calls, with the least an attention
   could add); the inner product and its gradient alone; first-order SDPA flash. Eager and host
-  medians.
+  medians;
+* ``--jitter``: the same chain at 1,024 tokens measured five times in one process (after start,
+  again, after a profiler session, after a CUDA-graph capture, after ``empty_cache``): how far
+  host time drifts between measurements.
 
     python3 scripts/kernels/host_engine.py OUT            # micro costs, chain variants, profile
     python3 scripts/kernels/host_engine.py OUT --sdpa     # the SDPA comparison instead
     python3 scripts/kernels/host_engine.py OUT --floor    # the chain's floor instead
+    python3 scripts/kernels/host_engine.py OUT --jitter   # repeated measurements of one chain
 
-Writes OUT/probe.json (OUT/probe2.json with ``--sdpa``, OUT/floor.json with ``--floor``) and
-prints a table last.
+Writes OUT/probe.json (OUT/probe2.json with ``--sdpa``, OUT/floor.json with ``--floor``,
+OUT/jitter.json with ``--jitter``) and prints a table last.
 """
 
 from __future__ import annotations
@@ -38,30 +42,25 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 import ttt_flash.kernels.launch as L
 from ttt_flash import flash_attention
+from ttt_flash.bench.graph import _host_ms
+from ttt_flash.second_order import use_calling_thread
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/kernels/
+from host_phases import chain as phased_chain  # noqa: E402  (the chain, timed phase by phase)
 
 DEV = "cuda"
 
 
-def med_us(fn, n=3000, warm=100, sync=False):
-    """Median host microseconds of ``fn()`` (a synchronisation every 200 calls)."""
+def med_us(fn, n=3000, warm=100):
+    """Median host microseconds of ``fn()`` after ``warm`` calls (a synchronisation every 200)."""
     for _ in range(warm):
         fn()
-    torch.cuda.synchronize()
-    ts = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if sync or i % 200 == 199:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(ts) * 1e6
+    return _host_ms(fn, reps=n, block=200) * 1e3
 
 
 def micro() -> dict:
@@ -105,21 +104,11 @@ def make(n):
 
 
 def chain(xs, causal, rec=None):
-    """The chain with plain ``torch.autograd.grad`` calls: where its backward runs is the
-    caller's ``torch.autograd.set_multithreading_enabled`` setting."""
-    q, k, v, do, uq, uk, uv = xs
-    t0 = time.perf_counter()
-    o = flash_attention(q, k, v, causal=causal)
-    t1 = time.perf_counter()
-    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do, create_graph=True)
-    t2 = time.perf_counter()
-    s = (dq * uq).sum() + (dk * uk).sum() + (dv * uv).sum()
-    t3 = time.perf_counter()
-    b = torch.autograd.grad(s, (q, k, v, do))
-    t4 = time.perf_counter()
-    if rec is not None:
-        rec.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0))
-    return b
+    """``host_phases.chain`` with the library's switch off, so that where its backward runs is
+    the caller's ``torch.autograd.set_multithreading_enabled`` setting; appends (forward,
+    first backward, inner product, BoB) host seconds to ``rec``."""
+    with use_calling_thread(False):
+        return phased_chain(xs, causal, rec)
 
 
 VARIANTS = {
@@ -148,7 +137,8 @@ def chain_variants() -> dict:
                     gc.enable()
                     torch.cuda.synchronize()
         key = f"n{n}{'c' if causal else ''}"
-        chains[key] = {name: [statistics.median(r[i] for r in rec) * 1e3 for i in range(5)]
+        chains[key] = {name: [statistics.median(r[i] for r in rec) * 1e3 for i in range(4)]
+                       + [statistics.median(sum(r) for r in rec) * 1e3]
                        for name, rec in recs.items()}
     return chains
 
@@ -171,27 +161,12 @@ def profile_table(out: str) -> str:
     return tab
 
 
-def host_ms(fn, reps=200):
-    ts = []
-    fn()
-    torch.cuda.synchronize()
-    for i in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-        if i % 20 == 19:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(ts) * 1e3
-
-
 def sdpa_part(out: str) -> None:
     import torch.nn.functional as F
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ttt_flash.bench.common import attention_chain
-    from ttt_flash.second_order import use_calling_thread
 
     def bench(fn):
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
@@ -223,7 +198,7 @@ def sdpa_part(out: str) -> None:
                         torch.autograd.set_multithreading_enabled(mode == "default"):
                     for name, fn in (("chain", eager), ("sdpa", sdpa)):
                         row.setdefault(f"{name}_{mode}_ms", []).append(bench(fn))
-                        row.setdefault(f"{name}_{mode}_host", []).append(host_ms(fn))
+                        row.setdefault(f"{name}_{mode}_host", []).append(_host_ms(fn, reps=200))
         row = {k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
         for mode in ("default", "calling"):
             row[f"ratio_{mode}"] = row[f"chain_{mode}_ms"] / row[f"sdpa_{mode}_ms"]
@@ -247,7 +222,6 @@ def floor_part(out: str) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ttt_flash.bench.common import attention_chain
-    from ttt_flash.bench.graph import _host_ms
 
     def bench(fn):
         return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
@@ -294,9 +268,58 @@ def floor_part(out: str) -> None:
         json.dump(result, f, indent=1)
 
 
+def jitter_part(out: str) -> None:
+    """The same chain measured five times in one process (host: median of 200 calls; eager:
+    ``do_bench`` median), full and causal: after start, again, after a profiler session, after
+    a CUDA-graph capture and replay, after ``torch.cuda.empty_cache()``."""
+    import triton.testing
+
+    from ttt_flash.bench.common import attention_chain
+    from ttt_flash.bench.graph import _kernel_ms
+    from ttt_flash.cuda_graph import CapturedStep
+
+    def make_chain(causal):
+        g = torch.Generator(device=DEV).manual_seed(0)
+        xs = [torch.randn(1, 12, 1024, 64, device=DEV, dtype=torch.bfloat16, generator=g) for _ in range(7)]
+        leaves = [t.clone().requires_grad_() for t in xs[:4]]
+
+        def attn(a, b, c):
+            return flash_attention(a, b, c, causal=causal, layout="bhnd")
+
+        def step(q, k, v, do, uq, uk, uv):
+            return attention_chain(attn, *[t.detach().requires_grad_() for t in (q, k, v, do)], (uq, uk, uv))
+
+        return (lambda: attention_chain(attn, *leaves, xs[4:])), step, tuple(xs)
+
+    full, step, args = make_chain(False)
+    causal = make_chain(True)[0]
+    rows = []
+
+    def measure(after):
+        row = {"after": after, "full_host": _host_ms(full, 200), "causal_host": _host_ms(causal, 200),
+               "full_eager": float(triton.testing.do_bench(full, return_mode="median")),
+               "causal_eager": float(triton.testing.do_bench(causal, return_mode="median"))}
+        rows.append(row)
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{v:24s}" for k, v in row.items()), flush=True)
+
+    measure("start")
+    measure("start, again")
+    _kernel_ms(full)
+    measure("a profiler session")
+    graphed = CapturedStep(step, args, name="chain")
+    graphed.replay()
+    torch.cuda.synchronize()
+    measure("a CUDA-graph capture")
+    del graphed
+    torch.cuda.empty_cache()
+    measure("empty_cache")
+    with open(os.path.join(out, "jitter.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
 def main(argv) -> int:
     if len(argv) < 1 or argv[0].startswith("-") or not torch.cuda.is_available():
-        raise SystemExit("usage: python3 scripts/kernels/host_engine.py OUT [--sdpa | --floor] (needs a CUDA GPU)")
+        raise SystemExit("usage: python3 scripts/kernels/host_engine.py OUT [--sdpa | --floor | --jitter] (needs a CUDA GPU)")
     out = argv[0]
     os.makedirs(out, exist_ok=True)
     if "--sdpa" in argv[1:]:
@@ -304,6 +327,9 @@ def main(argv) -> int:
         return 0
     if "--floor" in argv[1:]:
         floor_part(out)
+        return 0
+    if "--jitter" in argv[1:]:
+        jitter_part(out)
         return 0
     res = micro()
     res["chains_ms_fwd_bwd_inner_bob_total"] = chains = chain_variants()

@@ -131,3 +131,16 @@ def test_cpu_table_has_no_zero_rates_and_no_memory_column(tmp_path, capsys):
     assert plot_panels(cuda) == ["time", "memory"] and flop_unit(cuda_rows) == ("TFLOP/s", 1.0)
     table = format_table(cuda)
     assert "TFLOP/s" in table and "peak GiB" in table and "/cudnn" in table and "120.0" in table
+
+
+def test_graph_chain_table_shows_both_backward_placements():
+    from ttt_flash.bench.graph import format_table as graph_table
+
+    row = dict(part="chain", batch=1, n=1024, causal=True, kernel_ms=0.2, graph_ms=0.21, graph_equal=True,
+               eager_ms=0.7, host_ms=0.65, sdpa_flash_ms=0.15, eager_over_sdpa=4.5, graph_over_kernel=1.05,
+               eager_threads_ms=1.2, host_threads_ms=1.1, sdpa_flash_threads_ms=0.31, eager_over_sdpa_threads=3.9,
+               rounds=5)
+    header, line = graph_table({"rows": [row]}).splitlines()
+    assert "autograd threads" in header
+    assert line.startswith("B1 N1024 causal") and "4.50" in line
+    assert line.split("|")[1].split() == ["1.20", "1.10", "0.31", "3.90"]

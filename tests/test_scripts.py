@@ -56,6 +56,9 @@ def test_every_named_script_exists():
     ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
     ("kernels/host_phases.py", ["--out", "OUT", "--shapes", "0x1024c"], "--shapes takes BxN items"),
     ("kernels/launch_host.py", ["--out", "OUT", "--shapes", "1x1024,2x"], "--shapes takes BxN items"),
+    ("kernels/host_phases.py", ["--out", "OUT", "--modes", "calling,thread"], "--modes takes calling and/or threads"),
+    ("kernels/host_engine.py", ["OUT", "--sdp"], "at most one part, one of --sdpa, --floor, --jitter; got '--sdp'"),
+    ("kernels/host_engine.py", ["--floor"], "OUT, the output folder, comes first"),
 ])
 def test_shape_arguments_refuse_bad_values_before_any_work(script, args, message, tmp_path):
     # checked before the GPU is asked for, with the argument named and an example of the form

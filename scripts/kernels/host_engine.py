@@ -318,18 +318,18 @@ def jitter_part(out: str) -> None:
 
 
 def main(argv) -> int:
-    if len(argv) < 1 or argv[0].startswith("-") or not torch.cuda.is_available():
-        raise SystemExit("usage: python3 scripts/kernels/host_engine.py OUT [--sdpa | --floor | --jitter] (needs a CUDA GPU)")
+    usage = "usage: python3 scripts/kernels/host_engine.py OUT [--sdpa | --floor | --jitter]"
+    parts = {"--sdpa": sdpa_part, "--floor": floor_part, "--jitter": jitter_part}
+    if len(argv) < 1 or argv[0].startswith("-"):
+        raise SystemExit(f"{usage}: OUT, the output folder, comes first")
+    if len(argv) > 2 or (len(argv) == 2 and argv[1] not in parts):
+        raise SystemExit(f"{usage}: at most one part, one of {', '.join(parts)}; got {' '.join(argv[1:])!r}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{usage}: needs a CUDA GPU")
     out = argv[0]
     os.makedirs(out, exist_ok=True)
-    if "--sdpa" in argv[1:]:
-        sdpa_part(out)
-        return 0
-    if "--floor" in argv[1:]:
-        floor_part(out)
-        return 0
-    if "--jitter" in argv[1:]:
-        jitter_part(out)
+    if len(argv) == 2:
+        parts[argv[1]](out)
         return 0
     res = micro()
     res["chains_ms_fwd_bwd_inner_bob_total"] = chains = chain_variants()
@@ -344,7 +344,6 @@ def main(argv) -> int:
         for name, v in d.items():
             print(f"{key:7s} {name:14s}", " ".join(f"{t:6.3f}" for t in v))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

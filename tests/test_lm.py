@@ -170,3 +170,18 @@ def test_language_model_takes_an_injected_gpt(tmp_path):
     assert model.hparams["gpt"]["n_kv_head"] == 1
     with pytest.raises(TypeError, match="gpt must be a GPT or a GPTConfig"):
         LanguageModel(torch.nn.Linear(2, 2))
+
+
+def test_graphed_step_writes_gradients_into_the_existing_tensors():
+    """The captured step's gradients are copied into each parameter's existing ``.grad`` (the
+    tensors the graph keeps writing), a new one where there is none, and a parameter the loss
+    does not reach keeps a zeroed ``.grad``."""
+    from ttt_flash.lightning.lm import _write_grads
+
+    a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    a.grad, c.grad = torch.full((2,), 5.0), torch.full((2,), 7.0)
+    held = a.grad
+    _write_grads([a, b, c, d], [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), None, None])
+    assert a.grad is held and torch.equal(a.grad, torch.tensor([1.0, 2.0]))
+    assert torch.equal(b.grad, torch.tensor([3.0, 4.0])) and not b.grad.requires_grad
+    assert torch.equal(c.grad, torch.zeros(2)) and d.grad is None

@@ -86,17 +86,62 @@ def _run(cls, dtype, steps=7, **kw):
 @pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("cls,ref", [(SophiaH, _PythonFloatSophiaH), (AdaHessian, _PythonFloatAdaHessian)])
 def test_update_is_bitwise_the_python_float_update(cls, ref, dtype, capturable):
-    expected, _ = _run(ref, dtype)
+    expected, ref_opt = _run(ref, dtype)
     got, opt = _run(cls, dtype, capturable=capturable)
     for step, (e, g) in enumerate(zip(expected, got)):
         assert len(e) == len(g)
         for x, y in zip(e, g):
             assert torch.equal(x, y), f"step {step}"
+    if cls is SophiaH:  # the clipped coordinates, counted per tensor by the multi-tensor update
+        assert torch.equal(opt.clip_fraction, ref_opt.clip_fraction)
+        assert 0 < opt.clip_fraction.item() <= 1
     steps = opt.state[next(iter(opt.state))]["step"]
     if capturable:  # device counters (float32 0-dim tensors, as torch.optim's capturable Adam)
         assert isinstance(steps, torch.Tensor) and steps.dim() == 0 and steps.item() == 7
     else:
         assert steps == 7
+
+
+@pytest.mark.parametrize("cls", [SophiaH, AdaHessian])
+def test_update_and_refresh_take_as_many_operations_for_3_as_for_30_parameters(cls):
+    """The update and the refresh's fold work on a param group's tensors together
+    (torch._foreach_*): the number of tensor operations does not grow with the parameters
+    (one CUDA launch each per ~100 tensors, not several per parameter)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    def ops(n):
+        torch.manual_seed(0)
+        ws = [torch.nn.Parameter(torch.randn(3, 2)) for _ in range(n)]
+        opt = cls([{"params": ws[: n // 3], "weight_decay": 0.1}, {"params": ws[n // 3:], "weight_decay": 0.0}],
+                  lr=0.1, capturable=True)
+        pairs = opt._trainable()
+        for w in ws:
+            w.grad = torch.randn_like(w)
+            opt._init_state(w)
+        counted = {}
+        for part in ("refresh", "update"):
+            with Count() as c:
+                if part == "refresh":
+                    opt.host_refresh(pairs)
+                    opt.device_refresh(pairs, [torch.ones_like(w) for w in ws])
+                else:
+                    opt.host_step(pairs)
+                    opt.device_step(pairs)
+            counted[part] = [str(f) for f in c.ops if "fill" not in str(f) and "ones_like" not in str(f)]
+        return counted
+
+    few, many = ops(3), ops(30)
+    assert few == many
+    assert any("_foreach" in f for f in few["update"]) and len(few["update"]) < 40
 
 
 @pytest.fixture

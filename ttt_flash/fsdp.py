@@ -65,6 +65,7 @@ from torch import Tensor, nn
 
 from .distributed import broadcast_
 from .second_order.hessian import HessianOperator, probe_like
+from .second_order.hessian_optimizer import HessianOptimizer
 
 __all__ = ["unsharded", "Unsharded", "hvp", "update_hessian", "shard_blocks", "check_fsdp2", "fsdp_modules"]
 
@@ -405,7 +406,7 @@ def update_hessian(optimizer, full: Unsharded, *, n_samples: int = 1,
         ValueError: the optimizer holds parameters that are not the model's, or no full
             gradient carries a graph.
     """
-    if not callable(getattr(optimizer, "_absorb_hessian", None)):
+    if not isinstance(optimizer, HessianOptimizer):
         raise TypeError(f"optimizer must be a ttt_flash.second_order.optim.SophiaH or AdaHessian, got {type(optimizer).__name__}")
     if isinstance(n_samples, bool) or not isinstance(n_samples, numbers.Integral) or n_samples < 1:
         raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")

@@ -63,6 +63,25 @@ OPTIMIZERS = ("sophiah", "adamw", "adahessian")
 _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
 
 
+def _write_grads(params, grads) -> None:
+    """``p.grad = g`` for each parameter, copied into an existing ``p.grad`` (in place, with
+    ``torch._foreach_copy_``: a few kernels, not one per parameter; a captured step keeps
+    writing the same tensors); a parameter without a gradient keeps its ``p.grad`` (zeroed)."""
+    with torch.no_grad():
+        into, values = [], []
+        for p, g in zip(params, grads):
+            if g is None:
+                if p.grad is not None:
+                    p.grad.zero_()
+            elif p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                into.append(p.grad)
+                values.append(g.detach())
+        if into:
+            torch._foreach_copy_(into, values)
+
+
 # --------------------------------------------------------------------------- module
 
 
@@ -351,12 +370,11 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
 
     def _graphed_grads(self, x: Tensor, y: Tensor) -> Tensor:
         """The loss and its gradients (zeroed in place first): the plain step's graph."""
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
+        params = [p for p in self.model.parameters() if p.requires_grad]
         loss = self.model.loss(x, y)
         with outside_autocast(loss):
-            loss.backward()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        _write_grads(params, grads)
         return loss.detach()
 
     def _refresher(self) -> Tuple[HessianOptimizer, "HessianRefresh"]:
@@ -382,17 +400,17 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
                 z = [z_all[i] for i in live]
                 hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live], z,
                                          retain_graph=True, allow_unused=True)
-                for j, i in enumerate(live):
-                    sample = z[j] * (torch.zeros_like(z[j]) if hz[j] is None else hz[j])
-                    acc[i] = sample if acc[i] is None else acc[i].add_(sample)
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                g = torch.zeros_like(p) if g is None else g.detach()
-                if p.grad is None:
-                    p.grad = g.clone()
+                hz = [torch.zeros_like(zj) if h is None else h for zj, h in zip(z, hz)]
+                samples = torch._foreach_mul(z, hz) if live else []
+                if not live or acc[live[0]] is None:
+                    for i, sample in zip(live, samples):
+                        acc[i] = sample
                 else:
-                    p.grad.copy_(g)
-        return loss.detach(), [None if a is None else a.div_(cb.n_samples) for a in acc]
+                    torch._foreach_add_([acc[i] for i in live], samples)
+        _write_grads(params, [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
+        if cb.n_samples > 1 and live:
+            torch._foreach_div_([acc[i] for i in live], float(cb.n_samples))
+        return loss.detach(), acc
 
     def _clip_in_graph(self, opt) -> None:
         """The Trainer's gradient clipping (``gradient_clip_val``), as Lightning runs it after
@@ -470,12 +488,10 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         loss, samples = self._graphed.run(self._graphed_refresh, (x, y), [p for _, p in pairs],
                                           name=name + " (Hessian refresh)", kind="refresh",
                                           generators=[cb._probe_generator(opt)])
+        live = [(pair, sample) for pair, sample in zip(pairs, samples) if sample is not None]
         with torch.no_grad():  # HessianOptimizer.update_hessian's last part, on the graph's samples
-            for (group, p), sample in zip(pairs, samples):
-                if sample is not None:
-                    state = opt._init_state(p)
-                    opt._absorb_hessian(group, p, state, sample)
-                    state["hessian_step"] += 1
+            opt.host_refresh([pair for pair, _ in live])
+            opt.device_refresh([pair for pair, _ in live], [sample for _, sample in live])
         self.hessian_refresh_pending = False
         cb.refreshes += 1
         return loss.clone()

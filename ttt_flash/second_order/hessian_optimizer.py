@@ -51,11 +51,29 @@ def _check_k(k) -> int:
     return int(k)
 
 
+def _batched(pairs: List[Tuple[dict, Tensor]], items: List, by_item: bool = False):
+    """``(group, params, items)`` for the (group, parameter) ``pairs`` and their ``items``,
+    batched by param group, dtype and device (``by_item``: by group and item identity, the
+    item being the shared tuple of step scalars, itself one per group, dtype and device),
+    in the order of first appearance. With ``by_item`` the third element is that one item."""
+    batches: Dict[tuple, list] = {}
+    for (group, p), item in zip(pairs, items):
+        key = (id(group), id(item)) if by_item else (id(group), p.dtype, p.device)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = [group, [], item if by_item else []]
+        batch[1].append(p)
+        if not by_item:
+            batch[2].append(item)
+    return [tuple(b) for b in batches.values()]
+
+
 class HessianOptimizer(torch.optim.Optimizer):
     """Base of :class:`SophiaH` and :class:`AdaHessian`: the Hessian-refresh machinery.
 
-    Subclasses define :meth:`_absorb_hessian` (fold one diagonal estimate into the state)
-    and :meth:`_update` (one parameter's step). Every param group has ``k`` (refresh every
+    Subclasses define :meth:`_absorb_hessians` (fold diagonal estimates into the state)
+    and :meth:`_update_group` (the step of a param group's parameters of one dtype and
+    device, with ``torch._foreach_*`` operations). Every param group has ``k`` (refresh every
     k steps) and ``probe`` (:data:`ttt_flash.second_order.PROBES`).
     """
 
@@ -248,9 +266,14 @@ class HessianOptimizer(torch.optim.Optimizer):
             hz = op.mv(z)
             if live is None:  # after a product: fwd_rev learns what the loss reaches from it
                 live = [i for i, r in enumerate(op.reached) if r]
-            for i in live:
-                sample = z[i] * hz[i]
-                acc[i] = sample if acc[i] is None else acc[i].add_(sample)
+            if not live:
+                continue
+            samples = torch._foreach_mul([z[i] for i in live], [hz[i] for i in live])
+            if acc[live[0]] is None:
+                for i, sample in zip(live, samples):
+                    acc[i] = sample
+            else:
+                torch._foreach_add_([acc[i] for i in live], samples)
         # Distributed: the weighted mean of the local estimates (same probes) is the estimate
         # for the global batch. No-op in one process.
         all_reduce_mean_([acc[i] for i in live], weight)
@@ -259,14 +282,18 @@ class HessianOptimizer(torch.optim.Optimizer):
                 group, p = pairs[i]
                 self._init_state(p)
             self.host_refresh([pairs[i] for i in live])
-            self.device_refresh([pairs[i] for i in live], [acc[i].div_(n_samples) for i in live])
+            if n_samples > 1 and live:
+                torch._foreach_div_([acc[i] for i in live], float(n_samples))
+            self.device_refresh([pairs[i] for i in live], [acc[i] for i in live])
         del op
         if loss is None:
             for _, p in pairs:
                 if p.grad is not None and p.grad.requires_grad:
                     p.grad = p.grad.detach()
 
-    def _absorb_hessian(self, group: dict, p: Tensor, state: dict, diag: Tensor) -> None:
+    def _absorb_hessians(self, group: dict, params: List[Tensor], states: List[dict], diags: List[Tensor]) -> None:
+        """Fold the diagonal estimates ``diags`` into the states of ``params`` (one param
+        group, dtype and device)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ host / device split
@@ -287,12 +314,18 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     def device_refresh(self, pairs: List[Tuple[dict, Tensor]], diags: List[Tensor]) -> None:
         """Device part of a Hessian refresh: fold each diagonal estimate (shaped like its
-        parameter) into the state and count it (``hessian_step``). Capturable."""
+        parameter) into the state and count it (``hessian_step``). Capturable; the parameters
+        of one group, dtype and device are folded together (``torch._foreach_*``: a few
+        kernels per group, not a few per parameter)."""
         with torch.no_grad():
-            for (group, p), diag in zip(pairs, diags):
-                state = self.state[p]
-                self._absorb_hessian(group, p, state, diag)
-                state["hessian_step"] += 1
+            for group, params, items in _batched(pairs, diags):
+                states = [self.state[p] for p in params]
+                self._absorb_hessians(group, params, states, items)
+                if group["capturable"]:
+                    torch._foreach_add_([s["hessian_step"] for s in states], 1.0)
+                else:
+                    for s in states:
+                        s["hessian_step"] += 1
 
     def _host_scalars(self, group: dict, step: int, hessian_step: int) -> Tuple[float, ...]:
         """The step's scalars of a parameter at (step, hessian_step), as Python floats."""
@@ -347,15 +380,16 @@ class HessianOptimizer(torch.optim.Optimizer):
         pairs): advances a capturable group's device step counters and updates every
         parameter from ``p.grad`` with the scalars :meth:`host_step` wrote. Only tensor
         operations: capturable in a CUDA graph, replayed after each step's
-        :meth:`host_step`."""
+        :meth:`host_step`. The parameters that share a param group and the step's scalars
+        (hence dtype and device) are updated together with ``torch._foreach_*`` operations."""
         if self._prepared is None or len(self._prepared) != len(pairs):
             raise RuntimeError(f"{type(self).__name__}.device_step() needs host_step() on the same parameters first")
         with torch.no_grad():
-            for (group, p), scalars in zip(pairs, self._prepared):
-                state = self.state[p]
+            for group, params, scalars in _batched(pairs, self._prepared, by_item=True):
+                states = [self.state[p] for p in params]
                 if group["capturable"]:
-                    state["step"] += 1
-                self._update(group, p, p.grad, state, scalars)
+                    torch._foreach_add_([s["step"] for s in states], 1.0)
+                self._update_group(group, params, [p.grad for p in params], states, scalars)
 
     def skip_next_update(self) -> None:
         """The next :meth:`step` only runs its closure (and returns its loss): this step's
@@ -364,7 +398,10 @@ class HessianOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def _update(self, group: dict, p: Tensor, grad: Tensor, state: dict, scalars: Tuple[Tensor, ...]) -> None:
+    def _update_group(self, group: dict, params: List[Tensor], grads: List[Tensor], states: List[dict],
+                      scalars: Tuple[Tensor, ...]) -> None:
+        """Update ``params`` (one param group, dtype and device) from ``grads`` with the
+        step's ``scalars`` (0-dim tensors written by :meth:`host_step`)."""
         raise NotImplementedError
 
     def step(self, closure: Optional[Callable[[], Tensor]] = None):

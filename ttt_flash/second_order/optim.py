@@ -146,31 +146,47 @@ class SophiaH(HessianOptimizer):
         self._clipped: List[Tensor] = []
         self._counted = 0
 
-    def _absorb_hessian(self, group, p, state, diag):
+    def _absorb_hessians(self, group, params, states, diags):
         beta2 = group["betas"][1]
-        state["hessian"].mul_(beta2).add_(diag.to(p.dtype), alpha=1 - beta2)
+        hs = [s["hessian"] for s in states]
+        torch._foreach_mul_(hs, beta2)
+        torch._foreach_add_(hs, [d.to(p.dtype) for p, d in zip(params, diags)], alpha=1 - beta2)
 
     def _host_scalars(self, group, step, hessian_step):
         lr = group["lr"]
         return (1 - lr * group["weight_decay"], -lr)
 
-    def _update(self, group, p, grad, state, scalars):
+    def _update_group(self, group, params, grads, states, scalars):
         decay, neg_lr = scalars  # 0-dim tensors: 1 − lr·λ and −lr
         beta1 = group["betas"][0]
-        m = state["exp_avg"]
+        ms = [s["exp_avg"] for s in states]
         if group["weight_decay"] != 0:
-            p.mul_(decay)
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        ratio = (m.abs() / (group["rho"] * state["hessian"]).clamp_min(group["eps"])).clamp_max_(1.0)
-        self._clipped.append((ratio >= 1.0).sum())
-        self._counted += ratio.numel()
-        p.addcmul_(m.sign().mul_(neg_lr), ratio)  # θ − lr·sign(m)·ratio (sign(m)·lr is exact)
+            torch._foreach_mul_(params, decay)
+        torch._foreach_mul_(ms, beta1)
+        torch._foreach_add_(ms, grads, alpha=1 - beta1)
+        # ratio = min(|m| / max(ρ·h, ε), 1); the step is −lr·sign(m)·ratio (sign(m)·lr is exact)
+        ratio = torch._foreach_abs(ms)
+        floor = torch._foreach_mul([s["hessian"] for s in states], group["rho"])
+        torch._foreach_clamp_min_(floor, group["eps"])
+        torch._foreach_div_(ratio, floor)
+        del floor
+        torch._foreach_clamp_max_(ratio, 1.0)
+        # clipped coordinates (ratio == 1) counted per tensor: floor(ratio) is 1 there, 0 elsewhere
+        self._clipped += torch._foreach_norm(torch._foreach_floor(ratio), 1,
+                                             dtype=torch.promote_types(params[0].dtype, torch.float32))
+        self._counted += sum(p.numel() for p in params)
+        step = torch._foreach_sign(ms)
+        torch._foreach_mul_(step, neg_lr)
+        torch._foreach_addcmul_(params, step, ratio)
 
     def device_step(self, pairs):
         self._clipped, self._counted = [], 0
         super().device_step(pairs)
         if self._clipped:
-            self.clip_fraction = torch.stack(self._clipped).sum() / self._counted
+            # per-tensor counts are exact in float32 below 2**24 coordinates; summed in float64
+            counts = torch.stack([c.double() for c in self._clipped]) if len({c.dtype for c in self._clipped}) > 1 \
+                else torch.stack(self._clipped)
+            self.clip_fraction = counts.sum(dtype=torch.float64).float() / self._counted
         self._clipped = []
 
     device_step.__doc__ = HessianOptimizer.device_step.__doc__ + """
@@ -238,12 +254,15 @@ class AdaHessian(HessianOptimizer):
         )
         super().__init__(params, defaults)
 
-    def _absorb_hessian(self, group, p, state, diag):
-        if group["spatial_average"] and diag.dim() >= 3:
-            diag = diag.abs().mean(dim=tuple(range(2, diag.dim())), keepdim=True).expand_as(diag)
+    def _absorb_hessians(self, group, params, states, diags):
+        if group["spatial_average"]:
+            diags = [d.abs().mean(dim=tuple(range(2, d.dim())), keepdim=True).expand_as(d) if d.dim() >= 3 else d
+                     for d in diags]
         beta2 = group["betas"][1]
-        diag = diag.to(p.dtype)
-        state["exp_hessian_diag_sq"].mul_(beta2).addcmul_(diag, diag, value=1 - beta2)
+        diags = [d.to(p.dtype) for p, d in zip(params, diags)]
+        vs = [s["exp_hessian_diag_sq"] for s in states]
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, diags, diags, value=1 - beta2)
 
     def _host_scalars(self, group, step, hessian_step):
         beta1, beta2 = group["betas"]
@@ -252,12 +271,18 @@ class AdaHessian(HessianOptimizer):
         bias2 = 1 - beta2 ** hessian_step
         return (math.sqrt(bias2), 1 - lr * group["weight_decay"], -lr / bias1)
 
-    def _update(self, group, p, grad, state, scalars):
+    def _update_group(self, group, params, grads, states, scalars):
         sqrt_bias2, decay, neg_step = scalars  # 0-dim tensors: √(1 − β₂ˢ), 1 − lr·λ, −lr / (1 − β₁ᵗ)
         beta1 = group["betas"][0]
-        m, v = state["exp_avg"], state["exp_hessian_diag_sq"]
-        m.mul_(beta1).add_(grad, alpha=1 - beta1)
-        denom = v.sqrt().div_(sqrt_bias2).pow_(group["hessian_power"]).add_(group["eps"])
+        ms = [s["exp_avg"] for s in states]
+        torch._foreach_mul_(ms, beta1)
+        torch._foreach_add_(ms, grads, alpha=1 - beta1)
+        denom = torch._foreach_sqrt([s["exp_hessian_diag_sq"] for s in states])
+        torch._foreach_div_(denom, sqrt_bias2)
+        torch._foreach_pow_(denom, group["hessian_power"])
+        torch._foreach_add_(denom, group["eps"])
         if group["weight_decay"] != 0:
-            p.mul_(decay)
-        p.add_(m.mul(neg_step).div_(denom))
+            torch._foreach_mul_(params, decay)
+        step = torch._foreach_mul(ms, neg_step)
+        torch._foreach_div_(step, denom)
+        torch._foreach_add_(params, step)

@@ -68,6 +68,19 @@ def _batched(pairs: List[Tuple[dict, Tensor]], items: List, by_item: bool = Fals
     return [tuple(b) for b in batches.values()]
 
 
+def _add_samples(acc: List[Optional[Tensor]], live: List[int], z: List[Tensor], hz: List[Tensor]) -> None:
+    """``acc[i] += z[i] ∘ hz[i]`` for each i in ``live`` (the first sample stored as is), with
+    ``torch._foreach_*``: the Hutchinson samples of all parameters in a few kernels."""
+    if not live:
+        return
+    samples = torch._foreach_mul([z[i] for i in live], [hz[i] for i in live])
+    if acc[live[0]] is None:
+        for i, sample in zip(live, samples):
+            acc[i] = sample
+    else:
+        torch._foreach_add_([acc[i] for i in live], samples)
+
+
 class HessianOptimizer(torch.optim.Optimizer):
     """Base of :class:`SophiaH` and :class:`AdaHessian`: the Hessian-refresh machinery.
 
@@ -266,14 +279,7 @@ class HessianOptimizer(torch.optim.Optimizer):
             hz = op.mv(z)
             if live is None:  # after a product: fwd_rev learns what the loss reaches from it
                 live = [i for i, r in enumerate(op.reached) if r]
-            if not live:
-                continue
-            samples = torch._foreach_mul([z[i] for i in live], [hz[i] for i in live])
-            if acc[live[0]] is None:
-                for i, sample in zip(live, samples):
-                    acc[i] = sample
-            else:
-                torch._foreach_add_([acc[i] for i in live], samples)
+            _add_samples(acc, live, z, hz)
         # Distributed: the weighted mean of the local estimates (same probes) is the estimate
         # for the global batch. No-op in one process.
         all_reduce_mean_([acc[i] for i in live], weight)

@@ -53,7 +53,10 @@ after each step's host part. Both settings run the same kernels: the numbers are
 
 The shared machinery (refresh, averaging across processes, the host/device split) is
 :class:`~ttt_flash.second_order.hessian_optimizer.HessianOptimizer`; this module holds the
-two update rules. Imports torch and :mod:`ttt_flash.second_order.hessian_optimizer`.
+two update rules. On CUDA, Sophia-H updates a param group's float32 parameters in one launch
+(:func:`ttt_flash.kernels.optim.sophia_update_`: one pass over memory); elsewhere, and for
+AdaHessian, a param group's tensors are updated together with ``torch._foreach_*`` operations.
+Imports torch, :mod:`ttt_flash.kernels.optim` and :mod:`ttt_flash.second_order.hessian_optimizer`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..kernels.optim import fused_update_applies, sophia_update_
 from .hessian_optimizer import HessianOptimizer, _check_betas, _check_real
 
 __all__ = ["SophiaH", "AdaHessian", "HessianOptimizer"]
@@ -160,13 +164,20 @@ class SophiaH(HessianOptimizer):
         decay, neg_lr = scalars  # 0-dim tensors: 1 − lr·λ and −lr
         beta1 = group["betas"][0]
         ms = [s["exp_avg"] for s in states]
+        hs = [s["hessian"] for s in states]
+        if params[0].is_cuda and fused_update_applies(params, grads, ms, hs):  # one pass over memory, one launch
+            counts = sophia_update_(params, grads, ms, hs, decay, neg_lr, beta1, group["rho"], group["eps"],
+                                    group["weight_decay"] != 0)
+            self._clipped.append(counts.sum())
+            self._counted += sum(p.numel() for p in params)
+            return
         if group["weight_decay"] != 0:
             torch._foreach_mul_(params, decay)
         torch._foreach_mul_(ms, beta1)
         torch._foreach_add_(ms, grads, alpha=1 - beta1)
         # ratio = min(|m| / max(ρ·h, ε), 1); the step is −lr·sign(m)·ratio (sign(m)·lr is exact)
         ratio = torch._foreach_abs(ms)
-        floor = torch._foreach_mul([s["hessian"] for s in states], group["rho"])
+        floor = torch._foreach_mul(hs, group["rho"])
         torch._foreach_clamp_min_(floor, group["eps"])
         torch._foreach_div_(ratio, floor)
         del floor

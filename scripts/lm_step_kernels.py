@@ -38,6 +38,8 @@ STEPS, EVERY, WINDOW = 31, 5, (6, 22)
 def _kind(name: str) -> str:
     if "nvjet" in name or "gemm" in name or "cutlass" in name:
         return "matmul"
+    if name.startswith("_sophia"):
+        return "ttt_flash optimizer update"
     if name.startswith("_"):
         return "ttt_flash attention"
     if "multi_tensor" in name:
@@ -95,6 +97,7 @@ def measure(out: Path) -> dict:
     import torch
 
     import ttt_flash.cuda_graph as cg
+    from ttt_flash.bench.common import StreamSpan
     from ttt_flash.lightning import ByteTextDataModule, LanguageModel
     from ttt_flash.models import GPTConfig
 
@@ -102,12 +105,10 @@ def measure(out: Path) -> dict:
     original = cg.CapturedStep.replay
 
     def timed_replay(self):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
-        a.record()
+        span = StreamSpan().start()
         result = original(self)
-        b.record()
-        replays.append((a, b, time.perf_counter() - t))
+        replays.append((span.stop(), time.perf_counter() - t))
         return result
 
     cg.CapturedStep.replay = timed_replay
@@ -119,19 +120,17 @@ def measure(out: Path) -> dict:
         def on_train_batch_start(self, trainer, module, batch, batch_idx):
             torch.cuda.synchronize()
             self.t, self.step, self.first = time.perf_counter(), trainer.global_step, len(replays)
-            self.e0 = torch.cuda.Event(enable_timing=True)
-            self.e0.record()
+            self.span = StreamSpan().start()
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-            e1 = torch.cuda.Event(enable_timing=True)
-            e1.record()
+            self.span.stop()
             host = time.perf_counter() - self.t
             torch.cuda.synchronize()
             total = time.perf_counter() - self.t
             mine = replays[self.first:]
-            self.rows.append(dict(step=self.step, total=1e3 * total, host=1e3 * host, span=self.e0.elapsed_time(e1),
-                                  replay_gpu=sum(a.elapsed_time(b) for a, b, _ in mine),
-                                  replay_host=1e3 * sum(h for *_, h in mine)))
+            self.rows.append(dict(step=self.step, total=1e3 * total, host=1e3 * host, span=self.span.ms(),
+                                  replay_gpu=sum(span.ms() for span, _ in mine),
+                                  replay_host=1e3 * sum(h for _, h in mine)))
 
     result = {"command": "python3 scripts/lm_step_kernels.py OUT", "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "batch": 1, "n": 1024, "hessian_every": EVERY, "modes": {}}

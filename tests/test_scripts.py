@@ -107,3 +107,41 @@ def test_prof_lm_step_builds_the_recipe_module(tmp_path):
     assert model.gpt_config.n_layer == 12 and model.gpt_config.attention == "ttt_flash"
     assert (data.hparams.seq_len, data.hparams.batch_size, data.hparams.train_batches) == (1024, 1, 60)
     assert kw["precision"] == "bf16-mixed" and kw["gradient_clip_val"] == 1.0
+
+
+def _lm_step_kernels(*args):
+    return subprocess.run([sys.executable, str(SCRIPTS / "lm_step_kernels.py"), *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+
+
+def test_lm_step_kernels_census_splits_a_trace_into_steps_and_phases(tmp_path):
+    """--census on a made-up trace: two runs of kernels apart by idle stream are two steps; the
+    longer is the refresh; phases end at the loss kernel and at the first multi-tensor kernel."""
+    import gzip
+    import json
+
+    def step(t0, names):
+        return [{"cat": "kernel", "name": n, "ts": t0 + 10 * i, "dur": 5} for i, n in enumerate(names)]
+
+    plain = ["gemm_a"] * 300 + ["nll_loss_forward"] + ["elementwise_kernel"] * 400 + ["multi_tensor_apply"] * 3
+    refresh = ["gemm_a"] * 300 + ["softmax"] + ["elementwise_kernel"] * 900 + ["multi_tensor_apply"] * 5
+    events = step(0, plain) + step(100_000, refresh) + [{"cat": "cpu_op", "name": "aten::mm", "ts": 1, "dur": 1}]
+    trace = tmp_path / "graph.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    out = _lm_step_kernels("--census", str(trace))
+    assert out.returncode == 0, out.stderr
+    census = json.loads(out.stdout)
+    assert census["plain"]["kernels"] == 704 and census["refresh"]["kernels"] == 1206
+    assert census["plain"]["phases"]["forward"]["kernels"] == 300
+    assert census["plain"]["phases"]["backward"]["kernels"] == 401
+    assert census["refresh"]["phases"]["clipping and optimizer"]["kernels"] == 5
+    assert census["plain"]["by_kind"]["matmul"]["kernels"] == 300
+
+
+def test_lm_step_kernels_needs_an_out_folder_or_a_trace_and_names_the_gpu():
+    out = _lm_step_kernels()
+    assert out.returncode == 2 and "give OUT" in out.stderr and "Traceback" not in out.stderr
+    if not torch.cuda.is_available():
+        out = _lm_step_kernels("somewhere")
+        assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr and "--census" in out.stderr

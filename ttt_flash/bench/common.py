@@ -149,6 +149,27 @@ def event_times(fn: Callable, reps: int, warmup: int = 1, cuda: Optional[bool] =
     return times
 
 
+class StreamSpan:
+    """The span of some work on the current CUDA stream between two CUDA events, recorded
+    without synchronising: :meth:`start` before the work, :meth:`stop` after it, :meth:`ms`
+    once both have completed (after a later synchronisation)."""
+
+    def __init__(self):
+        self.begin = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> "StreamSpan":
+        self.begin.record()
+        return self
+
+    def stop(self) -> "StreamSpan":
+        self.end.record()
+        return self
+
+    def ms(self) -> float:
+        return self.begin.elapsed_time(self.end)
+
+
 def burst_ms(fn: Callable, calls: int) -> float:
     """Mean milliseconds per call of ``calls`` back-to-back calls of ``fn`` on the GPU, timed by
     one pair of CUDA events around all of them (the sustained rate, launch gaps hidden)."""

@@ -176,12 +176,29 @@ def test_graphed_step_writes_gradients_into_the_existing_tensors():
     """The captured step's gradients are copied into each parameter's existing ``.grad`` (the
     tensors the graph keeps writing), a new one where there is none, and a parameter the loss
     does not reach keeps a zeroed ``.grad``."""
-    from ttt_flash.lightning.lm import _write_grads
+    from ttt_flash.lightning._step import write_grads
 
     a, b, c, d = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
     a.grad, c.grad = torch.full((2,), 5.0), torch.full((2,), 7.0)
     held = a.grad
-    _write_grads([a, b, c, d], [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), None, None])
+    write_grads([a, b, c, d], [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0]), None, None])
     assert a.grad is held and torch.equal(a.grad, torch.tensor([1.0, 2.0]))
     assert torch.equal(b.grad, torch.tensor([3.0, 4.0])) and not b.grad.requires_grad
     assert torch.equal(c.grad, torch.zeros(2)) and d.grad is None
+
+
+def test_graphed_plain_step_leaves_the_gradients_of_backward():
+    from ttt_flash.lightning import LanguageModel
+    from ttt_flash.models import GPTConfig
+
+    torch.manual_seed(0)
+    module = LanguageModel(GPTConfig.tiny(n_layer=1), optimizer="sophiah")
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    module.model.loss(x, y).backward()
+    expected = [p.grad.clone() for p in module.model.parameters()]
+    held = [p.grad for p in module.model.parameters()]
+    for g in held:
+        g.fill_(3.0)
+    module._graphed_grads(x, y)
+    for p, g, e in zip(module.model.parameters(), held, expected):
+        assert p.grad is g and torch.equal(p.grad, e)

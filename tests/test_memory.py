@@ -444,3 +444,30 @@ def test_lightning_modules_take_their_network_and_check_it():
         module._trainer = SimpleNamespace(datamodule=data)
         with pytest.raises(ValueError, match=f"network's vocab_size is 17; set {key} >= 33"):
             module.on_fit_start()
+
+
+def test_graphed_step_writes_the_gradients_backward_would_in_place():
+    """The step a CUDA graph captures (_graphed_metrics) leaves in p.grad what zero_grad() and
+    loss_post.backward() leave, copying into the existing gradient tensors on later calls."""
+    from ttt_flash.lightning.memory import GradMemKV, MemoryLayerMQAR, TTTE2EMQAR
+
+    batch = _batch(2)
+    gpt = dict(vocab_size=V, n_layer=1, d_model=16, n_head=2)
+    for build in (lambda: GradMemKV(GradMem(GPTConfig(**gpt), memory_tokens=2)),
+                  lambda: TTTE2EMQAR(FastWeightTTT(GPTConfig(**gpt, window=2), chunk_size=4)),
+                  lambda: MemoryLayerMQAR(MemoryLM(V, 16, 1, 2, memory_slots=2, chunk_size=4))):
+        torch.manual_seed(0)
+        module = build()
+        module._metrics(batch, train=True)["loss_post"].backward()
+        expected = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+        assert expected
+        for p in module.parameters():
+            if p.grad is not None:
+                p.grad.fill_(7.0)  # stale values the graphed step must overwrite
+        held = {n: p.grad for n, p in module.named_parameters()}
+        module._graphed_metrics(*batch)
+        for n, p in module.named_parameters():
+            if n in expected:
+                assert p.grad is held[n] and torch.equal(p.grad, expected[n]), n
+            else:
+                assert p.grad is None, n

@@ -16,7 +16,8 @@ import torch
 
 from ..distributed import average_gradients, disable_gradient_sync
 
-__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number", "LateHostValue"]
+__all__ = ["StepTimer", "LocalGradients", "GraphedTraining", "outside_autocast", "host_number", "LateHostValue",
+           "write_grads", "backward_into_grads"]
 
 
 def host_number(value) -> torch.Tensor:
@@ -238,6 +239,32 @@ class GraphedTraining:
     def reset(self) -> None:
         self.graphs = {}
         self._differentiated = False
+
+
+def write_grads(params, grads) -> None:
+    """``p.grad = g`` for each parameter, copied into an existing ``p.grad`` (in place, with
+    ``torch._foreach_copy_``: a few kernels, not one per parameter; a captured step keeps
+    writing the same tensors); a parameter without a gradient keeps its ``p.grad`` (zeroed)."""
+    with torch.no_grad():
+        into, values = [], []
+        for p, g in zip(params, grads):
+            if g is None:
+                if p.grad is not None:
+                    p.grad.zero_()
+            elif p.grad is None:
+                p.grad = g.detach().clone()
+            else:
+                into.append(p.grad)
+                values.append(g.detach())
+        if into:
+            torch._foreach_copy_(into, values)
+
+
+def backward_into_grads(loss: torch.Tensor, params: Iterable[torch.Tensor]) -> None:
+    """What ``zero_grad()`` then ``loss.backward()`` leave in ``p.grad``, written in place with
+    :func:`write_grads`: the gradient step of a graphed training step."""
+    params = [p for p in params if p.requires_grad]
+    write_grads(params, torch.autograd.grad(loss, params, allow_unused=True))
 
 
 def _autocast_free_cache(fn):

@@ -45,10 +45,11 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from ._step import (GraphedTraining, GraphedZeroGrad, LateHostValue, LocalGradients, StepTimer, host_number,
-                    outside_autocast)
+from ._step import (GraphedTraining, GraphedZeroGrad, LateHostValue, LocalGradients, StepTimer,
+                    backward_into_grads, host_number, outside_autocast, write_grads)
 from ..models import GPT, GPTConfig
 from ..second_order import calling_thread_backward, probe_like
+from ..second_order.hessian_optimizer import accumulate_samples
 from ..second_order.optim import AdaHessian, HessianOptimizer, SophiaH
 from .context_parallel import ContextParallelPlan
 from .hessian_refresh import HESSIAN_MODES, HessianRefresh
@@ -61,25 +62,6 @@ OPTIMIZERS = ("sophiah", "adamw", "adahessian")
 
 
 _CYCLE_WARNING = r"Using backward\(\) with create_graph=True"
-
-
-def _write_grads(params, grads) -> None:
-    """``p.grad = g`` for each parameter, copied into an existing ``p.grad`` (in place, with
-    ``torch._foreach_copy_``: a few kernels, not one per parameter; a captured step keeps
-    writing the same tensors); a parameter without a gradient keeps its ``p.grad`` (zeroed)."""
-    with torch.no_grad():
-        into, values = [], []
-        for p, g in zip(params, grads):
-            if g is None:
-                if p.grad is not None:
-                    p.grad.zero_()
-            elif p.grad is None:
-                p.grad = g.detach().clone()
-            else:
-                into.append(p.grad)
-                values.append(g.detach())
-        if into:
-            torch._foreach_copy_(into, values)
 
 
 # --------------------------------------------------------------------------- module
@@ -369,12 +351,10 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
         return None
 
     def _graphed_grads(self, x: Tensor, y: Tensor) -> Tensor:
-        """The loss and its gradients (zeroed in place first): the plain step's graph."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        """The loss and its gradients (written in place into ``p.grad``): the plain step's graph."""
         loss = self.model.loss(x, y)
         with outside_autocast(loss):
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-        _write_grads(params, grads)
+            backward_into_grads(loss, self.model.parameters())
         return loss.detach()
 
     def _refresher(self) -> Tuple[HessianOptimizer, "HessianRefresh"]:
@@ -397,17 +377,13 @@ class LanguageModel(GraphedZeroGrad, LightningModule):
             live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
             for _ in range(cb.n_samples):
                 z_all = [probe_like([p], g["probe"], gen)[0] for g, p in pairs]  # drawn as update_hessian draws
-                z = [z_all[i] for i in live]
-                hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live], z,
-                                         retain_graph=True, allow_unused=True)
-                hz = [torch.zeros_like(zj) if h is None else h for zj, h in zip(z, hz)]
-                samples = torch._foreach_mul(z, hz) if live else []
-                if not live or acc[live[0]] is None:
-                    for i, sample in zip(live, samples):
-                        acc[i] = sample
-                else:
-                    torch._foreach_add_([acc[i] for i in live], samples)
-        _write_grads(params, [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
+                hz = torch.autograd.grad([grads[i] for i in live], [params[i] for i in live],
+                                         [z_all[i] for i in live], retain_graph=True, allow_unused=True)
+                hz_all = [None] * len(pairs)
+                for i, h in zip(live, hz):
+                    hz_all[i] = torch.zeros_like(z_all[i]) if h is None else h
+                accumulate_samples(acc, live, z_all, hz_all)
+        write_grads(params, [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)])
         if cb.n_samples > 1 and live:
             torch._foreach_div_([acc[i] for i in live], float(cb.n_samples))
         return loss.detach(), acc

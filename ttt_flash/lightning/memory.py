@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from ._step import GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, host_number, outside_autocast
+from ._step import (GraphedTraining, GraphedZeroGrad, LocalGradients, StepTimer, backward_into_grads, host_number,
+                    outside_autocast)
 from .checkpoint_io import save_hyperparameters_with_net
 from .context_parallel import ContextParallelPlan
 from .curriculum import staged
@@ -213,13 +214,10 @@ class _RecallModule(GraphedZeroGrad, LightningModule):
 
     def _graphed_metrics(self, *fields) -> Dict[str, Tensor]:
         """The training metrics of ``RecallBatch(*fields)`` and the gradients of ``loss_post``
-        (zeroed in place first): what ``cuda_graph=True`` captures."""
-        for p in self.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
+        (written in place into ``p.grad``): what ``cuda_graph=True`` captures."""
         metrics = self._metrics(RecallBatch(*fields), train=True)
         with outside_autocast(metrics["loss_post"]):
-            metrics["loss_post"].backward()
+            backward_into_grads(metrics["loss_post"], self.parameters())
         return {k: v.detach() for k, v in metrics.items()}
 
     def _graph_blocker(self) -> Optional[str]:

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..distributed.data_parallel import all_reduce_mean_, broadcast_
 from .hessian import PROBES, HessianOperator, probe_like
 
-__all__ = ["HessianOptimizer"]
+__all__ = ["HessianOptimizer", "accumulate_samples"]
 
 
 def _check_real(name: str, value, lo: float, hi: float = math.inf, *, lo_open: bool = False, hi_open: bool = False):
@@ -68,7 +68,7 @@ def _batched(pairs: List[Tuple[dict, Tensor]], items: List, by_item: bool = Fals
     return [tuple(b) for b in batches.values()]
 
 
-def _add_samples(acc: List[Optional[Tensor]], live: List[int], z: List[Tensor], hz: List[Tensor]) -> None:
+def accumulate_samples(acc: List[Optional[Tensor]], live: List[int], z: List[Tensor], hz: List[Tensor]) -> None:
     """``acc[i] += z[i] ∘ hz[i]`` for each i in ``live`` (the first sample stored as is), with
     ``torch._foreach_*``: the Hutchinson samples of all parameters in a few kernels."""
     if not live:
@@ -279,7 +279,7 @@ class HessianOptimizer(torch.optim.Optimizer):
             hz = op.mv(z)
             if live is None:  # after a product: fwd_rev learns what the loss reaches from it
                 live = [i for i, r in enumerate(op.reached) if r]
-            _add_samples(acc, live, z, hz)
+            accumulate_samples(acc, live, z, hz)
         # Distributed: the weighted mean of the local estimates (same probes) is the estimate
         # for the global batch. No-op in one process.
         all_reduce_mean_([acc[i] for i in live], weight)

@@ -168,7 +168,7 @@ class SophiaH(HessianOptimizer):
         if params[0].is_cuda and fused_update_applies(params, grads, ms, hs):  # one pass over memory, one launch
             counts = sophia_update_(params, grads, ms, hs, decay, neg_lr, beta1, group["rho"], group["eps"],
                                     group["weight_decay"] != 0)
-            self._clipped.append(counts.sum())
+            self._clipped.append(counts.sum(dtype=torch.float64))
             self._counted += sum(p.numel() for p in params)
             return
         if group["weight_decay"] != 0:
@@ -182,9 +182,9 @@ class SophiaH(HessianOptimizer):
         torch._foreach_div_(ratio, floor)
         del floor
         torch._foreach_clamp_max_(ratio, 1.0)
-        # clipped coordinates (ratio == 1) counted per tensor: floor(ratio) is 1 there, 0 elsewhere
-        self._clipped += torch._foreach_norm(torch._foreach_floor(ratio), 1,
-                                             dtype=torch.promote_types(params[0].dtype, torch.float32))
+        # clipped coordinates (ratio == 1) counted per tensor in float64 (exact): floor(ratio) is 1
+        # there and 0 elsewhere
+        self._clipped += torch._foreach_norm(torch._foreach_floor(ratio), 1, dtype=torch.float64)
         self._counted += sum(p.numel() for p in params)
         step = torch._foreach_sign(ms)
         torch._foreach_mul_(step, neg_lr)
@@ -194,10 +194,7 @@ class SophiaH(HessianOptimizer):
         self._clipped, self._counted = [], 0
         super().device_step(pairs)
         if self._clipped:
-            # per-tensor counts are exact in float32 below 2**24 coordinates; summed in float64
-            counts = torch.stack([c.double() for c in self._clipped]) if len({c.dtype for c in self._clipped}) > 1 \
-                else torch.stack(self._clipped)
-            self.clip_fraction = counts.sum(dtype=torch.float64).float() / self._counted
+            self.clip_fraction = torch.stack(self._clipped).sum().float() / self._counted  # float64 counts
         self._clipped = []
 
     device_step.__doc__ = HessianOptimizer.device_step.__doc__ + """

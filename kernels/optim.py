@@ -80,10 +80,15 @@ def fused_update_applies(*lists: Sequence[torch.Tensor]) -> bool:
                and t.is_contiguous() for ts in lists for t in ts)
 
 
+def table_key(params, grads, exp_avgs, hessians) -> tuple:
+    """The cache key of these tensors' table: per tensor, the four addresses and the size."""
+    return tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), h.data_ptr(), p.numel())
+                 for p, g, m, h in zip(params, grads, exp_avgs, hessians))
+
+
 def _table(params, grads, exp_avgs, hessians) -> Tuple[torch.Tensor, int, int]:
     """(device table, number of tensors, number of programs) for these tensors."""
-    key = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), h.data_ptr(), p.numel())
-                for p, g, m, h in zip(params, grads, exp_avgs, hessians))
+    key = table_key(params, grads, exp_avgs, hessians)
     capturing = params[0].is_cuda and torch.cuda.is_current_stream_capturing()
     hit = _CAPTURED.get(key) or _TABLES.get(key)
     if hit is not None:
